@@ -1,0 +1,77 @@
+"""nbtrain: distributed training from a Jupyter notebook.
+
+In [1]: %load_ext nbtrain
+In [2]: %nbtrain start -n 2
+In [3]: %%distributed
+   ...: print(rank, world_size)
+
+Importing nbtrain is cheap: torch, transformers and IPython load only where they are used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Cluster",
+    "DistributedCellError",
+    "SFTConfig",
+    "TrainResult",
+    "__version__",
+    "current_cluster",
+    "finetune",
+    "is_rank_zero",
+    "load_ipython_extension",
+    "log",
+    "start",
+    "unload_ipython_extension",
+]
+
+# name -> module that defines it; resolved on first access (PEP 562)
+_LAZY = {
+    "Cluster": "nbtrain.cluster.core",
+    "DistributedCellError": "nbtrain.errors",
+    "current_cluster": "nbtrain.cluster.core",
+    "start": "nbtrain.cluster.core",
+    "SFTConfig": "nbtrain.sft.config",
+    "TrainResult": "nbtrain.sft.train",
+    "finetune": "nbtrain.sft.train",
+    "log": "nbtrain.engine.metrics",
+    "is_rank_zero": "nbtrain.engine.rank",
+}
+
+if TYPE_CHECKING:
+    from nbtrain.cluster.core import Cluster, current_cluster, start
+    from nbtrain.engine.metrics import log
+    from nbtrain.engine.rank import is_rank_zero
+    from nbtrain.errors import DistributedCellError
+    from nbtrain.sft.config import SFTConfig
+    from nbtrain.sft.train import TrainResult, finetune
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        msg = f"module 'nbtrain' has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register the %nbtrain line magic and the %%distributed cell magic."""
+    from nbtrain.magics import NbtrainMagics
+
+    ipython.register_magics(NbtrainMagics)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Nothing to undo beyond what IPython does itself; clusters stay running."""

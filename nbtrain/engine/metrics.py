@@ -1,0 +1,102 @@
+"""`nbtrain.log()`: one row of training metrics, streamed live to the notebook.
+
+On a cluster engine, rank 0 publishes each row on ipyparallel's data channel; the `%%distributed` cell
+that is running picks it up and draws the live loss and throughput plots. In a plain process inside a
+notebook kernel, the rows drive the same live display directly. Other ranks' calls are ignored, so a
+user's own loop may call `log` on every rank.
+
+Wire format (the client's `nbtrain.display.live.MetricsFeed` reads it): published keys are
+``"nbtrain.metrics.<seq>"`` with a zero-padded sequence number, each value a dict with ``kind`` one of
+``"begin"`` (``total_steps``, ``name``), ``"row"`` (``row``: the metrics dict) or ``"end"``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import Any
+
+from nbtrain.engine.rank import is_rank_zero
+
+KEY_PREFIX = "nbtrain.metrics."
+
+_lock = threading.Lock()
+_seq = 0
+_local_display: Any = None
+
+
+def _on_engine() -> bool:
+    return os.environ.get("NBTRAIN_ENGINE") == "1"
+
+
+def _publish(payload: dict[str, Any]) -> None:
+    global _seq, _local_display
+    if not is_rank_zero():
+        return
+    with _lock:
+        _seq += 1
+        seq = _seq
+    if _on_engine():
+        from ipyparallel.datapub import publish_data
+
+        publish_data({f"{KEY_PREFIX}{seq:08d}": payload})
+        return
+    # a plain process: draw in this kernel if there is one, else stay silent (the caller prints)
+    if payload["kind"] == "begin":
+        _local_display = _make_local_display()
+    if _local_display is not None:
+        _local_display.feed(payload)
+        if payload["kind"] == "end":
+            _local_display = None
+
+
+def _make_local_display() -> Any:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    ip = get_ipython()
+    if ip is None or getattr(ip, "kernel", None) is None:
+        return None
+    from nbtrain.display.live import LiveDisplay
+
+    return LiveDisplay()
+
+
+def _clean(value: Any) -> Any:
+    # numbers only travel as plain Python floats/ints, so the client never needs torch to unpickle
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def begin(total_steps: int | None = None, name: str | None = None) -> None:
+    """Announce a run: the live display sizes its progress bar from `total_steps`."""
+    _publish({"kind": "begin", "total_steps": total_steps, "name": name})
+
+
+def log(step: int | None = None, **metrics: Any) -> None:
+    """Record one row of metrics (rank 0 only) for the notebook's live plots.
+
+    In [1]: %%distributed
+       ...: for step in range(100):
+       ...:     loss = train_step()
+       ...:     nbtrain.log(step=step, loss=loss, tokens_per_s=tps)
+
+    Known keys get their own plot: ``loss``, ``eval_loss``, ``tokens_per_s``, ``learning_rate``.
+    Any other numeric key is kept in the final metrics table.
+    """
+    row: dict[str, Any] = {}
+    if step is not None:
+        row["step"] = int(step)
+    for key, value in metrics.items():
+        row[key] = _clean(value)
+    _publish({"kind": "row", "row": row})
+
+
+def end() -> None:
+    """Close the live display for this run: it leaves a static image and the final metrics table."""
+    _publish({"kind": "end"})

@@ -1,0 +1,39 @@
+"""Errors nbtrain raises in the notebook. Each names what failed, where (rank, host) and the fix."""
+
+from __future__ import annotations
+
+
+class NbtrainError(Exception):
+    """Base class for nbtrain's own errors."""
+
+
+class ClusterError(NbtrainError):
+    """A cluster could not be started, reached or used."""
+
+
+class NoClusterError(ClusterError):
+    """A distributed cell ran before any cluster was started."""
+
+
+class DistributedCellError(NbtrainError):
+    """A `%%distributed` cell raised on one or more ranks.
+
+    The message groups identical failures, naming each group's ranks and hosts, the exception and the
+    remote traceback once.
+    """
+
+    def __init__(self, message: str, failures: list[dict] | None = None):
+        super().__init__(message)
+        self.failures = failures or []
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a local traceback, which would only point into nbtrain
+        return str(self).splitlines()
+
+
+class CellTimeoutError(DistributedCellError):
+    """A `%%distributed --timeout S` cell ran past S seconds; the message holds every rank's stack."""
+
+
+class ConfigError(NbtrainError, ValueError):
+    """A setting is invalid; raised before any engine or step runs."""

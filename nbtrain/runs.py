@@ -1,0 +1,140 @@
+"""The per-user registry of training runs: what the JupyterLab sidebar lists and may stop.
+
+Each `finetune` registers its `output_dir` here (rank 0 only). A run is one small JSON file,
+``<registry>/<run_id>.json``, rewritten atomically; a stop request is the file ``<run_id>.stop``,
+which `finetune` checks at step boundaries. The registry lives in ``$NBTRAIN_HOME/runs``
+(default ``~/.local/share/nbtrain/runs``, or under ``$XDG_DATA_HOME``).
+
+The server reads only folders registered here: a run's metrics are ``<output_dir>/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+STATES = ("running", "done", "failed", "stopped")
+
+
+def registry_dir() -> Path:
+    """The folder holding this user's run records (created on first use)."""
+    home = os.environ.get("NBTRAIN_HOME")
+    if home:
+        base = Path(home)
+    else:
+        data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+        base = Path(data) / "nbtrain"
+    path = base / "runs"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_id_for(output_dir: str | os.PathLike[str]) -> str:
+    """A stable id for a run folder: resuming into the same folder keeps the same run."""
+    resolved = str(Path(output_dir).expanduser().resolve())
+    return hashlib.sha1(resolved.encode()).hexdigest()[:12]
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def get_run(run_id: str) -> dict[str, Any] | None:
+    """The record of one run, or None when no such run is registered."""
+    if not run_id.isalnum():
+        return None
+    path = registry_dir() / f"{run_id}.json"
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def list_runs() -> list[dict[str, Any]]:
+    """Every registered run, newest first."""
+    runs = []
+    for path in registry_dir().glob("*.json"):
+        try:
+            runs.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    runs.sort(key=lambda r: r.get("started") or 0, reverse=True)
+    return runs
+
+
+def register_run(
+    output_dir: str | os.PathLike[str],
+    *,
+    name: str | None = None,
+    total_steps: int | None = None,
+    cluster_id: str | None = None,
+    world_size: int = 1,
+) -> str:
+    """Record a run as running and return its id; clears any stale stop request."""
+    out = Path(output_dir).expanduser().resolve()
+    run_id = run_id_for(out)
+    record = {
+        "id": run_id,
+        "name": name or out.name,
+        "output_dir": str(out),
+        "state": "running",
+        "step": 0,
+        "total_steps": total_steps,
+        "loss": None,
+        "tokens_per_s": None,
+        "started": time.time(),
+        "ended": None,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "cluster_id": cluster_id,
+        "world_size": world_size,
+    }
+    clear_stop(run_id)
+    _write_json(registry_dir() / f"{run_id}.json", record)
+    return run_id
+
+
+def update_run(run_id: str, **fields: Any) -> None:
+    """Merge `fields` (step, loss, tokens_per_s, ...) into a run's record."""
+    record = get_run(run_id)
+    if record is None:
+        return
+    record.update(fields)
+    _write_json(registry_dir() / f"{run_id}.json", record)
+
+
+def finish_run(run_id: str, state: str) -> None:
+    """Mark a run done, failed or stopped, with its end time."""
+    if state not in STATES:
+        msg = f"unknown run state {state!r}; expected one of {', '.join(STATES)}"
+        raise ValueError(msg)
+    update_run(run_id, state=state, ended=time.time())
+    clear_stop(run_id)
+
+
+def request_stop(run_id: str) -> bool:
+    """Ask a running run to checkpoint and end at its next step; False if no such run is running."""
+    record = get_run(run_id)
+    if record is None or record.get("state") != "running":
+        return False
+    (registry_dir() / f"{run_id}.stop").write_text(str(time.time()))
+    return True
+
+
+def stop_requested(run_id: str) -> bool:
+    """True once someone asked this run to stop."""
+    return (registry_dir() / f"{run_id}.stop").exists()
+
+
+def clear_stop(run_id: str) -> None:
+    try:
+        (registry_dir() / f"{run_id}.stop").unlink()
+    except FileNotFoundError:
+        pass
