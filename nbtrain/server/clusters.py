@@ -1,0 +1,83 @@
+"""The ipyparallel clusters this server can see, enriched with nbtrain's side files.
+
+ipyparallel records every cluster in ``<profile_dir>/security/cluster-<id>.json``; nbtrain adds
+``nbtrain-<id>.json`` beside it with the ranks, hosts and devices, and the notebook that started it.
+A cluster without a side file (started by hand with ``ipcluster``) is still listed, with what
+ipyparallel knows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _side_file(profile_dir: str, cluster_id: str) -> dict[str, Any] | None:
+    path = Path(profile_dir) / "security" / f"nbtrain-{cluster_id}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _engine_count(cluster: Any) -> int:
+    total = 0
+    for engine_set in (cluster.engines or {}).values():
+        total += int(getattr(engine_set, "n", 0) or 0)
+    return total
+
+
+def cluster_model(key: str, cluster: Any) -> dict[str, Any]:
+    """One cluster as the sidebar shows it: id, state, engines, nodes, ranks, GPUs, notebook."""
+    from ipyparallel.util import abbreviate_profile_dir
+
+    running = cluster.controller is not None
+    engines = _engine_count(cluster)
+    side = _side_file(cluster.profile_dir, cluster.cluster_id) or {}
+    ranks = side.get("ranks") or []
+    hosts = side.get("hosts") or sorted({r.get("host") for r in ranks if r.get("host")})
+    gpus = sorted(
+        {
+            (r.get("host"), r.get("device"))
+            for r in ranks
+            if str(r.get("device", "")).startswith("cuda")
+        }
+    )
+    state = "running" if running else "stopped"
+    if running and side.get("state") and side["state"] != "stopped":
+        # the side file knows finer states (starting, ready, failed) while the controller is up
+        state = side["state"]
+    return {
+        "id": key,
+        "cluster_id": cluster.cluster_id,
+        "profile": abbreviate_profile_dir(cluster.profile_dir),
+        "profile_dir": cluster.profile_dir,
+        "state": state,
+        "engines": engines,
+        "backend": side.get("backend"),
+        "world_size": side.get("world_size", engines),
+        "hosts": hosts,
+        "nodes": len(hosts),
+        "gpus": len(gpus),
+        "ranks": ranks,
+        "notebook": side.get("notebook"),
+        "started": side.get("started"),
+        "nbtrain": bool(side),
+    }
+
+
+def list_clusters(profile_dirs: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every cluster with a cluster file, running ones first, newest first.
+
+    Without `profile_dirs`, every IPython profile under ``$IPYTHONDIR`` is searched, as
+    ``ipcluster list`` does.
+    """
+    from ipyparallel import ClusterManager
+
+    manager = ClusterManager()
+    clusters = manager.load_clusters(profile_dirs=profile_dirs, init_default_clusters=False)
+    models = [cluster_model(key, cluster) for key, cluster in clusters.items()]
+    models.sort(key=lambda m: (m["state"] == "stopped", -(m["started"] or 0), m["id"]))
+    return models

@@ -1,0 +1,107 @@
+"""REST handlers under ``/nbtrain/api/``: clusters, runs, a run's metrics, stopping a run.
+
+Every handler requires an authenticated user (a request without the server's token gets 403).
+Run folders are reached only through the runs registry: the URL carries a run id, never a path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import tornado.web
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+
+from nbtrain import runs
+from nbtrain.server.clusters import list_clusters
+from nbtrain.server.metrics import MetricsReader, RefusedPath, metrics_path, rows_after
+
+# a run id is what nbtrain.runs.run_id_for makes: hex; anything else (dots, slashes) never routes
+_RUN_ID = r"(?P<run_id>[A-Za-z0-9]{1,64})"
+MAX_ROWS = 5000
+
+
+class _Base(APIHandler):
+    @property
+    def metrics_reader(self) -> MetricsReader:
+        return self.settings["nbtrain_metrics_reader"]
+
+    def _run_or_404(self, run_id: str) -> dict[str, Any]:
+        record = runs.get_run(run_id)
+        if record is None:
+            raise tornado.web.HTTPError(404, f"no run {run_id!r} is registered")
+        return record
+
+
+class ClustersHandler(_Base):
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        """GET /nbtrain/api/clusters: {clusters: [...]}"""
+        # loading checks each controller's and engines' pids: keep that off the event loop
+        clusters = await asyncio.to_thread(list_clusters)
+        self.finish({"clusters": clusters})
+
+
+class RunsHandler(_Base):
+    @tornado.web.authenticated
+    def get(self) -> None:
+        """GET /nbtrain/api/runs: {runs: [...]}, newest first."""
+        self.finish({"runs": runs.list_runs()})
+
+
+class RunHandler(_Base):
+    @tornado.web.authenticated
+    def get(self, run_id: str) -> None:
+        """GET /nbtrain/api/runs/<id>: the run's record."""
+        self.finish(self._run_or_404(run_id))
+
+
+class MetricsHandler(_Base):
+    @tornado.web.authenticated
+    def get(self, run_id: str) -> None:
+        """GET /nbtrain/api/runs/<id>/metrics?after=K&limit=N: rows with step > K."""
+        record = self._run_or_404(run_id)
+        try:
+            after = float(self.get_query_argument("after", "-1"))
+            limit = int(self.get_query_argument("limit", str(MAX_ROWS)))
+        except ValueError as e:
+            raise tornado.web.HTTPError(400, "after and limit must be numbers") from e
+        limit = max(1, min(limit, MAX_ROWS))
+        try:
+            path = metrics_path(record["output_dir"])
+        except RefusedPath as e:
+            self.log.warning("nbtrain: refused %s", e)
+            raise tornado.web.HTTPError(403, "metrics file is outside its run folder") from e
+        picked, more = rows_after(self.metrics_reader.rows(path), after, limit)
+        last = picked[-1]["step"] if picked else after
+        self.finish({"run": record, "rows": picked, "last_step": last, "more": more})
+
+
+class StopHandler(_Base):
+    @tornado.web.authenticated
+    def post(self, run_id: str) -> None:
+        """POST /nbtrain/api/runs/<id>/stop: ask the run to checkpoint and end at its next step."""
+        record = self._run_or_404(run_id)
+        if not runs.request_stop(run_id):
+            raise tornado.web.HTTPError(
+                409, f"run {run_id!r} is {record.get('state')}, not running"
+            )
+        self.set_status(202)
+        self.finish({"id": run_id, "stop_requested": True})
+
+
+def setup_handlers(web_app: Any) -> None:
+    """Add the nbtrain routes to the server's tornado application."""
+    base = url_path_join(web_app.settings["base_url"], "nbtrain", "api")
+    web_app.settings["nbtrain_metrics_reader"] = MetricsReader()
+    web_app.add_handlers(
+        ".*$",
+        [
+            (url_path_join(base, "clusters"), ClustersHandler),
+            (url_path_join(base, "runs"), RunsHandler),
+            (url_path_join(base, "runs", _RUN_ID), RunHandler),
+            (url_path_join(base, "runs", _RUN_ID, "metrics"), MetricsHandler),
+            (url_path_join(base, "runs", _RUN_ID, "stop"), StopHandler),
+        ],
+    )

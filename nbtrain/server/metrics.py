@@ -1,0 +1,110 @@
+"""Incremental reads of a run's ``metrics.jsonl`` for the sidebar's polling.
+
+The browser asks "rows after step K" every couple of seconds. Re-reading and re-parsing the whole
+file each time costs O(steps) per poll, so each file keeps a cursor: the byte offset parsed so far
+and the rows seen. Only the bytes appended since the last poll are read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class RefusedPath(Exception):
+    """A metrics path that resolves outside its registered run folder."""
+
+
+def metrics_path(output_dir: str) -> Path:
+    """The metrics file of a registered run folder; refuses a file that escapes the folder.
+
+    The folder itself comes from the runs registry, never from the request. A symlinked
+    ``metrics.jsonl`` that points elsewhere is refused rather than followed.
+    """
+    folder = Path(output_dir).resolve()
+    path = (folder / METRICS_FILE).resolve()
+    if path.parent != folder:
+        msg = f"{folder / METRICS_FILE} resolves to {path}, outside its run folder"
+        raise RefusedPath(msg)
+    return path
+
+
+def _finite(value: Any) -> Any:
+    # JSON.parse in the browser rejects NaN/Infinity, which Python's json writes happily
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+@dataclass
+class _Cursor:
+    inode: int = -1
+    offset: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+class MetricsReader:
+    """Parsed rows per metrics file, extended by reading only what was appended."""
+
+    def __init__(self, max_files: int = 64) -> None:
+        self._cursors: dict[Path, _Cursor] = {}
+        self._lock = threading.Lock()
+        self._max_files = max_files
+
+    def rows(self, path: Path) -> list[dict[str, Any]]:
+        """Every complete row of `path` so far (a trailing half-written line waits for its newline)."""
+        with self._lock:
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                self._cursors.pop(path, None)
+                return []
+            cursor = self._cursors.get(path)
+            if cursor is None or cursor.inode != st.st_ino or st.st_size < cursor.offset:
+                # new, replaced or truncated (a run restarted into the same folder): start over
+                cursor = _Cursor(inode=st.st_ino)
+                if len(self._cursors) >= self._max_files:
+                    self._cursors.pop(next(iter(self._cursors)))
+                self._cursors[path] = cursor
+            if st.st_size > cursor.offset:
+                with open(path, "rb") as f:
+                    f.seek(cursor.offset)
+                    chunk = f.read(st.st_size - cursor.offset)
+                end = chunk.rfind(b"\n") + 1
+                for line in chunk[:end].splitlines():
+                    row = _parse(line)
+                    if row is not None:
+                        cursor.rows.append(row)
+                cursor.offset += end
+            return cursor.rows
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int | float):
+        return None
+    return {k: _finite(v) for k, v in row.items()}
+
+
+def rows_after(
+    rows: list[dict[str, Any]], after: float, limit: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """Rows with step > `after`, at most `limit` of them, and whether more remain."""
+    # steps only grow within a run, so scan back from the end to the first row already sent
+    start = len(rows)
+    while start > 0 and rows[start - 1]["step"] > after:
+        start -= 1
+    picked = rows[start : start + limit]
+    return picked, start + limit < len(rows)

@@ -1,0 +1,282 @@
+"""The jupyter_server extension's REST API, through a real server (pytest-jupyter's jp_fetch)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from nbtrain import runs
+
+pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
+FIXTURE_RUN = Path(__file__).parent / "fixtures" / "runs" / "finished-sft"
+
+
+@pytest.fixture
+def jp_server_config():
+    return {"ServerApp": {"jpserver_extensions": {"nbtrain.server": True}}}
+
+
+@pytest.fixture(autouse=True)
+def nbtrain_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBTRAIN_HOME", str(tmp_path / "nbtrain-home"))
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    return tmp_path / "nbtrain-home"
+
+
+@pytest.fixture
+def finished_run(tmp_path):
+    """The fixture run folder, copied and registered as a finished run of 200 steps."""
+    out = tmp_path / "runs" / "finished-sft"
+    shutil.copytree(FIXTURE_RUN, out)
+    run_id = runs.register_run(out, name="finished-sft", total_steps=200)
+    runs.update_run(run_id, step=200, loss=0.958, tokens_per_s=3165.6)
+    runs.finish_run(run_id, "done")
+    return run_id
+
+
+def _json(response):
+    return json.loads(response.body.decode())
+
+
+async def _status(fetch, *parts, **kwargs):
+    try:
+        response = await fetch(*parts, **kwargs)
+    except HTTPClientError as e:
+        return e.code
+    return response.code
+
+
+ENDPOINTS = [
+    ("GET", ("nbtrain", "api", "clusters")),
+    ("GET", ("nbtrain", "api", "runs")),
+    ("GET", ("nbtrain", "api", "runs", "RUNID")),
+    ("GET", ("nbtrain", "api", "runs", "RUNID", "metrics")),
+    ("POST", ("nbtrain", "api", "runs", "RUNID", "stop")),
+]
+
+
+@pytest.mark.parametrize(("method", "parts"), ENDPOINTS)
+async def test_every_endpoint_refuses_a_request_without_token(
+    jp_fetch, finished_run, method, parts
+):
+    parts = tuple(finished_run if p == "RUNID" else p for p in parts)
+    body = b"{}" if method == "POST" else None
+    # an empty Authorization header overrides jp_fetch's token; no cookie, no token: 403
+    code = await _status(jp_fetch, *parts, method=method, body=body, headers={"Authorization": ""})
+    assert code == 403
+    # and the same request with the token goes through, so the 403 above is the auth check
+    assert await _status(jp_fetch, *parts, method=method, body=body) in (200, 202, 409)
+
+
+async def test_runs_lists_registered_runs(jp_fetch, finished_run):
+    data = _json(await jp_fetch("nbtrain", "api", "runs"))
+    assert [r["id"] for r in data["runs"]] == [finished_run]
+    run = data["runs"][0]
+    assert run["state"] == "done"
+    assert run["step"] == 200 and run["total_steps"] == 200
+    assert run["ended"] >= run["started"]
+
+
+async def test_run_record_and_unknown_run(jp_fetch, finished_run):
+    assert _json(await jp_fetch("nbtrain", "api", "runs", finished_run))["name"] == "finished-sft"
+    assert await _status(jp_fetch, "nbtrain", "api", "runs", "0123456789ab") == 404
+
+
+async def test_metrics_are_incremental(jp_fetch, finished_run):
+    first = _json(await jp_fetch("nbtrain", "api", "runs", finished_run, "metrics"))
+    assert [r["step"] for r in first["rows"]] == list(range(1, 201))
+    assert first["last_step"] == 200 and first["more"] is False
+    assert first["rows"][24]["eval_loss"] == pytest.approx(
+        first["rows"][24]["loss"] + 0.08, abs=1e-3
+    )
+
+    later = _json(
+        await jp_fetch("nbtrain", "api", "runs", finished_run, "metrics", params={"after": "150"})
+    )
+    assert [r["step"] for r in later["rows"]] == list(range(151, 201))
+
+    page = _json(
+        await jp_fetch(
+            "nbtrain", "api", "runs", finished_run, "metrics", params={"after": "10", "limit": "5"}
+        )
+    )
+    assert [r["step"] for r in page["rows"]] == [11, 12, 13, 14, 15]
+    assert page["more"] is True and page["last_step"] == 15
+
+    done = _json(
+        await jp_fetch("nbtrain", "api", "runs", finished_run, "metrics", params={"after": "200"})
+    )
+    assert done["rows"] == [] and done["last_step"] == 200
+
+
+async def test_metrics_follow_a_file_being_written(jp_fetch, tmp_path):
+    out = tmp_path / "live"
+    out.mkdir()
+    run_id = runs.register_run(out, total_steps=10)
+    metrics = out / "metrics.jsonl"
+    url = ("nbtrain", "api", "runs", run_id, "metrics")
+
+    assert _json(await jp_fetch(*url))["rows"] == []  # registered before its first step
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+        f.write('{"step": 2, "loss": NaN}\n')
+        f.write('{"step": 3, "lo')  # a line still being written
+        f.flush()
+        data = _json(await jp_fetch(*url))
+        assert [r["step"] for r in data["rows"]] == [1, 2]
+        assert data["rows"][1]["loss"] is None  # NaN would break JSON.parse in the browser
+        f.write('ss": 1.5}\n')
+        f.flush()
+        data = _json(await jp_fetch(*url, params={"after": str(data["last_step"])}))
+        assert data["rows"] == [{"step": 3, "loss": 1.5}]
+
+    # a restarted run rewrites its folder: the reader starts over instead of serving stale rows
+    metrics.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    data = _json(await jp_fetch(*url))
+    assert data["rows"] == [{"step": 1, "loss": 9.0}]
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        ("runs", "..", "..", "..", "etc", "passwd"),
+        ("runs", "%2e%2e%2f%2e%2e%2fetc%2fpasswd", "metrics"),
+        ("runs", "..%2F..%2Fetc", "metrics"),
+        ("runs", "abc.def", "metrics"),
+        ("runs", "etc/passwd", "metrics"),
+    ],
+)
+async def test_traversal_is_refused(jp_fetch, finished_run, parts):
+    code = await _status(jp_fetch, "nbtrain", "api", *parts)
+    assert code in (400, 403, 404)
+
+
+async def test_metrics_never_read_outside_the_run_folder(jp_fetch, tmp_path):
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text(json.dumps({"step": 1, "password": "hunter2"}) + "\n")
+    out = tmp_path / "sneaky"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to(secret)
+    run_id = runs.register_run(out)
+    # query parameters cannot point the handler somewhere else either
+    code = await _status(
+        jp_fetch, "nbtrain", "api", "runs", run_id, "metrics", params={"path": str(secret)}
+    )
+    assert code == 403
+
+
+async def test_unregistered_folder_is_not_reachable(jp_fetch, tmp_path):
+    out = tmp_path / "never-registered"
+    shutil.copytree(FIXTURE_RUN, out)
+    code = await _status(jp_fetch, "nbtrain", "api", "runs", runs.run_id_for(out), "metrics")
+    assert code == 404
+
+
+async def test_stop_sets_the_flag_a_running_run_checks(jp_fetch, tmp_path, finished_run):
+    out = tmp_path / "running"
+    out.mkdir()
+    run_id = runs.register_run(out, total_steps=100)
+    assert not runs.stop_requested(run_id)
+
+    response = await jp_fetch("nbtrain", "api", "runs", run_id, "stop", method="POST", body=b"")
+    assert response.code == 202 and _json(response)["stop_requested"] is True
+    assert runs.stop_requested(run_id)
+
+    # a finished run cannot be stopped, an unknown one does not exist
+    code = await _status(
+        jp_fetch, "nbtrain", "api", "runs", finished_run, "stop", method="POST", body=b""
+    )
+    assert code == 409
+    assert not runs.stop_requested(finished_run)
+    code = await _status(
+        jp_fetch, "nbtrain", "api", "runs", "0123456789ab", "stop", method="POST", body=b""
+    )
+    assert code == 404
+
+
+def _write_side_file(profile_dir: Path, cluster_id: str, **extra) -> None:
+    security = profile_dir / "security"
+    security.mkdir(parents=True, exist_ok=True)
+    side = {
+        "cluster_id": cluster_id,
+        "profile_dir": str(profile_dir),
+        "state": "ready",
+        "backend": "gloo",
+        "world_size": 1,
+        "hosts": ["node-a"],
+        "ranks": [{"rank": 0, "host": "node-a", "local_rank": 0, "device": "cpu", "pid": 1}],
+        "notebook": "train.ipynb",
+        "started": time.time(),
+        **extra,
+    }
+    (security / f"nbtrain-{cluster_id}.json").write_text(json.dumps(side))
+
+
+@pytest.mark.timeout(120)
+async def test_clusters_lists_a_real_ipyparallel_cluster(jp_fetch, tmp_path):
+    import ipyparallel as ipp
+
+    assert _json(await jp_fetch("nbtrain", "api", "clusters"))["clusters"] == []
+
+    profile_dir = tmp_path / "ipython" / "profile_default"
+    cluster = ipp.Cluster(n=1, profile_dir=str(profile_dir), cluster_id="nbt-test", log_level=30)
+    await cluster.start_cluster()
+    try:
+        data = _json(await jp_fetch("nbtrain", "api", "clusters"))
+        [model] = data["clusters"]
+        assert model["cluster_id"] == "nbt-test"
+        assert model["state"] == "running" and model["engines"] == 1
+        assert model["nbtrain"] is False and model["notebook"] is None  # started by hand
+
+        _write_side_file(profile_dir, "nbt-test")
+        [model] = _json(await jp_fetch("nbtrain", "api", "clusters"))["clusters"]
+        assert model["nbtrain"] is True
+        assert model["state"] == "ready" and model["backend"] == "gloo"
+        assert model["notebook"] == "train.ipynb"
+        assert model["nodes"] == 1 and model["gpus"] == 0
+        assert model["ranks"][0]["host"] == "node-a"
+    finally:
+        await cluster.stop_cluster()
+
+    assert _json(await jp_fetch("nbtrain", "api", "clusters"))["clusters"] == []
+
+
+async def test_side_file_counts_nodes_and_gpus(tmp_path):
+    """Enrichment without a live cluster: a stopped cluster file and a two-node side file."""
+    import ipyparallel as ipp
+
+    from nbtrain.server.clusters import list_clusters
+
+    profile_dir = tmp_path / "ipython" / "profile_gpu"
+    cluster = ipp.Cluster(n=4, profile_dir=str(profile_dir), cluster_id="two-nodes")
+    (profile_dir / "security").mkdir(parents=True)
+    Path(cluster.cluster_file).write_text(json.dumps(cluster.to_dict()))
+    ranks = [
+        {
+            "rank": r,
+            "host": f"node-{r // 2}",
+            "local_rank": r % 2,
+            "device": f"cuda:{r % 2}",
+            "pid": 1,
+        }
+        for r in range(4)
+    ]
+    _write_side_file(
+        profile_dir,
+        "two-nodes",
+        world_size=4,
+        hosts=["node-0", "node-1"],
+        ranks=ranks,
+        backend="nccl",
+    )
+
+    [model] = list_clusters([str(profile_dir)])
+    assert model["state"] == "stopped"  # no controller is running, whatever the side file says
+    assert model["nodes"] == 2 and model["gpus"] == 4 and model["world_size"] == 4
+    assert model["backend"] == "nccl"
