@@ -1,0 +1,31 @@
+#!/bin/sh
+# Install what the simulated-node test bed (tests/multinode/testbed.py) needs on Debian/Ubuntu:
+# sshd and ssh for real SSH logins, iproute2 for namespaces/veth/bridge, util-linux for unshare/nsenter.
+# Idempotent and quiet: does nothing when everything is present. Needs root.
+set -eu
+
+need=""
+command -v ip >/dev/null 2>&1 || need="$need iproute2"
+[ -x /usr/sbin/sshd ] || need="$need openssh-server"
+command -v ssh >/dev/null 2>&1 || need="$need openssh-client"
+command -v unshare >/dev/null 2>&1 || need="$need util-linux"
+command -v nsenter >/dev/null 2>&1 || need="$need util-linux"
+command -v ssh-keygen >/dev/null 2>&1 || need="$need openssh-client"
+
+if [ -z "$need" ]; then
+    exit 0
+fi
+if [ "$(id -u)" != 0 ]; then
+    echo "testbed-deps: need root to install:$need" >&2
+    exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+# the test bed runs its own sshd per node; keep the package from starting a system one
+log=$(mktemp)
+# shellcheck disable=SC2086
+if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends $need; } >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    exit 1
+fi
+rm -f "$log"
