@@ -1,0 +1,197 @@
+/**
+ * nbtrain's JupyterLab extension: the Training sidebar, run panels and the status bar item.
+ */
+import {
+  ILayoutRestorer,
+  JupyterFrontEnd,
+  JupyterFrontEndPlugin
+} from '@jupyterlab/application';
+import {
+  ICommandPalette,
+  InputDialog,
+  MainAreaWidget,
+  Notification,
+  WidgetTracker
+} from '@jupyterlab/apputils';
+import { IStatusBar } from '@jupyterlab/statusbar';
+import { LabIcon } from '@jupyterlab/ui-components';
+
+import { newestRunning, RunMetrics, TrainingModel } from './model';
+import { RunPanel } from './panel';
+import { requestAPI } from './request';
+import { TrainingSidebar } from './sidebar';
+import { TrainingStatus } from './statusbar';
+import { IRun } from './tokens';
+
+export namespace CommandIDs {
+  export const openRun = 'nbtrain:open-run';
+  export const stopRun = 'nbtrain:stop-run';
+  export const refresh = 'nbtrain:refresh';
+}
+
+const trainingIcon = new LabIcon({
+  name: 'nbtrain:training',
+  svgstr:
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" width="16"><path class="jp-icon3" fill="#616161" d="M3 20h18v2H3zM4 17l5-6 4 3 6-9 1.6 1.2-7.2 10.6-4-3L5.6 18.2z"/></svg>'
+});
+
+async function pickRun(
+  runs: IRun[],
+  title: string,
+  preferred: IRun | null
+): Promise<string | null> {
+  if (!runs.length) {
+    Notification.info('nbtrain: no runs to choose from');
+    return null;
+  }
+  const labels = runs.map(run => `${run.name} (${run.state}) [${run.id}]`);
+  const current = preferred ? runs.indexOf(preferred) : 0;
+  const result = await InputDialog.getItem({
+    title,
+    items: labels,
+    current: Math.max(0, current)
+  });
+  if (!result.button.accept || result.value === null) {
+    return null;
+  }
+  return runs[labels.indexOf(result.value)]?.id ?? null;
+}
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: 'nbtrain:plugin',
+  description: 'A Training sidebar with clusters, runs and live charts.',
+  autoStart: true,
+  optional: [ICommandPalette, ILayoutRestorer, IStatusBar],
+  activate: (
+    app: JupyterFrontEnd,
+    palette: ICommandPalette | null,
+    restorer: ILayoutRestorer | null,
+    statusBar: IStatusBar | null
+  ) => {
+    const request = <T>(endPoint: string, init?: RequestInit) =>
+      requestAPI<T>(endPoint, init, app.serviceManager.serverSettings);
+    const model = new TrainingModel({ request });
+    const tracker = new WidgetTracker<MainAreaWidget<RunPanel>>({
+      namespace: 'nbtrain-run'
+    });
+
+    const stopRun = async (id: string) => {
+      try {
+        await model.stopRun(id);
+        Notification.info(
+          `nbtrain: asked run ${model.getRun(id)?.name ?? id} to stop; it ends at its next step`,
+          { autoClose: 4000 }
+        );
+      } catch (error) {
+        Notification.error(`nbtrain: could not stop run ${id}: ${error}`);
+      }
+      tracker.forEach(w => void w.content.metrics.refresh());
+    };
+
+    const openRun = (id: string) => {
+      const open = tracker.find(w => w.content.metrics.runId === id);
+      if (open) {
+        app.shell.activateById(open.id);
+        return open;
+      }
+      const metrics = new RunMetrics({ request, runId: id });
+      const content = new RunPanel(metrics, runId => void stopRun(runId));
+      const widget = new MainAreaWidget({ content });
+      widget.id = `nbtrain-run-${id}`;
+      widget.title.label = `Run: ${model.getRun(id)?.name ?? id}`;
+      widget.title.icon = trainingIcon;
+      widget.title.closable = true;
+      void tracker.add(widget);
+      app.shell.add(widget, 'main');
+      app.shell.activateById(widget.id);
+      return widget;
+    };
+
+    app.commands.addCommand(CommandIDs.openRun, {
+      label: args => (args.id ? `Open run ${args.id}` : 'Open Training Run…'),
+      caption: "Open a run's live charts",
+      execute: async args => {
+        let id = args.id as string | undefined;
+        if (!id) {
+          await model.refresh();
+          id =
+            (await pickRun(
+              model.runs,
+              'Open training run',
+              newestRunning(model.runs)
+            )) ?? undefined;
+        }
+        return id ? openRun(id) : undefined;
+      }
+    });
+
+    app.commands.addCommand(CommandIDs.stopRun, {
+      label: args => (args.id ? `Stop run ${args.id}` : 'Stop Training Run…'),
+      caption: 'Ask a running run to checkpoint and end at its next step',
+      execute: async args => {
+        let id = args.id as string | undefined;
+        if (!id) {
+          await model.refresh();
+          const running = model.runs.filter(run => run.state === 'running');
+          id =
+            (await pickRun(
+              running,
+              'Stop training run',
+              newestRunning(running)
+            )) ?? undefined;
+        }
+        if (id) {
+          await stopRun(id);
+        }
+      }
+    });
+
+    app.commands.addCommand(CommandIDs.refresh, {
+      label: 'Refresh Training Runs and Clusters',
+      execute: async () => {
+        await model.refresh();
+        tracker.forEach(w => void w.content.metrics.refresh());
+      }
+    });
+
+    if (palette) {
+      const category = 'Training';
+      palette.addItem({ command: CommandIDs.openRun, category });
+      palette.addItem({ command: CommandIDs.stopRun, category });
+      palette.addItem({ command: CommandIDs.refresh, category });
+    }
+
+    const sidebar = new TrainingSidebar(model, {
+      openRun: id => void app.commands.execute(CommandIDs.openRun, { id }),
+      stopRun: id => void app.commands.execute(CommandIDs.stopRun, { id })
+    });
+    sidebar.title.icon = trainingIcon;
+    sidebar.title.caption = 'Training';
+    app.shell.add(sidebar, 'left', { rank: 250 });
+
+    if (restorer) {
+      restorer.add(sidebar, sidebar.id);
+      // reopen the run panels a reload closed: they need only the run id
+      void restorer.restore(tracker, {
+        command: CommandIDs.openRun,
+        args: w => ({ id: w.content.metrics.runId }),
+        name: w => w.content.metrics.runId
+      });
+    }
+
+    if (statusBar) {
+      const status = new TrainingStatus(model, id =>
+        app.commands.execute(CommandIDs.openRun, { id })
+      );
+      statusBar.registerStatusItem('nbtrain:status', {
+        item: status,
+        align: 'left',
+        rank: 5,
+        isActive: () => status.isActive,
+        activeStateChanged: model.changed
+      });
+    }
+  }
+};
+
+export default plugin;

@@ -1,0 +1,324 @@
+/**
+ * The data layer: what the sidebar, the run panels and the status bar show, polled from the
+ * server extension. No DOM here, so it is unit-tested in Node with a fake requester.
+ */
+import { IDisposable } from '@lumino/disposable';
+import { Poll } from '@lumino/polling';
+import { ISignal, Signal } from '@lumino/signaling';
+
+import { ICluster, IMetricsPage, IMetricsRow, IRun, Requester } from './tokens';
+
+type Standby = Poll.Standby | (() => boolean | Poll.Standby);
+
+/** `3.2k`, `950`, `1.4M`: a rate short enough for the status bar. */
+export function formatRate(value: number | null | undefined): string {
+  if (value === null || value === undefined || !Number.isFinite(value)) {
+    return '–';
+  }
+  const abs = Math.abs(value);
+  if (abs >= 1e6) {
+    return `${(value / 1e6).toFixed(1)}M`;
+  }
+  if (abs >= 1e3) {
+    return `${(value / 1e3).toFixed(1)}k`;
+  }
+  return `${Math.round(value)}`;
+}
+
+/** A loss with three significant digits past the point where it matters: `1.23`, `0.0412`. */
+export function formatLoss(value: number | null | undefined): string {
+  if (value === null || value === undefined || !Number.isFinite(value)) {
+    return '–';
+  }
+  return Math.abs(value) >= 0.1 ? value.toFixed(2) : value.toPrecision(3);
+}
+
+/** The status bar text for a run: `step 120/1000 · loss 1.23 · 3.2k tok/s`. */
+export function statusText(run: IRun): string {
+  const steps = run.total_steps
+    ? `${run.step}/${run.total_steps}`
+    : `${run.step}`;
+  return `step ${steps} · loss ${formatLoss(run.loss)} · ${formatRate(run.tokens_per_s)} tok/s`;
+}
+
+/** The most recently started run that is still running, if any. */
+export function newestRunning(runs: IRun[]): IRun | null {
+  let newest: IRun | null = null;
+  for (const run of runs) {
+    if (run.state === 'running' && (!newest || run.started > newest.started)) {
+      newest = run;
+    }
+  }
+  return newest;
+}
+
+/**
+ * Append a page of rows to what a panel already holds. Steps only grow within a run; a page
+ * overlapping what we hold (a retried poll) keeps only the new steps.
+ */
+export function mergeRows(
+  held: IMetricsRow[],
+  page: IMetricsRow[]
+): IMetricsRow[] {
+  const last = held.length ? held[held.length - 1].step : -Infinity;
+  const fresh = page.filter(row => row.step > last);
+  return fresh.length ? held.concat(fresh) : held;
+}
+
+/** Sidebar state: the runs and clusters on this server, refreshed on a Poll. */
+export class TrainingModel implements IDisposable {
+  constructor(options: TrainingModel.IOptions) {
+    this._request = options.request;
+    const standby = options.standby ?? 'when-hidden';
+    this._runsPoll = new Poll({
+      factory: () => this._fetchRuns(),
+      frequency: {
+        interval: options.runsInterval ?? 2000,
+        backoff: true,
+        max: 30 * 1000
+      },
+      name: 'nbtrain:runs',
+      standby
+    });
+    this._clustersPoll = new Poll({
+      factory: () => this._fetchClusters(),
+      frequency: {
+        interval: options.clustersInterval ?? 5000,
+        backoff: true,
+        max: 60 * 1000
+      },
+      name: 'nbtrain:clusters',
+      standby
+    });
+  }
+
+  /** Every registered run, newest first. */
+  get runs(): IRun[] {
+    return this._runs;
+  }
+
+  get clusters(): ICluster[] {
+    return this._clusters;
+  }
+
+  /** The last request error, or null once a request succeeded again. */
+  get error(): string | null {
+    return this._error;
+  }
+
+  /** Emitted whenever runs, clusters or the error change. */
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+
+  get isDisposed(): boolean {
+    return this._isDisposed;
+  }
+
+  getRun(id: string): IRun | undefined {
+    return this._runs.find(run => run.id === id);
+  }
+
+  /** Fetch runs and clusters now rather than at the next tick. */
+  async refresh(): Promise<void> {
+    await Promise.all([this._runsPoll.refresh(), this._clustersPoll.refresh()]);
+    await Promise.all([this._runsPoll.tick, this._clustersPoll.tick]);
+  }
+
+  /** Ask a running run to checkpoint and end at its next step. */
+  async stopRun(id: string): Promise<void> {
+    await this._request(`runs/${encodeURIComponent(id)}/stop`, {
+      method: 'POST'
+    });
+    await this._runsPoll.refresh();
+  }
+
+  dispose(): void {
+    if (this._isDisposed) {
+      return;
+    }
+    this._isDisposed = true;
+    this._runsPoll.dispose();
+    this._clustersPoll.dispose();
+    Signal.clearData(this);
+  }
+
+  private async _fetchRuns(): Promise<void> {
+    try {
+      const data = await this._request<{ runs: IRun[] }>('runs');
+      if (this._isDisposed) {
+        return;
+      }
+      this._runs = data.runs;
+      this._error = null;
+    } catch (error) {
+      this._setError(error);
+      throw error; // the Poll backs off
+    }
+    this._changed.emit();
+  }
+
+  private async _fetchClusters(): Promise<void> {
+    try {
+      const data = await this._request<{ clusters: ICluster[] }>('clusters');
+      if (this._isDisposed) {
+        return;
+      }
+      this._clusters = data.clusters;
+    } catch (error) {
+      this._setError(error);
+      throw error;
+    }
+    this._changed.emit();
+  }
+
+  private _setError(error: unknown): void {
+    this._error = error instanceof Error ? error.message : String(error);
+    this._changed.emit();
+  }
+
+  private _request: Requester;
+  private _runs: IRun[] = [];
+  private _clusters: ICluster[] = [];
+  private _error: string | null = null;
+  private _runsPoll: Poll;
+  private _clustersPoll: Poll;
+  private _isDisposed = false;
+  private _changed = new Signal<this, void>(this);
+}
+
+export namespace TrainingModel {
+  export interface IOptions {
+    request: Requester;
+    /** Milliseconds between runs polls (2 s by default). */
+    runsInterval?: number;
+    /** Milliseconds between clusters polls (5 s: listing checks every engine's pid). */
+    clustersInterval?: number;
+    standby?: Standby;
+  }
+}
+
+/**
+ * One run's metrics, fetched incrementally (`?after=<last step>`) while the run is running;
+ * polling stops once the run has ended and every row is in.
+ */
+export class RunMetrics implements IDisposable {
+  constructor(options: RunMetrics.IOptions) {
+    this._request = options.request;
+    this.runId = options.runId;
+    this._poll = new Poll({
+      factory: () => this._fetch(),
+      frequency: {
+        interval: options.interval ?? 1000,
+        backoff: true,
+        max: 30 * 1000
+      },
+      name: `nbtrain:metrics:${options.runId}`,
+      standby: options.standby ?? 'when-hidden'
+    });
+  }
+
+  readonly runId: string;
+
+  /** The run's record as of the last poll (null before the first one answers). */
+  get run(): IRun | null {
+    return this._run;
+  }
+
+  get rows(): IMetricsRow[] {
+    return this._rows;
+  }
+
+  get error(): string | null {
+    return this._error;
+  }
+
+  /** True while the panel still polls: the run is running, or rows remain to fetch. */
+  get isPolling(): boolean {
+    return this._poll.state.phase !== 'stopped' && !this._poll.isDisposed;
+  }
+
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+
+  get isDisposed(): boolean {
+    return this._isDisposed;
+  }
+
+  /** Fetch now, and resume polling if it had stopped. */
+  async refresh(): Promise<void> {
+    await this._poll.refresh();
+    await this._poll.tick;
+  }
+
+  dispose(): void {
+    if (this._isDisposed) {
+      return;
+    }
+    this._isDisposed = true;
+    this._poll.dispose();
+    Signal.clearData(this);
+  }
+
+  private async _fetch(): Promise<void> {
+    let page: IMetricsPage;
+    try {
+      page = await this._fetchPage();
+      // a long run opened late arrives in pages; take them all in this tick
+      while (page.more && !this._isDisposed) {
+        page = await this._fetchPage();
+      }
+    } catch (error) {
+      this._error = error instanceof Error ? error.message : String(error);
+      this._changed.emit();
+      throw error;
+    }
+    if (this._isDisposed) {
+      return;
+    }
+    this._error = null;
+    this._changed.emit();
+    if (page.run.state !== 'running') {
+      // nothing more will be written: stop until someone refreshes
+      void this._poll.stop();
+    }
+  }
+
+  private async _fetchPage(): Promise<IMetricsPage> {
+    const last = this._rows.length
+      ? this._rows[this._rows.length - 1].step
+      : -1;
+    const id = encodeURIComponent(this.runId);
+    const page = await this._request<IMetricsPage>(
+      `runs/${id}/metrics?after=${last}`
+    );
+    if (this._run && page.run.started !== this._run.started) {
+      // the same folder was started again: its metrics.jsonl begins anew
+      this._rows = [];
+      this._run = page.run;
+      return this._fetchPage();
+    }
+    this._run = page.run;
+    this._rows = mergeRows(this._rows, page.rows);
+    return page;
+  }
+
+  private _request: Requester;
+  private _run: IRun | null = null;
+  private _rows: IMetricsRow[] = [];
+  private _error: string | null = null;
+  private _poll: Poll;
+  private _isDisposed = false;
+  private _changed = new Signal<this, void>(this);
+}
+
+export namespace RunMetrics {
+  export interface IOptions {
+    request: Requester;
+    runId: string;
+    /** Milliseconds between polls while the run runs (1 s by default; the issue asks ≤ 2 s). */
+    interval?: number;
+    standby?: Standby;
+  }
+}

@@ -1,0 +1,166 @@
+/**
+ * The "Training" sidebar: clusters (nodes, ranks, GPUs, state) and runs (live state).
+ */
+import { Widget } from '@lumino/widgets';
+
+import { formatLoss, formatRate, TrainingModel } from './model';
+import { ICluster, IRun } from './tokens';
+
+/** What the sidebar asks of the application: open a run's panel, stop a run. */
+export interface ISidebarActions {
+  openRun(id: string): void;
+  stopRun(id: string): void;
+}
+
+export class TrainingSidebar extends Widget {
+  constructor(model: TrainingModel, actions: ISidebarActions) {
+    super();
+    this._model = model;
+    this._actions = actions;
+    this.id = 'nbtrain-training-sidebar';
+    this.addClass('nbtrain-Sidebar');
+    this.node.innerHTML = `
+      <header class="nbtrain-Sidebar-title">Training</header>
+      <div class="nbtrain-Sidebar-error" hidden></div>
+      <section class="nbtrain-Sidebar-section">
+        <h3>Clusters</h3>
+        <ul class="nbtrain-ClusterList"></ul>
+      </section>
+      <section class="nbtrain-Sidebar-section">
+        <h3>Runs</h3>
+        <ul class="nbtrain-RunList"></ul>
+      </section>`;
+    this.node.addEventListener('click', this._onClick);
+    model.changed.connect(this._render, this);
+    this._render();
+  }
+
+  dispose(): void {
+    if (this.isDisposed) {
+      return;
+    }
+    this.node.removeEventListener('click', this._onClick);
+    this._model.changed.disconnect(this._render, this);
+    super.dispose();
+  }
+
+  private _render(): void {
+    const error = this.node.querySelector<HTMLElement>(
+      '.nbtrain-Sidebar-error'
+    )!;
+    error.hidden = !this._model.error;
+    error.textContent = this._model.error ? `Server: ${this._model.error}` : '';
+    const clusters = this.node.querySelector('.nbtrain-ClusterList')!;
+    clusters.replaceChildren(
+      ...(this._model.clusters.length
+        ? this._model.clusters.map(renderCluster)
+        : [emptyItem('No clusters. Start one with %nbtrain start.')])
+    );
+    const runs = this.node.querySelector('.nbtrain-RunList')!;
+    runs.replaceChildren(
+      ...(this._model.runs.length
+        ? this._model.runs.map(renderRun)
+        : [emptyItem('No runs yet. finetune() registers each run here.')])
+    );
+  }
+
+  private _onClick = (event: MouseEvent): void => {
+    const target = event.target as HTMLElement;
+    const stop = target.closest<HTMLElement>('[data-stop-run]');
+    if (stop) {
+      event.stopPropagation();
+      this._actions.stopRun(stop.dataset.stopRun!);
+      return;
+    }
+    const item = target.closest<HTMLElement>('[data-run-id]');
+    if (item) {
+      this._actions.openRun(item.dataset.runId!);
+    }
+  };
+
+  private _model: TrainingModel;
+  private _actions: ISidebarActions;
+}
+
+function emptyItem(text: string): HTMLElement {
+  const li = document.createElement('li');
+  li.className = 'nbtrain-Sidebar-empty';
+  li.textContent = text;
+  return li;
+}
+
+function el(tag: string, className: string, text?: string): HTMLElement {
+  const node = document.createElement(tag);
+  node.className = className;
+  if (text !== undefined) {
+    node.textContent = text;
+  }
+  return node;
+}
+
+function renderCluster(cluster: ICluster): HTMLElement {
+  const li = el('li', 'nbtrain-Cluster');
+  li.dataset.clusterId = cluster.cluster_id;
+  li.dataset.state = cluster.state;
+  const head = el('div', 'nbtrain-Item-head');
+  head.append(
+    el('span', 'nbtrain-Item-name', cluster.cluster_id || cluster.profile),
+    el('span', `nbtrain-State nbtrain-State-${cluster.state}`, cluster.state)
+  );
+  const parts = [
+    `${cluster.nodes || 1} node${cluster.nodes > 1 ? 's' : ''}`,
+    `${cluster.world_size || cluster.engines} rank${(cluster.world_size || cluster.engines) === 1 ? '' : 's'}`,
+    `${cluster.gpus} GPU${cluster.gpus === 1 ? '' : 's'}`
+  ];
+  if (cluster.backend) {
+    parts.push(cluster.backend);
+  }
+  const detail = el('div', 'nbtrain-Item-detail', parts.join(' · '));
+  li.append(head, detail);
+  if (cluster.notebook) {
+    li.append(el('div', 'nbtrain-Item-detail', `from ${cluster.notebook}`));
+  }
+  if (cluster.hosts.length) {
+    li.title = cluster.ranks.length
+      ? cluster.ranks
+          .map(r => `rank ${r.rank}: ${r.host} ${r.device} (pid ${r.pid})`)
+          .join('\n')
+      : cluster.hosts.join(', ');
+  }
+  return li;
+}
+
+function renderRun(run: IRun): HTMLElement {
+  const li = el('li', 'nbtrain-Run');
+  li.dataset.runId = run.id;
+  li.dataset.state = run.state;
+  li.title = `${run.output_dir}\nopen the run's charts`;
+  const head = el('div', 'nbtrain-Item-head');
+  head.append(
+    el('span', 'nbtrain-Item-name', run.name),
+    el('span', `nbtrain-State nbtrain-State-${run.state}`, run.state)
+  );
+  const steps = run.total_steps
+    ? `${run.step}/${run.total_steps}`
+    : `${run.step}`;
+  const detail = el(
+    'div',
+    'nbtrain-Item-detail nbtrain-Run-progress',
+    `step ${steps} · loss ${formatLoss(run.loss)} · ${formatRate(run.tokens_per_s)} tok/s`
+  );
+  li.append(head, detail);
+  if (run.total_steps) {
+    const bar = el('div', 'nbtrain-Run-bar');
+    const fill = el('div', 'nbtrain-Run-barFill');
+    fill.style.width = `${Math.min(100, (100 * run.step) / run.total_steps)}%`;
+    bar.append(fill);
+    li.append(bar);
+  }
+  if (run.state === 'running') {
+    const stop = el('button', 'jp-Button nbtrain-StopButton', 'Stop');
+    stop.dataset.stopRun = run.id;
+    stop.title = 'Checkpoint and end this run at its next step';
+    head.append(stop);
+  }
+  return li;
+}

@@ -1,0 +1,79 @@
+/**
+ * The shapes the server extension returns under /nbtrain/api/ (see nbtrain/server/handlers.py).
+ */
+
+export type RunState = 'running' | 'done' | 'failed' | 'stopped';
+
+/** One training run from the per-user runs registry (nbtrain/runs.py). */
+export interface IRun {
+  id: string;
+  name: string;
+  output_dir: string;
+  state: RunState;
+  step: number;
+  total_steps: number | null;
+  loss: number | null;
+  tokens_per_s: number | null;
+  started: number;
+  ended: number | null;
+  host: string;
+  pid: number;
+  cluster_id: string | null;
+  world_size: number;
+}
+
+/** One logged step of a run's metrics.jsonl. */
+export interface IMetricsRow {
+  step: number;
+  loss?: number | null;
+  eval_loss?: number | null;
+  grad_norm?: number | null;
+  learning_rate?: number | null;
+  tokens_per_s?: number | null;
+  step_time?: number | null;
+  epoch?: number | null;
+  mfu?: number | null;
+  peak_mem_gb?: number | null;
+  [key: string]: number | null | undefined;
+}
+
+/** GET runs/<id>/metrics?after=K: rows with step > K. */
+export interface IMetricsPage {
+  run: IRun;
+  rows: IMetricsRow[];
+  last_step: number;
+  more: boolean;
+}
+
+/** One rank of a cluster, from nbtrain's side file. */
+export interface IRank {
+  rank: number;
+  host: string;
+  local_rank: number;
+  device: string;
+  pid: number;
+}
+
+/** One ipyparallel cluster, enriched with nbtrain's side file when there is one. */
+export interface ICluster {
+  id: string;
+  cluster_id: string;
+  profile: string;
+  profile_dir: string;
+  state: string;
+  engines: number;
+  backend: string | null;
+  world_size: number;
+  hosts: string[];
+  nodes: number;
+  gpus: number;
+  ranks: IRank[];
+  notebook: string | null;
+  started: number | null;
+  nbtrain: boolean;
+}
+
+/**
+ * How the data layer talks to the server: `requestAPI` in the extension, a fake in unit tests.
+ */
+export type Requester = <T>(endPoint: string, init?: RequestInit) => Promise<T>;

@@ -1,0 +1,239 @@
+import { describe, expect, it } from 'vitest';
+
+import {
+  formatLoss,
+  formatRate,
+  mergeRows,
+  newestRunning,
+  RunMetrics,
+  statusText,
+  TrainingModel
+} from '../src/model';
+import { IMetricsRow, IRun, Requester } from '../src/tokens';
+
+function makeRun(over: Partial<IRun> = {}): IRun {
+  return {
+    id: 'abc123',
+    name: 'sft',
+    output_dir: '/tmp/sft',
+    state: 'running',
+    step: 120,
+    total_steps: 1000,
+    loss: 1.234,
+    tokens_per_s: 3210,
+    started: 100,
+    ended: null,
+    host: 'node-a',
+    pid: 42,
+    cluster_id: null,
+    world_size: 2,
+    ...over
+  };
+}
+
+/** A stand-in for the server extension: the same endpoints over in-memory runs and rows. */
+class FakeServer {
+  runs: IRun[] = [];
+  rows: Record<string, IMetricsRow[]> = {};
+  calls: Array<{ endPoint: string; method: string }> = [];
+  pageLimit = 5000;
+  failNext = false;
+
+  request: Requester = async <T>(endPoint: string, init: RequestInit = {}) => {
+    this.calls.push({ endPoint, method: init.method ?? 'GET' });
+    if (this.failNext) {
+      this.failNext = false;
+      throw new Error('boom');
+    }
+    const url = new URL(endPoint, 'http://x/');
+    const parts = url.pathname.slice(1).split('/');
+    if (parts[0] === 'clusters') {
+      return { clusters: [] } as T;
+    }
+    if (parts[0] === 'runs' && parts.length === 1) {
+      return { runs: this.runs } as T;
+    }
+    const run = this.runs.find(r => r.id === parts[1]);
+    if (!run) {
+      throw new Error('404');
+    }
+    if (parts[2] === 'stop') {
+      return { id: run.id, stop_requested: true } as T;
+    }
+    const after = Number(url.searchParams.get('after') ?? -1);
+    const rest = (this.rows[run.id] ?? []).filter(r => r.step > after);
+    const rows = rest.slice(0, this.pageLimit);
+    return {
+      run: { ...run },
+      rows,
+      last_step: rows.length ? rows[rows.length - 1].step : after,
+      more: rest.length > rows.length
+    } as T;
+  };
+}
+
+function steps(from: number, to: number): IMetricsRow[] {
+  const out: IMetricsRow[] = [];
+  for (let s = from; s <= to; s++) {
+    out.push({ step: s, loss: 3 - s / 100, tokens_per_s: 3000 + s });
+  }
+  return out;
+}
+
+describe('formatting', () => {
+  it('writes the status bar text the issue specifies', () => {
+    expect(statusText(makeRun())).toBe(
+      'step 120/1000 · loss 1.23 · 3.2k tok/s'
+    );
+  });
+
+  it('copes with unknown totals and missing numbers', () => {
+    expect(
+      statusText(makeRun({ total_steps: null, loss: null, tokens_per_s: null }))
+    ).toBe('step 120 · loss – · – tok/s');
+  });
+
+  it('shortens rates and keeps small losses readable', () => {
+    expect(formatRate(950)).toBe('950');
+    expect(formatRate(1_460_000)).toBe('1.5M');
+    expect(formatLoss(0.04123)).toBe('0.0412');
+    expect(formatLoss(Number.NaN)).toBe('–');
+  });
+});
+
+describe('newestRunning', () => {
+  it('picks the most recently started running run', () => {
+    const runs = [
+      makeRun({ id: 'a', started: 300, state: 'done' }),
+      makeRun({ id: 'b', started: 200 }),
+      makeRun({ id: 'c', started: 100 })
+    ];
+    expect(newestRunning(runs)?.id).toBe('b');
+    expect(newestRunning([makeRun({ state: 'failed' })])).toBeNull();
+  });
+});
+
+describe('mergeRows', () => {
+  it('appends only steps past the last one held', () => {
+    const merged = mergeRows(steps(1, 3), steps(2, 5));
+    expect(merged.map(r => r.step)).toEqual([1, 2, 3, 4, 5]);
+  });
+
+  it('returns the same array when nothing is new', () => {
+    const held = steps(1, 3);
+    expect(mergeRows(held, steps(1, 3))).toBe(held);
+  });
+});
+
+describe('TrainingModel', () => {
+  it('refreshes runs and clusters and reports errors until the next success', async () => {
+    const server = new FakeServer();
+    server.runs = [makeRun()];
+    const model = new TrainingModel({
+      request: server.request,
+      runsInterval: 60_000,
+      clustersInterval: 60_000,
+      standby: 'never'
+    });
+    let emitted = 0;
+    model.changed.connect(() => emitted++);
+    await model.refresh();
+    expect(model.runs.map(r => r.id)).toEqual(['abc123']);
+    expect(model.clusters).toEqual([]);
+    expect(emitted).toBeGreaterThan(0);
+
+    server.failNext = true;
+    await model.refresh().catch(() => undefined);
+    expect(model.error).toBe('boom');
+    await model.refresh();
+    expect(model.error).toBeNull();
+    model.dispose();
+  });
+
+  it('posts a stop request for the run', async () => {
+    const server = new FakeServer();
+    server.runs = [makeRun()];
+    const model = new TrainingModel({
+      request: server.request,
+      runsInterval: 60_000,
+      clustersInterval: 60_000,
+      standby: 'never'
+    });
+    await model.stopRun('abc123');
+    expect(server.calls).toContainEqual({
+      endPoint: 'runs/abc123/stop',
+      method: 'POST'
+    });
+    model.dispose();
+  });
+});
+
+describe('RunMetrics', () => {
+  function setup() {
+    const server = new FakeServer();
+    const run = makeRun({ step: 0 });
+    server.runs = [run];
+    server.rows[run.id] = [];
+    const metrics = new RunMetrics({
+      request: server.request,
+      runId: run.id,
+      interval: 60_000,
+      standby: 'never'
+    });
+    return { server, run, metrics };
+  }
+
+  it('asks only for steps after the last one it holds', async () => {
+    const { server, run, metrics } = setup();
+    server.rows[run.id] = steps(1, 10);
+    await metrics.refresh();
+    expect(metrics.rows.map(r => r.step)).toEqual(
+      steps(1, 10).map(r => r.step)
+    );
+
+    server.rows[run.id] = steps(1, 14);
+    await metrics.refresh();
+    expect(metrics.rows.length).toBe(14);
+    const last = server.calls[server.calls.length - 1].endPoint;
+    expect(last).toBe(`runs/${run.id}/metrics?after=10`);
+    metrics.dispose();
+  });
+
+  it('takes every page of a long run in one tick', async () => {
+    const { server, run, metrics } = setup();
+    server.pageLimit = 100;
+    server.rows[run.id] = steps(1, 250);
+    await metrics.refresh();
+    expect(metrics.rows.length).toBe(250);
+    expect(
+      server.calls.filter(c => c.endPoint.includes('metrics')).length
+    ).toBe(3);
+    metrics.dispose();
+  });
+
+  it('stops polling once the run has ended, and resumes on refresh', async () => {
+    const { server, run, metrics } = setup();
+    server.rows[run.id] = steps(1, 5);
+    await metrics.refresh();
+    expect(metrics.isPolling).toBe(true);
+
+    run.state = 'stopped';
+    await metrics.refresh();
+    // Poll.stop() settles on the next microtask turn
+    await new Promise(resolve => setTimeout(resolve, 0));
+    expect(metrics.run?.state).toBe('stopped');
+    expect(metrics.isPolling).toBe(false);
+    metrics.dispose();
+  });
+
+  it('starts over when the same folder is started again', async () => {
+    const { server, run, metrics } = setup();
+    server.rows[run.id] = steps(1, 50);
+    await metrics.refresh();
+    run.started = 999;
+    server.rows[run.id] = steps(1, 3);
+    await metrics.refresh();
+    expect(metrics.rows.map(r => r.step)).toEqual([1, 2, 3]);
+    metrics.dispose();
+  });
+});
