@@ -1,0 +1,184 @@
+"""Atomic checkpoints and adapter export, written by rank 0 alone.
+
+A folder is written under a temporary name, every file fsynced, then renamed into place, so a kill during
+a save leaves the previous checkpoint (and the previous adapter) whole and loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+STATE_FILE = "trainer_state.json"
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems do not fsync directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic_dir(final: Path, fill: Callable[[Path], None]) -> Path:
+    """Create folder `final` by filling a temporary sibling and renaming it; replaces an older `final`."""
+    final = Path(final)
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        _fsync_tree(tmp)
+        old = None
+        if final.exists():
+            # rename the old one aside first: at every instant one complete folder is in place or aside
+            old = parent / f".old-{final.name}-{os.getpid()}"
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first (a folder counts once its state file is in)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = []
+    for p in out.iterdir():
+        m = CHECKPOINT_RE.match(p.name)
+        if m and p.is_dir() and (p / STATE_FILE).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def any_checkpoint_dirs(output_dir: str | os.PathLike[str]) -> list[str]:
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.iterdir() if CHECKPOINT_RE.match(p.name) and p.is_dir())
+
+
+def save_checkpoint(
+    output_dir: Path,
+    step: int,
+    *,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    rng_states: list[Any],
+    state: dict[str, Any],
+    config: dict[str, Any],
+) -> Path:
+    """Write `output_dir/checkpoint-<step>`: adapter, optimizer, scheduler, per-rank RNG, state, config."""
+    import torch
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        for rank, rng in enumerate(rng_states):
+            torch.save(rng, tmp / f"rng_state_{rank}.pth")
+        (tmp / "sft_config.json").write_text(json.dumps(config, indent=2, default=str))
+        # the state file goes last: list_checkpoints only counts folders that have it
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    return write_atomic_dir(Path(output_dir) / f"checkpoint-{step}", fill)
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Everything `save_checkpoint` wrote, as Python objects (read on rank 0, then broadcast)."""
+    import torch
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    rng = []
+    for f in sorted(p.glob("rng_state_*.pth"), key=lambda f: int(f.stem.rsplit("_", 1)[1])):
+        # our own file holding Python/numpy RNG states, which weights_only cannot read
+        rng.append(torch.load(f, weights_only=False))
+    return {
+        "adapter": load_file(str(p / "adapter_model.safetensors")),
+        "optimizer": torch.load(p / "optimizer.pt", weights_only=False),
+        "scheduler": torch.load(p / "scheduler.pt", weights_only=False),
+        "rng": rng,
+        "state": json.loads((p / STATE_FILE).read_text()),
+    }
+
+
+def get_rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+    import torch
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def export_adapter(output_dir: Path, model: Any, tokenizer: Any) -> Path:
+    """Write the PEFT adapter (and tokenizer) to `output_dir/adapter`, atomically."""
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return write_atomic_dir(Path(output_dir) / "adapter", fill)
+
+
+def export_merged(output_dir: Path, model: Any, tokenizer: Any) -> Path:
+    """Merge LoRA into the base weights and write a plain transformers model to `output_dir/merged`."""
+    merged = model.merge_and_unload()
+
+    def fill(tmp: Path) -> None:
+        merged.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return write_atomic_dir(Path(output_dir) / "merged", fill)

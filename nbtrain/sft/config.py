@@ -1,0 +1,285 @@
+"""`SFTConfig`: every setting of a fine-tuning run, checked where it enters (before any engine work).
+
+Field names follow transformers' `TrainingArguments` and TRL's `SFTConfig`, so users know them.
+
+In [1]: cfg = nbtrain.SFTConfig(model="tiny-llama", data="train.jsonl", output_dir="runs/first",
+   ...:                         max_steps=200, per_device_train_batch_size=4, learning_rate=2e-4)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from nbtrain.errors import ConfigError
+
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
+DTYPES = ("auto", "float32", "bfloat16")
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+# "org/name" or "name": what the Hub accepts as a repo id
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass
+class SFTConfig:
+    """Settings of one LoRA supervised fine-tuning run; `nbtrain.finetune(cfg)` runs it on every rank."""
+
+    model: str = field(
+        default="", metadata={"help": "Hub id or local folder of a causal LM (from_pretrained)."}
+    )
+    data: Any = field(
+        default=None,
+        metadata={
+            "help": "Training rows: a .jsonl/.json/.parquet/.csv path, a list of dicts, a DataFrame or a datasets.Dataset."
+        },
+    )
+    eval_data: Any = field(
+        default=None, metadata={"help": "Optional evaluation rows, in any form `data` accepts."}
+    )
+    output_dir: str = field(
+        default="nbtrain-output",
+        metadata={"help": "Folder for checkpoints, metrics.jsonl and the exported adapter."},
+    )
+    max_steps: int = field(
+        default=-1, metadata={"help": "Optimizer steps to run; -1 means num_train_epochs decides."}
+    )
+    num_train_epochs: float = field(
+        default=1.0, metadata={"help": "Passes over the data when max_steps is -1."}
+    )
+    per_device_train_batch_size: int = field(
+        default=4, metadata={"help": "Rows per rank per micro-batch."}
+    )
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"help": "Micro-batches per optimizer step."}
+    )
+    learning_rate: float = field(default=2e-4, metadata={"help": "Peak AdamW learning rate."})
+    lr_scheduler_type: str = field(
+        default="linear",
+        metadata={"help": f"Learning-rate schedule: one of {', '.join(SCHEDULERS)}."},
+    )
+    warmup_steps: int = field(
+        default=0, metadata={"help": "Steps of linear warm-up from 0 to learning_rate."}
+    )
+    max_length: int = field(
+        default=1024, metadata={"help": "Tokens per sequence; longer rows are truncated."}
+    )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Concatenate rows into max_length blocks (fewer pad tokens)."},
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(
+        default=32, metadata={"help": "LoRA scaling numerator (scale = lora_alpha / lora_r)."}
+    )
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
+    target_modules: str | list[str] = field(
+        default="all-linear", metadata={"help": "Module names to adapt, or 'all-linear'."}
+    )
+    logging_steps: int = field(
+        default=10, metadata={"help": "Log metrics every this many steps (and at the last step)."}
+    )
+    eval_steps: int | None = field(
+        default=None, metadata={"help": "Evaluate every this many steps; None: at the end only."}
+    )
+    save_steps: int | None = field(
+        default=500, metadata={"help": "Checkpoint every this many steps; None: never."}
+    )
+    resume: str | None = field(
+        default=None,
+        metadata={
+            "help": "None, 'latest' (newest checkpoint in output_dir) or a checkpoint folder."
+        },
+    )
+    seed: int = field(default=42, metadata={"help": "Seed for LoRA init, data order and dropout."})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "'auto' (bf16 autocast on GPUs that support it, else fp32), 'float32' or 'bfloat16'."
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute activations in backward to save memory."}
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata={"help": "Start over in an output_dir that holds another run's checkpoints."},
+    )
+    max_grad_norm: float = field(
+        default=1.0,
+        metadata={"help": "Clip the global gradient norm to this; 0 disables clipping."},
+    )
+    run_name: str | None = field(
+        default=None, metadata={"help": "Name shown in the live display and the runs sidebar."}
+    )
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                problems.append(msg)
+
+        def positive_int(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"{name}={value!r} must be an integer >= 1",
+            )
+
+        need(
+            isinstance(self.model, str | os.PathLike) and bool(str(self.model)),
+            "model is required: pass a Hub id such as 'Qwen/Qwen2.5-0.5B' or a local folder holding "
+            "a causal LM saved with save_pretrained",
+        )
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if isinstance(self.model, str) and self.model:
+            local = Path(self.model).expanduser()
+            looks_local = self.model.startswith((".", "/", "~")) or not _HUB_ID.match(self.model)
+            if not local.exists() and looks_local:
+                problems.append(
+                    f"model folder {self.model!r} does not exist; pass an existing folder written by "
+                    "save_pretrained, or a Hub id such as 'Qwen/Qwen2.5-0.5B'"
+                )
+            elif local.exists() and not local.is_dir():
+                problems.append(
+                    f"model {self.model!r} is a file; pass the folder that holds config.json and the weights"
+                )
+        need(
+            self.data is not None,
+            "data is required: a .jsonl/.json/.parquet/.csv path, a list of dicts, a DataFrame or a datasets.Dataset",
+        )
+        for name in ("data", "eval_data"):
+            value = getattr(self, name)
+            if isinstance(value, str | os.PathLike):
+                path = Path(value).expanduser()
+                if not path.exists():
+                    problems.append(
+                        f"{name} file {os.fspath(value)!r} not found; check the path (relative paths are from {os.getcwd()})"
+                    )
+                elif path.suffix.lower() not in DATA_SUFFIXES:
+                    problems.append(
+                        f"{name} file {os.fspath(value)!r} has an unknown suffix; use one of {', '.join(DATA_SUFFIXES)}"
+                    )
+                setattr(self, name, os.fspath(value))
+        need(
+            isinstance(self.output_dir, str | os.PathLike) and bool(str(self.output_dir)),
+            "output_dir is required: a folder for checkpoints and the adapter",
+        )
+        self.output_dir = os.fspath(self.output_dir)
+
+        need(
+            isinstance(self.max_steps, int) and (self.max_steps == -1 or self.max_steps >= 1),
+            f"max_steps={self.max_steps!r} must be >= 1 (or -1 to train for num_train_epochs)",
+        )
+        if self.max_steps == -1:
+            need(
+                isinstance(self.num_train_epochs, int | float) and self.num_train_epochs > 0,
+                f"num_train_epochs={self.num_train_epochs!r} must be > 0 when max_steps is -1",
+            )
+        for name in (
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "max_length",
+            "lora_r",
+            "logging_steps",
+        ):
+            positive_int(name)
+        positive_int("eval_steps", allow_none=True)
+        positive_int("save_steps", allow_none=True)
+        need(
+            isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+            f"warmup_steps={self.warmup_steps!r} must be an integer >= 0",
+        )
+        need(
+            isinstance(self.learning_rate, int | float) and self.learning_rate > 0,
+            f"learning_rate={self.learning_rate!r} must be > 0, e.g. 2e-4 for LoRA",
+        )
+        need(
+            isinstance(self.lora_alpha, int | float) and self.lora_alpha > 0,
+            f"lora_alpha={self.lora_alpha!r} must be > 0",
+        )
+        need(
+            isinstance(self.lora_dropout, int | float) and 0 <= self.lora_dropout < 1,
+            f"lora_dropout={self.lora_dropout!r} must be in [0, 1)",
+        )
+        need(
+            isinstance(self.max_grad_norm, int | float) and self.max_grad_norm >= 0,
+            f"max_grad_norm={self.max_grad_norm!r} must be >= 0 (0 disables clipping)",
+        )
+        need(
+            self.lr_scheduler_type in SCHEDULERS,
+            f"lr_scheduler_type={self.lr_scheduler_type!r} is not supported; use one of {', '.join(SCHEDULERS)}",
+        )
+        dtype = _DTYPE_ALIASES.get(str(self.dtype), self.dtype)
+        if dtype in ("float16", "fp16"):
+            problems.append(
+                "dtype='float16' is not supported: fp16 training needs loss scaling. Use 'bfloat16' or 'float32' instead"
+            )
+        elif dtype not in DTYPES:
+            problems.append(
+                f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPES)}"
+            )
+        else:
+            self.dtype = dtype
+        tm = self.target_modules
+        need(
+            (isinstance(tm, str) and bool(tm))
+            or (isinstance(tm, list | tuple) and bool(tm) and all(isinstance(m, str) for m in tm)),
+            f"target_modules={tm!r} must be 'all-linear' or a non-empty list of module names such as ['q_proj', 'v_proj']",
+        )
+        if isinstance(tm, tuple):
+            self.target_modules = list(tm)
+        if self.resume is not None:
+            if isinstance(self.resume, os.PathLike):
+                self.resume = os.fspath(self.resume)
+            if not isinstance(self.resume, str):
+                problems.append(
+                    f"resume={self.resume!r} must be None, 'latest' or a checkpoint folder"
+                )
+            elif self.resume != "latest" and not Path(self.resume).expanduser().is_dir():
+                problems.append(
+                    f"resume checkpoint {self.resume!r} not found; pass resume='latest' or an existing checkpoint-<step> folder"
+                )
+            elif self.overwrite:
+                problems.append("resume and overwrite=True contradict each other; drop one of them")
+
+        if problems:
+            lines = "\n".join(f"  - {p}" for p in problems)
+            msg = f"invalid SFTConfig:\n{lines}"
+            raise ConfigError(msg)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as JSON-ready values (in-memory data shown by its type and length)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("data", "eval_data") and value is not None and not isinstance(value, str):
+                try:
+                    value = f"<{type(value).__name__} of {len(value)} rows>"
+                except TypeError:
+                    value = f"<{type(value).__name__}>"
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def help(cls) -> str:
+        """One line per field: name, default and what it does."""
+        return "\n".join(f"{f.name} = {f.default!r}: {f.metadata['help']}" for f in fields(cls))
+
+
+__all__ = ["SFTConfig"]

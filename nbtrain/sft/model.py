@@ -1,0 +1,141 @@
+"""The base model and tokenizer through `from_pretrained`, and LoRA on top of them via peft."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from nbtrain.errors import ConfigError
+
+
+def _is_local(model: str) -> bool:
+    return Path(model).expanduser().exists()
+
+
+def _load_error(model: str, what: str, err: Exception) -> ConfigError:
+    if _is_local(model):
+        msg = (
+            f"could not load the {what} from folder {model!r}: {err}. Check that it holds config.json, the "
+            "weights and the tokenizer files, as written by save_pretrained"
+        )
+    else:
+        msg = (
+            f"could not load the {what} of {model!r}: it is not a local folder and the Hub did not "
+            f"answer ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Check the "
+            "name, or download the model and pass its folder"
+        )
+    return ConfigError(msg)
+
+
+def check_causal_lm(model: str) -> Any:
+    """The model's config, or a ConfigError when `model` is missing or not a causal LM."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    path = Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        msg = f"model folder {model!r} has no config.json, so it is not a saved model; pass the folder save_pretrained wrote"
+        raise ConfigError(msg)
+    try:
+        config = AutoConfig.from_pretrained(str(path) if path.exists() else model)
+    except Exception as e:
+        raise _load_error(model, "config", e) from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        archs = ", ".join(getattr(config, "architectures", None) or []) or config.model_type
+        msg = (
+            f"model {model!r} is a {archs} ({config.model_type}), not a causal language model, so it cannot "
+            "be fine-tuned with SFT; pick a model that AutoModelForCausalLM loads (e.g. Llama, Qwen2, GPT-2)"
+        )
+        raise ConfigError(msg)
+    return config
+
+
+def load_tokenizer(model: str) -> Any:
+    """The model's tokenizer, with a pad token (the eos token when the model has none)."""
+    from transformers import AutoTokenizer
+
+    source = str(Path(model).expanduser()) if _is_local(model) else model
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except Exception as e:
+        raise _load_error(model, "tokenizer", e) from None
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            msg = f"the tokenizer of {model!r} has neither a pad nor an eos token; set tokenizer.pad_token and save it"
+            raise ConfigError(msg)
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(model: str, dtype: Any, device: Any, gradient_checkpointing: bool = False) -> Any:
+    """The base causal LM, frozen, on `device`, with weights in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    source = str(Path(model).expanduser()) if _is_local(model) else model
+    try:
+        base = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except Exception as e:
+        raise _load_error(model, "model", e) from None
+    base.config.use_cache = False
+    if gradient_checkpointing:
+        # non-reentrant checkpointing works with frozen inputs, so peft needs no input-grad hook
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return base.to(device)
+
+
+def linear_module_names(model: Any) -> list[str]:
+    """The distinct short names of the model's linear layers (q_proj, down_proj, lm_head...)."""
+    import torch
+
+    names = {
+        n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+    }
+    try:
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+        names |= {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, Conv1D)}
+    except ImportError:
+        pass
+    return sorted(names)
+
+
+def check_target_modules(model: Any, target_modules: str | list[str]) -> None:
+    """A ConfigError listing the model's linear modules when a target matches no module of the model."""
+    if isinstance(target_modules, str) and target_modules.lower() == "all-linear":
+        return
+    names = [n for n, _ in model.named_modules() if n]
+    if isinstance(target_modules, str):  # peft reads a string as a regex over full module names
+        missing = [] if any(re.fullmatch(target_modules, n) for n in names) else [target_modules]
+    else:
+        missing = [
+            t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)
+        ]
+    if missing:
+        linear = ", ".join(linear_module_names(model))
+        msg = (
+            f"target_modules {missing} not found in model {type(model).__name__}; its linear modules are: "
+            f"{linear}. Pass some of those, or target_modules='all-linear'"
+        )
+        raise ConfigError(msg)
+
+
+def apply_lora(model: Any, cfg: Any) -> Any:
+    """Wrap `model` in a peft LoRA model per `cfg` (rank, alpha, dropout, target modules)."""
+    from peft import LoraConfig, get_peft_model
+
+    check_target_modules(model, cfg.target_modules)
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as e:  # e.g. a target that is not a layer type LoRA supports
+        linear = ", ".join(linear_module_names(model))
+        msg = f"LoRA could not wrap target_modules={cfg.target_modules!r}: {e}. The model's linear modules are: {linear}"
+        raise ConfigError(msg) from None

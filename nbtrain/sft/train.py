@@ -1,0 +1,683 @@
+"""`finetune`: LoRA supervised fine-tuning that runs on every rank, in a plain process or on a cluster.
+
+In [1]: %%distributed
+   ...: cfg = nbtrain.SFTConfig(model="tiny-llama", data="train.jsonl", output_dir="runs/first",
+   ...:                         max_steps=200, per_device_train_batch_size=4)
+   ...: result = nbtrain.finetune(cfg)
+In [2]: result.history.plot(x="step", y="loss")
+
+The loop follows nanoGPT's train.py and torchtune's distributed LoRA recipe: one global batch per
+optimizer step, gradients summed across ranks by DDP, the loss normalised by the number of target tokens
+in the whole global batch, so N ranks with batch B train exactly like 1 rank with batch N*B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbtrain.engine import metrics as live
+from nbtrain.engine.rank import get_local_rank, get_rank, get_world_size
+from nbtrain.errors import ConfigError
+from nbtrain.sft import checkpoint as ckpt
+from nbtrain.sft.config import SFTConfig
+
+# dense bf16 peak FLOP/s per GPU, for MFU; an unknown GPU reports no MFU rather than a wrong one
+_PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "4090": 165e12,
+}
+
+
+@dataclass
+class TrainResult:
+    """What `finetune` returns on every rank."""
+
+    history: Any  #: pandas DataFrame, one row per logged step
+    adapter_dir: str | None  #: the exported adapter folder on rank 0; None on other ranks
+    output_dir: str
+    merged_dir: str | None = None  #: the merged model folder (merge=True, rank 0)
+    metrics: dict[str, Any] = field(default_factory=dict)  #: the last logged row
+    global_step: int = 0
+    state: str = "done"  #: "done" or "stopped" (a stop request from the runs sidebar)
+    run_id: str | None = None
+
+    def __repr__(self) -> str:
+        loss = self.metrics.get("loss")
+        loss_s = f", loss={loss:.4f}" if isinstance(loss, float) else ""
+        return (
+            f"TrainResult(state={self.state!r}, global_step={self.global_step}{loss_s}, "
+            f"adapter_dir={self.adapter_dir!r}, rows={len(self.history)})"
+        )
+
+
+# ------------------------------------------------------------------------------------ process group
+class _Dist:
+    """The process group as this run sees it; every method also works alone (world size 1)."""
+
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.dist = dist
+        world = get_world_size()
+        if world > 1 and not dist.is_initialized():
+            # launched by torchrun or by hand: nbtrain's cluster would have set the group up already
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend=backend, init_method="env://")
+        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.active else get_rank()
+        self.world = dist.get_world_size() if self.active else 1
+        if self.world == 1:
+            self.rank = 0
+        self.local_rank = get_local_rank()
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        backend = dist.get_backend() if self.active else "gloo"
+        self.comm_device = self.device if backend == "nccl" else torch.device("cpu")
+        self.host = socket.gethostname()
+
+    @property
+    def is_zero(self) -> bool:
+        # the one rank-0 flag (nbtrain.is_rank_zero reads the env; the group is the truth here)
+        return self.rank == 0
+
+    def sum_(self, t: Any) -> Any:
+        """All-reduce (sum) a tensor in place; returns it on the compute device's side of comms."""
+        if self.active:
+            moved = t.to(self.comm_device)
+            self.dist.all_reduce(moved)
+            return moved.to(t.device)
+        return t
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self.active:
+            return obj
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def min_int(self, value: int) -> int:
+        import torch
+
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.long, device=self.comm_device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        if self.active:
+            self.dist.barrier()
+
+    def agree(self, fn: Any) -> Any:
+        """Run a set-up phase on every rank; if it fails on any rank, raise on all of them, not hang."""
+        err: BaseException | None = None
+        value = None
+        try:
+            value = fn()
+        except Exception as e:
+            err = e
+        report = (
+            None if err is None else (type(err).__name__, str(err), isinstance(err, ConfigError))
+        )
+        reports = self.gather_objects((report, self.host))
+        if err is not None:
+            raise err
+        failed = [(r, rep, host) for r, (rep, host) in enumerate(reports) if rep is not None]
+        if failed:
+            r, (kind, text, is_config), host = failed[0]
+            msg = f"rank {r} on {host} failed during set-up: {text}"
+            raise ConfigError(msg) if is_config else RuntimeError(f"{kind}: {msg}")
+        return value
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _compute_dtype(cfg: SFTConfig, device: Any) -> Any:
+    import torch
+
+    if cfg.dtype == "float32":
+        return None
+    if cfg.dtype == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None  # fp32 on CPU
+
+
+def _check_output_dir(cfg: SFTConfig) -> str | None:
+    """Rank 0: the checkpoint to resume from, or a ConfigError when the folder holds another run."""
+    out = Path(cfg.output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        msg = f"output_dir {cfg.output_dir!r} is a file; pass a folder path"
+        raise ConfigError(msg)
+    if cfg.resume == "latest":
+        found = ckpt.list_checkpoints(out)
+        if not found:
+            msg = (
+                f"resume='latest' but output_dir {cfg.output_dir!r} holds no complete checkpoint; "
+                "drop resume to start a new run, or point output_dir at the run to continue"
+            )
+            raise ConfigError(msg)
+        return str(found[-1])
+    if cfg.resume is not None:
+        path = Path(cfg.resume).expanduser()
+        if not (path / ckpt.STATE_FILE).is_file():
+            msg = (
+                f"resume={cfg.resume!r} is not a complete checkpoint (no {ckpt.STATE_FILE}); pass a "
+                "checkpoint-<step> folder written by finetune, or resume='latest'"
+            )
+            raise ConfigError(msg)
+        return str(path)
+    existing = ckpt.any_checkpoint_dirs(out)
+    if existing and not cfg.overwrite:
+        shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
+        msg = (
+            f"output_dir {cfg.output_dir!r} holds another run's checkpoints ({shown}); pass "
+            "resume='latest' to continue that run, overwrite=True to start over, or a new output_dir"
+        )
+        raise ConfigError(msg)
+    return None
+
+
+def _clear_output_dir(out: Path) -> None:
+    """overwrite=True: remove what an earlier run wrote (only nbtrain's own files)."""
+    for p in out.iterdir() if out.is_dir() else []:
+        if (
+            ckpt.CHECKPOINT_RE.match(p.name)
+            or p.name in ("adapter", "merged")
+            or p.name.startswith(".tmp-")
+        ):
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.name == "metrics.jsonl":
+            p.unlink()
+
+
+def _read_history(out: Path, upto_step: int) -> list[dict[str, Any]]:
+    path = out / "metrics.jsonl"
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            if row.get("step", 0) <= upto_step:
+                rows.append(row)
+    return rows
+
+
+def _peak_flops(device: Any) -> float | None:
+    import torch
+
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in _PEAK_BF16_FLOPS.items():
+        if key in name:
+            return flops
+    return None
+
+
+def _fmt_line(row: dict[str, Any], total: int) -> str:
+    parts = [f"step {row['step']}/{total}", f"loss {row['loss']:.4f}"]
+    if row.get("grad_norm") is not None:
+        parts.append(f"grad_norm {row['grad_norm']:.2f}")
+    parts += [
+        f"lr {row['learning_rate']:.2e}",
+        f"{row['step_time']:.2f} s",
+        f"{row['tokens_per_s']:,.0f} tok/s",
+    ]
+    if row.get("eval_loss") is not None:
+        parts.append(f"eval_loss {row['eval_loss']:.4f}")
+    return " | ".join(parts)
+
+
+def _token_loss_sum(model: Any, batch: dict[str, Any], autocast: Any) -> Any:
+    """Summed cross-entropy over target tokens (labels shifted by one)."""
+    import torch.nn.functional as F
+
+    with autocast():
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).logits
+    logits = logits[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+
+
+# ------------------------------------------------------------------------------------------ finetune
+def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
+    """Fine-tune `cfg.model` with LoRA on `cfg.data`, on every rank; export the adapter on rank 0.
+
+    In [1]: result = nbtrain.finetune(nbtrain.SFTConfig(model="tiny", data="train.jsonl", max_steps=50))
+    In [2]: result.history.tail()
+
+    Bad settings or data raise `ConfigError` on every rank before any step, and nothing is written to
+    `output_dir`. `merge=True` also writes the merged model to `output_dir/merged`.
+    """
+    if not isinstance(cfg, SFTConfig):
+        msg = f"finetune needs an nbtrain.SFTConfig, got {type(cfg).__name__}; build one with nbtrain.SFTConfig(...)"
+        raise ConfigError(msg)
+    import torch
+
+    from nbtrain.sft.data import ShardedBatches, eval_batches, load_rows
+    from nbtrain.sft.model import apply_lora, check_causal_lm, load_model, load_tokenizer
+
+    d = _Dist()
+    out = Path(cfg.output_dir).expanduser()
+
+    # ---- set-up phase: everything that can be wrong is found here, on every rank, before any write
+    def setup() -> dict[str, Any]:
+        resume_from = _check_output_dir(cfg) if d.is_zero else None
+        rows = load_rows(cfg.data, "data")
+        eval_rows = load_rows(cfg.eval_data, "eval_data") if cfg.eval_data is not None else None
+        check_causal_lm(cfg.model)
+        tokenizer = load_tokenizer(cfg.model)
+        compute_dtype = _compute_dtype(cfg, d.device)
+        weights_dtype = (
+            compute_dtype if d.device.type == "cuda" and compute_dtype else torch.float32
+        )
+        base = load_model(cfg.model, weights_dtype, d.device, cfg.gradient_checkpointing)
+        # same LoRA init on every rank and world size
+        torch.manual_seed(cfg.seed)
+        model = apply_lora(base, cfg)
+        batches = ShardedBatches(
+            rows,
+            tokenizer,
+            max_length=cfg.max_length,
+            batch_size=cfg.per_device_train_batch_size,
+            grad_accum=cfg.gradient_accumulation_steps,
+            seed=cfg.seed,
+            rank=d.rank,
+            world_size=d.world,
+            packing=cfg.packing,
+        )
+        evals = None
+        if eval_rows is not None:
+            evals = eval_batches(
+                eval_rows,
+                tokenizer,
+                max_length=cfg.max_length,
+                batch_size=cfg.per_device_train_batch_size,
+                rank=d.rank,
+                world_size=d.world,
+            )
+        return {
+            "resume_from": resume_from,
+            "tokenizer": tokenizer,
+            "model": model,
+            "batches": batches,
+            "evals": evals,
+            "compute_dtype": compute_dtype,
+        }
+
+    s = d.agree(setup)
+    model, tokenizer, batches, evals = s["model"], s["tokenizer"], s["batches"], s["evals"]
+    if cfg.packing:
+        batches.steps_per_epoch = d.min_int(batches.steps_per_epoch)
+    spe = batches.steps_per_epoch
+    total_steps = (
+        cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.num_train_epochs * spe))
+    )
+
+    # ---- resume: rank 0 reads the checkpoint and hands it to the others (they may not see its disk)
+    resume_from = d.broadcast_object(s["resume_from"])
+    resumed: dict[str, Any] | None = None
+    if resume_from is not None:
+        resumed = d.agree(lambda: ckpt.load_checkpoint(resume_from) if d.is_zero else None)
+        resumed = d.broadcast_object(resumed)
+    start_step = int(resumed["state"]["global_step"]) if resumed else 0
+    global_batch = d.world * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    if resumed and resumed["state"].get("global_batch_size") != global_batch and d.is_zero:
+        print(
+            f"nbtrain: resuming with a global batch of {global_batch} rows where the checkpoint used "
+            f"{resumed['state'].get('global_batch_size')}; the data order continues by step, not by row"
+        )
+
+    # ---- from here on rank 0 writes to output_dir
+    history: list[dict[str, Any]] = []
+    run_id = None
+    metrics_file = None
+    name = cfg.run_name or out.name
+    if d.is_zero:
+        if cfg.overwrite:
+            _clear_output_dir(out)
+        out.mkdir(parents=True, exist_ok=True)
+        history = _read_history(out, start_step) if resumed else []
+        # a resumed run drops the rows logged after its checkpoint, which it is about to redo
+        tmp = out / ".metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
+        os.replace(tmp, out / "metrics.jsonl")
+        metrics_file = (out / "metrics.jsonl").open("a")
+        from nbtrain.runs import register_run
+
+        run_id = register_run(
+            out,
+            name=name,
+            total_steps=total_steps,
+            world_size=d.world,
+            cluster_id=os.environ.get("NBTRAIN_CLUSTER_ID"),
+        )
+    history = d.broadcast_object(history)
+
+    # ---- model, optimizer, schedule
+    from peft import set_peft_model_state_dict
+    from transformers import get_scheduler
+
+    if resumed:
+        set_peft_model_state_dict(model, resumed["adapter"])
+    peft_model = model
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    if d.active:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(peft_model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0)
+    scheduler = get_scheduler(
+        cfg.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=cfg.warmup_steps,
+        num_training_steps=total_steps,
+    )
+    if resumed:
+        optimizer.load_state_dict(resumed["optimizer"])
+        scheduler.load_state_dict(resumed["scheduler"])
+        rng = resumed["rng"]
+        if d.rank < len(rng):
+            ckpt.set_rng_state(rng[d.rank])
+        else:
+            torch.manual_seed(cfg.seed + 1 + d.rank)
+    else:
+        # dropout masks differ across ranks, as distinct samples would get
+        torch.manual_seed(cfg.seed + 1 + d.rank)
+
+    compute_dtype = s["compute_dtype"]
+
+    def autocast() -> Any:
+        if compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=d.device.type, dtype=compute_dtype)
+
+    n_params = sum(p.numel() for p in peft_model.parameters())
+    # LoRA training FLOPs: forward 2N, backward 2N for activations; frozen weights need no weight grads
+    flops_per_token = 4 * n_params + 2 * sum(p.numel() for p in trainable)
+    peak_flops = _peak_flops(d.device) if compute_dtype is not None else None
+    on_gpu = d.device.type == "cuda"
+    GA = cfg.gradient_accumulation_steps
+
+    def evaluate() -> float:
+        peft_model.eval()
+        sums = torch.zeros(2, dtype=torch.float64)
+        from nbtrain.sft.data import collate
+
+        with torch.no_grad():
+            for exs in evals or []:
+                pad = max(len(e.input_ids) for e in exs)
+                b = {
+                    k: v.to(d.device) for k, v in collate(exs, pad, tokenizer.pad_token_id).items()
+                }
+                sums[0] += _token_loss_sum(peft_model, b, autocast).double().item()
+                sums[1] += sum(e.n_targets for e in exs)
+        peft_model.train()
+        sums = d.sum_(sums)
+        return float(sums[0] / max(sums[1].item(), 1.0))
+
+    def save(step: int) -> None:
+        rngs = d.gather_objects(ckpt.get_rng_state())
+        if d.is_zero:
+            epoch, in_epoch = divmod(step, spe)
+            state = {
+                "global_step": step,
+                "total_steps": total_steps,
+                "epoch": step / spe,
+                "data_position": {
+                    "epoch": epoch,
+                    "step_in_epoch": in_epoch,
+                    "rows_consumed": step * global_batch,
+                },
+                "steps_per_epoch": spe,
+                "world_size": d.world,
+                "per_device_train_batch_size": cfg.per_device_train_batch_size,
+                "gradient_accumulation_steps": GA,
+                "global_batch_size": global_batch,
+                "seed": cfg.seed,
+            }
+            ckpt.save_checkpoint(
+                out,
+                step,
+                model=peft_model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                rng_states=rngs,
+                state=state,
+                config=cfg.to_dict(),
+            )
+
+    from nbtrain.sft.data import collate
+
+    live.begin(total_steps=total_steps, name=name)
+    final_state = "failed"
+    step = start_step
+    last_saved = start_step if resumed else -1
+    try:
+        model.train()
+        acc_loss = torch.zeros(
+            (), dtype=torch.float64, device=d.device
+        )  # sum of per-step mean losses
+        acc_steps = 0
+        acc_tokens = 0.0
+        grad_norm = None
+        interval_start = time.perf_counter()
+        stopped = False
+        while step < total_steps:
+            # one small collective per step: target tokens and lengths per micro-batch, and the stop flag
+            micro = [batches.micro_batch(step, a) for a in range(GA)]
+            stats = torch.zeros((d.world, 2 * GA + 2), dtype=torch.float64)
+            for a, exs in enumerate(micro):
+                stats[d.rank, a] = sum(e.n_targets for e in exs)
+                stats[d.rank, GA + a] = max(len(e.input_ids) for e in exs)
+            stats[d.rank, 2 * GA] = sum(len(e.input_ids) for exs in micro for e in exs)
+            if d.is_zero and run_id is not None:
+                from nbtrain.runs import stop_requested
+
+                stats[0, 2 * GA + 1] = float(stop_requested(run_id))
+            stats = d.sum_(stats)
+            if stats[0, 2 * GA + 1] > 0:
+                stopped = True
+                break
+            n_targets = max(float(stats[:, :GA].sum()), 1.0)
+            for a, exs in enumerate(micro):
+                # pad to the longest row across ranks: the same shapes as one rank with the whole batch
+                batch = collate(exs, int(stats[:, GA + a].max()), tokenizer.pad_token_id)
+                batch = {k: v.to(d.device) for k, v in batch.items()}
+                sync = a == GA - 1 or not d.active
+                ctx = contextlib.nullcontext() if sync else model.no_sync()
+                with ctx:
+                    loss_sum = _token_loss_sum(model, batch, autocast)
+                    # DDP averages gradients over ranks; scaling by world turns that into the global sum
+                    (loss_sum * (d.world / n_targets)).backward()
+                acc_loss += loss_sum.detach().double() / n_targets
+            clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            acc_steps += 1
+            acc_tokens += float(stats[:, 2 * GA].sum())
+
+            do_eval = evals is not None and (
+                (cfg.eval_steps is not None and step % cfg.eval_steps == 0) or step == total_steps
+            )
+            eval_loss = evaluate() if do_eval else None
+            if step % cfg.logging_steps == 0 or step == total_steps or do_eval:
+                history.append(
+                    _log_row(
+                        d,
+                        step,
+                        acc_loss,
+                        acc_steps,
+                        acc_tokens,
+                        interval_start,
+                        grad_norm,
+                        lr,
+                        eval_loss,
+                        spe,
+                        flops_per_token,
+                        peak_flops,
+                        on_gpu,
+                    )
+                )
+                row = history[-1]
+                live.log(**row)
+                if d.is_zero:
+                    print(_fmt_line(row, total_steps), flush=True)
+                    assert metrics_file is not None
+                    metrics_file.write(json.dumps(row) + "\n")
+                    metrics_file.flush()
+                    from nbtrain.runs import update_run
+
+                    update_run(
+                        run_id, step=step, loss=row["loss"], tokens_per_s=row["tokens_per_s"]
+                    )
+                acc_loss.zero_()
+                acc_steps, acc_tokens = 0, 0.0
+                interval_start = time.perf_counter()
+            if cfg.save_steps is not None and step % cfg.save_steps == 0:
+                save(step)
+                last_saved = step
+        if stopped:
+            if acc_steps:
+                history.append(
+                    _log_row(
+                        d,
+                        step,
+                        acc_loss,
+                        acc_steps,
+                        acc_tokens,
+                        interval_start,
+                        grad_norm,
+                        scheduler.get_last_lr()[0],
+                        None,
+                        spe,
+                        flops_per_token,
+                        peak_flops,
+                        on_gpu,
+                    )
+                )
+                live.log(**history[-1])
+                if d.is_zero:
+                    assert metrics_file is not None
+                    metrics_file.write(json.dumps(history[-1]) + "\n")
+                    metrics_file.flush()
+            if last_saved != step:
+                save(step)
+            if d.is_zero:
+                print(
+                    f"nbtrain: stopped at step {step}/{total_steps} on request; checkpoint saved",
+                    flush=True,
+                )
+
+        adapter_dir = merged_dir = None
+        if d.is_zero:
+            adapter_dir = str(ckpt.export_adapter(out, peft_model, tokenizer))
+            if merge:
+                merged_dir = str(ckpt.export_merged(out, peft_model, tokenizer))
+        d.barrier()
+        final_state = "stopped" if stopped else "done"
+    finally:
+        live.end()
+        if metrics_file is not None:
+            metrics_file.close()
+        if run_id is not None:
+            from nbtrain.runs import finish_run
+
+            finish_run(run_id, final_state)
+
+    import pandas as pd
+
+    return TrainResult(
+        history=pd.DataFrame(history),
+        adapter_dir=adapter_dir,
+        output_dir=str(out),
+        merged_dir=merged_dir,
+        metrics=dict(history[-1]) if history else {},
+        global_step=step,
+        state=final_state,
+        run_id=run_id,
+    )
+
+
+def _log_row(
+    d: _Dist,
+    step: int,
+    acc_loss: Any,
+    acc_steps: int,
+    acc_tokens: float,
+    interval_start: float,
+    grad_norm: Any,
+    lr: float,
+    eval_loss: float | None,
+    spe: int,
+    flops_per_token: float,
+    peak_flops: float | None,
+    on_gpu: bool,
+) -> dict[str, Any]:
+    """One metrics row, the same on every rank: loss averaged and tokens summed over ranks."""
+    import torch
+
+    if on_gpu:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - interval_start
+    # ranks' loss shares add up to the global mean; the peak memory of each rank rides along
+    vec = torch.zeros(1 + d.world, dtype=torch.float64)
+    vec[0] = acc_loss.item()
+    if on_gpu:
+        vec[1 + d.rank] = torch.cuda.max_memory_allocated() / 2**30
+    vec = d.sum_(vec)
+    tokens_per_s = acc_tokens / elapsed if elapsed > 0 else 0.0
+    row: dict[str, Any] = {
+        "step": step,
+        "loss": float(vec[0]) / max(acc_steps, 1),
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "learning_rate": float(lr),
+        "tokens_per_s": tokens_per_s,
+        "step_time": elapsed / max(acc_steps, 1),
+        "epoch": step / spe,
+    }
+    if eval_loss is not None:
+        row["eval_loss"] = eval_loss
+    if on_gpu:
+        if peak_flops:
+            row["mfu"] = tokens_per_s * flops_per_token / (peak_flops * d.world)
+        row["peak_memory_gb"] = float(vec[1:].max())
+        for r in range(d.world):
+            row[f"peak_memory_gb_rank{r}"] = float(vec[1 + r])
+    return row
