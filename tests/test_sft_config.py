@@ -1,0 +1,99 @@
+"""SFTConfig: typed settings, checked where they enter, with errors that name the problem and the fix."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from nbtrain.errors import ConfigError
+from nbtrain.sft.config import SFTConfig
+
+ISSUE_FIELDS = (
+    "model data eval_data output_dir max_steps num_train_epochs per_device_train_batch_size "
+    "gradient_accumulation_steps learning_rate lr_scheduler_type warmup_steps max_length packing lora_r "
+    "lora_alpha lora_dropout target_modules logging_steps eval_steps save_steps resume seed dtype "
+    "gradient_checkpointing overwrite"
+).split()
+
+
+@pytest.fixture
+def base(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    return {"model": str(model), "data": str(data), "output_dir": str(tmp_path / "out")}
+
+
+def test_fields_and_help():
+    names = [f.name for f in fields(SFTConfig)]
+    for name in ISSUE_FIELDS:
+        assert name in names
+    assert fields(SFTConfig)[names.index("target_modules")].default == "all-linear"
+    for f in fields(SFTConfig):
+        assert f.metadata["help"].strip(), f.name
+    assert len(SFTConfig.help().splitlines()) == len(names)
+
+
+def test_valid_config_is_normalised(base, tmp_path):
+    cfg = SFTConfig(**base, dtype="bf16", target_modules=("q_proj", "v_proj"), max_steps=5)
+    assert cfg.dtype == "bfloat16"
+    assert cfg.target_modules == ["q_proj", "v_proj"]
+    assert not (tmp_path / "out").exists()  # building a config writes nothing
+    d = SFTConfig(**{**base, "data": [{"text": "a"}, {"text": "b"}]}).to_dict()
+    assert d["data"] == "<list of 2 rows>"
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"max_length": 0}, ["max_length=0", ">= 1"]),
+        ({"per_device_train_batch_size": 0}, ["per_device_train_batch_size=0"]),
+        ({"gradient_accumulation_steps": -2}, ["gradient_accumulation_steps=-2"]),
+        ({"max_steps": 0}, ["max_steps=0", "-1"]),
+        ({"max_steps": -1, "num_train_epochs": 0}, ["num_train_epochs=0"]),
+        ({"learning_rate": 0}, ["learning_rate=0", "> 0"]),
+        ({"learning_rate": -1e-4}, ["learning_rate=-0.0001"]),
+        ({"lr_scheduler_type": "cosine_annealing"}, ["lr_scheduler_type", "cosine"]),
+        ({"dtype": "float16"}, ["float16", "bfloat16"]),
+        ({"dtype": "int8"}, ["dtype='int8'"]),
+        ({"lora_r": 0}, ["lora_r=0"]),
+        ({"lora_dropout": 1.5}, ["lora_dropout"]),
+        ({"target_modules": []}, ["target_modules", "all-linear"]),
+        ({"save_steps": 0}, ["save_steps=0"]),
+        (
+            {"data": "/nonexistent/train.jsonl"},
+            ["data file", "not found", "/nonexistent/train.jsonl"],
+        ),
+        ({"data": None}, ["data is required"]),
+        ({"model": "./no-such-model"}, ["model folder", "does not exist"]),
+        ({"model": ""}, ["model is required"]),
+        ({"resume": "/nowhere/checkpoint-3"}, ["resume checkpoint", "not found", "latest"]),
+    ],
+)
+def test_bad_values_raise_config_error(base, tmp_path, change, words):
+    with pytest.raises(ConfigError) as e:
+        SFTConfig(**{**base, **change})
+    for w in words:
+        assert w in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_file_suffix_checked(base, tmp_path):
+    bad = tmp_path / "train.txt"
+    bad.write_text("x")
+    with pytest.raises(ConfigError, match=r"unknown suffix.*\.jsonl"):
+        SFTConfig(**{**base, "data": str(bad)})
+
+
+def test_all_problems_reported_at_once(base):
+    with pytest.raises(ConfigError) as e:
+        SFTConfig(**base, max_length=0, learning_rate=0)
+    assert "max_length" in str(e.value) and "learning_rate" in str(e.value)
+
+
+def test_hub_id_is_not_checked_locally(base):
+    # a Hub id cannot be checked without the network; finetune reports it when loading
+    cfg = SFTConfig(**{**base, "model": "Qwen/Qwen2.5-0.5B"})
+    assert cfg.model == "Qwen/Qwen2.5-0.5B"
