@@ -202,3 +202,29 @@ def test_down_after_a_crash_leaves_nothing_behind(no_testbed: None) -> None:
     # idempotent
     tbm.down()
     assert tbm.leftovers() == []
+
+
+def test_ipyparallel_ssh_launcher_starts_engines_on_the_nodes(
+    testbed: Testbed, tmp_path: Path
+) -> None:
+    """The contract the cluster core relies on: ssh_args/scp_args and remote_python suffice."""
+    import ipyparallel as ipp
+
+    a, b = testbed.nodes[0], testbed.nodes[1]
+    cluster = ipp.Cluster(
+        engine_launcher_class="ssh",
+        controller_ip=testbed.head_address,
+        profile_dir=str(tmp_path / "profile"),
+        log_level=40,
+    )
+    launcher = cluster.config.SSHEngineSetLauncher
+    launcher.engines = {a.name: 1, b.name: 2}  # uneven, as a 1+2 layout
+    launcher.ssh_args = testbed.ssh_args
+    launcher.scp_args = testbed.ssh_args
+    launcher.remote_python = testbed.remote_python
+    try:
+        rc = cluster.start_and_connect_sync(n=3)
+        hosts = rc[:].apply_sync(socket.gethostname)
+    finally:
+        cluster.stop_cluster_sync()
+    assert sorted(hosts) == sorted([a.name, b.name, b.name])
