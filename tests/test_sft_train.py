@@ -1,0 +1,344 @@
+"""finetune in a plain process (world size 1): the loop, metrics, checkpoints, resume, stop, export."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nbtrain import runs
+from nbtrain.errors import ConfigError
+from nbtrain.sft import checkpoint as ckpt
+from nbtrain.sft.config import SFTConfig
+from nbtrain.sft.train import finetune
+
+DATA = str(Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl")
+LINE = re.compile(
+    r"^step (\d+)/(\d+) \| loss \d+\.\d{4} \| grad_norm \d+\.\d{2} \| lr \d\.\d{2}e[-+]\d{2} \| "
+    r"\d+\.\d{2} s \| [\d,]+ tok/s( \| eval_loss \d+\.\d{4})?$"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # the test machine is small and shared: one BLAS thread is several times faster than two here
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from nbtrain.sft.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def make_cfg(tiny, out, **kw):
+    base = dict(
+        model=tiny,
+        data=DATA,
+        output_dir=str(out),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        max_length=48,
+        logging_steps=1,
+        save_steps=None,
+        lora_r=8,
+        lora_dropout=0.0,
+    )
+    base.update(kw)
+    return SFTConfig(**base)
+
+
+def _adapter(path):
+    return load_file(str(Path(path) / "adapter_model.safetensors"))
+
+
+def _eval_loss_by_hand(base_dir, adapter_dir, rows, max_length):
+    """Token-mean loss over `rows` computed independently of finetune's own eval loop."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nbtrain.sft.data import encode_row
+
+    tok = AutoTokenizer.from_pretrained(adapter_dir)
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir
+    ).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            ex = encode_row(row, tok, max_length)
+            logits = model(input_ids=torch.tensor([ex.input_ids])).logits[0, :-1]
+            labels = torch.tensor(ex.labels[1:])
+            total += torch.nn.functional.cross_entropy(
+                logits, labels, ignore_index=-100, reduction="sum"
+            ).item()
+            count += ex.n_targets
+    return total / count
+
+
+def test_finetune_learns_logs_checkpoints_and_exports(tiny, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    eval_rows = [json.loads(x) for x in Path(DATA).read_text().splitlines()[:24]]
+    out = tmp_path / "run"
+    cfg = make_cfg(
+        tiny, out, max_steps=40, logging_steps=5, save_steps=20, eval_data=eval_rows, eval_steps=20
+    )
+    t0 = time.perf_counter()
+    result = finetune(cfg)
+    elapsed = time.perf_counter() - t0
+
+    h = result.history
+    assert list(h["step"]) == [5, 10, 15, 20, 25, 30, 35, 40]
+    for col in ("loss", "grad_norm", "learning_rate", "tokens_per_s", "step_time", "epoch"):
+        assert h[col].notna().all(), col
+    assert h["eval_loss"].notna().tolist() == [False, False, False, True, False, False, False, True]
+    assert "mfu" not in h and "peak_memory_gb" not in h  # GPU-only metrics
+    assert h["epoch"].iloc[-1] == pytest.approx(40 / (400 // 4))
+    assert h["loss"].iloc[-1] < h["loss"].iloc[0] - 0.5, h["loss"].tolist()  # it learns
+    assert h["eval_loss"].iloc[-1] < h["eval_loss"].iloc[3]
+    assert (h["tokens_per_s"] > 0).all()
+    assert result.state == "done" and result.global_step == 40
+    print(f"[timing] 40 steps in {elapsed:.1f}s")
+
+    # the log line, once per logging step, and metrics.jsonl holding the same rows as the history
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    assert len(lines) == 8 and all(LINE.match(x) for x in lines), lines
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert rows[-1]["loss"] == pytest.approx(h["loss"].iloc[-1])
+
+    # checkpoints: adapter, optimizer, scheduler, RNG, data position, config
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["checkpoint-20", "checkpoint-40"]
+    c20 = out / "checkpoint-20"
+    for name in (
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state_0.pth",
+        "trainer_state.json",
+        "sft_config.json",
+    ):
+        assert (c20 / name).is_file(), name
+    state = json.loads((c20 / "trainer_state.json").read_text())
+    assert state["global_step"] == 20 and state["data_position"]["rows_consumed"] == 80
+    assert json.loads((c20 / "sft_config.json").read_text())["eval_data"] == "<list of 24 rows>"
+
+    # export: PeftModel.from_pretrained loads it; the eval number matches an independent computation
+    assert result.adapter_dir == str(out / "adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in out.joinpath("adapter").iterdir()
+    }
+    torch.testing.assert_close(_adapter(result.adapter_dir), _adapter(out / "checkpoint-40"))
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny), result.adapter_dir
+    )
+    assert any(
+        n.endswith("lora_B.default.weight") and p.abs().sum() > 0
+        for n, p in model.named_parameters()
+    )
+    want = _eval_loss_by_hand(tiny, result.adapter_dir, eval_rows, 48)
+    assert h["eval_loss"].iloc[-1] == pytest.approx(want, rel=1e-4)
+
+    record = runs.get_run(runs.run_id_for(out))
+    assert record["state"] == "done" and record["step"] == 40 and record["total_steps"] == 40
+
+
+def test_merge_writes_a_model_equal_to_base_plus_adapter(tiny, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    result = finetune(make_cfg(tiny, tmp_path / "m", max_steps=3), merge=True)
+    assert result.merged_dir == str(tmp_path / "m" / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(result.merged_dir).eval()
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny), result.adapter_dir
+    ).eval()
+    x = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            merged(input_ids=x).logits, peft(input_ids=x).logits, atol=1e-5, rtol=1e-4
+        )
+
+
+def test_resume_latest_equals_uninterrupted(tiny, tmp_path):
+    # dropout on, so the restored RNG state matters too
+    kw = dict(
+        max_steps=6, save_steps=3, lora_dropout=0.1, lr_scheduler_type="cosine", warmup_steps=2
+    )
+    full = finetune(make_cfg(tiny, tmp_path / "full", **kw))
+
+    # the interrupted run: what a crash after step 4 leaves (checkpoint-3, rows logged up to step 4)
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-3", crashed / "checkpoint-3")
+    lines = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    (crashed / "metrics.jsonl").write_text("\n".join(lines[:4]) + "\n")
+    (crashed / ".tmp-checkpoint-6-999").mkdir()  # a save cut short by the crash
+
+    resumed = finetune(make_cfg(tiny, crashed, resume="latest", **kw))
+    assert list(resumed.history["step"]) == [1, 2, 3, 4, 5, 6]
+    torch.testing.assert_close(
+        torch.tensor(resumed.history["loss"].to_numpy()),
+        torch.tensor(full.history["loss"].to_numpy()),
+    )
+    torch.testing.assert_close(_adapter(resumed.adapter_dir), _adapter(full.adapter_dir))
+    steps = [json.loads(x)["step"] for x in (crashed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # rows after the checkpoint were dropped, then redone
+
+    # a checkpoint path works too, and without dropout restored RNG would not matter: check it does
+    again = finetune(
+        make_cfg(tiny, tmp_path / "again", resume=str(tmp_path / "full" / "checkpoint-3"), **kw)
+    )
+    torch.testing.assert_close(_adapter(again.adapter_dir), _adapter(full.adapter_dir))
+
+
+def test_stop_request_checkpoints_and_exports(tiny, tmp_path):
+    out = tmp_path / "stop"
+    run_id = runs.run_id_for(out)
+
+    def stopper():
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            rec = runs.get_run(run_id)
+            if rec and rec.get("state") == "running" and (rec.get("step") or 0) >= 2:
+                runs.request_stop(run_id)
+                return
+            time.sleep(0.002)
+
+    t = threading.Thread(target=stopper)
+    t.start()
+    result = finetune(make_cfg(tiny, out, max_steps=2000))
+    t.join()
+    assert result.state == "stopped"
+    assert 2 <= result.global_step < 2000
+    assert ckpt.list_checkpoints(out)[-1].name == f"checkpoint-{result.global_step}"
+    assert Path(result.adapter_dir, "adapter_model.safetensors").is_file()
+    assert runs.get_run(run_id)["state"] == "stopped"
+    assert not runs.stop_requested(run_id)
+    assert result.history["step"].iloc[-1] == result.global_step
+
+
+def test_atomic_save_leaves_previous_checkpoint(tmp_path):
+    def good(tmp):
+        (tmp / "a.txt").write_text("v1")
+        (tmp / ckpt.STATE_FILE).write_text("{}")
+
+    def dies(tmp):
+        (tmp / "a.txt").write_text("v2")
+        raise KeyboardInterrupt  # a kill mid-save
+
+    ckpt.write_atomic_dir(tmp_path / "checkpoint-1", good)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.write_atomic_dir(tmp_path / "checkpoint-1", dies)
+    assert (tmp_path / "checkpoint-1" / "a.txt").read_text() == "v1"
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.write_atomic_dir(tmp_path / "checkpoint-2", dies)
+    assert not (tmp_path / "checkpoint-2").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-1"]
+    # a folder without its state file (written last) is not a checkpoint
+    (tmp_path / "checkpoint-3").mkdir()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint-1"]
+
+
+# --------------------------------------------------------------------------------------- bad inputs
+def _not_causal(tmp_path):
+    from transformers import T5Config
+
+    path = tmp_path / "t5"
+    T5Config(d_model=16, num_layers=1).save_pretrained(path)
+    return str(path)
+
+
+def _no_config(tmp_path):
+    path = tmp_path / "empty-model"
+    path.mkdir()
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("bad_row", ["row 3", "'question'", "'prompt' + 'completion'"]),
+        ("target", ["['nope']", "not found", "q_proj", "down_proj", "all-linear"]),
+        ("not_causal", ["not a causal language model", "t5"]),
+        ("no_config", ["no config.json"]),
+        ("too_small", ["too few rows", "lower the batch size"]),
+        ("bad_json", ["line 2 is not valid JSON"]),
+        ("hub", ["not a local folder", "Hub"]),
+    ],
+)
+def test_bad_input_fails_before_any_step_and_writes_nothing(
+    tiny, tmp_path, monkeypatch, case, words
+):
+    out = tmp_path / "out"
+    kw: dict = {}
+    if case == "bad_row":
+        kw["data"] = [{"text": "a"}] * 3 + [{"question": "q", "answer": "a"}]
+    elif case == "target":
+        kw["target_modules"] = ["nope"]
+    elif case == "not_causal":
+        kw["model"] = _not_causal(tmp_path)
+    elif case == "no_config":
+        kw["model"] = _no_config(tmp_path)
+    elif case == "too_small":
+        kw["data"] = [{"text": "a"}] * 3
+    elif case == "bad_json":
+        p = tmp_path / "bad.jsonl"
+        p.write_text('{"text": "a"}\n{"text": \n')
+        kw["data"] = str(p)
+    elif case == "hub":
+        import huggingface_hub.constants
+
+        # no network here: offline mode gives the same failure without minutes of retries
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        kw["model"] = "nbtrain-test/no-such-model"
+    cfg = make_cfg(tiny, out, **kw)
+    with pytest.raises(ConfigError) as e:
+        finetune(cfg)
+    for w in words:
+        assert w in str(e.value)
+    assert not out.exists()
+    assert runs.get_run(runs.run_id_for(out)) is None
+
+
+def test_output_dir_with_another_runs_checkpoints(tiny, tmp_path):
+    out = tmp_path / "used"
+    (out / "checkpoint-5").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(
+        ConfigError,
+        match=r"holds another run's checkpoints \(checkpoint-5\).*resume='latest'.*overwrite=True",
+    ):
+        finetune(make_cfg(tiny, out))
+    assert sorted(p.name for p in out.iterdir()) == before
+    # resume='latest' needs a complete checkpoint
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        finetune(make_cfg(tiny, out, resume="latest"))
+    with pytest.raises(ConfigError, match="resume='latest' but output_dir"):
+        finetune(make_cfg(tiny, tmp_path / "fresh", resume="latest"))
+    assert not (tmp_path / "fresh").exists()
+    # overwrite=True starts over, removing only nbtrain's own files
+    result = finetune(make_cfg(tiny, out, max_steps=2, overwrite=True))
+    assert result.global_step == 2
+    assert sorted(p.name for p in out.iterdir()) == ["adapter", "metrics.jsonl", "notes.txt"]
+
+
+def test_finetune_needs_an_sftconfig():
+    with pytest.raises(ConfigError, match="nbtrain.SFTConfig"):
+        finetune({"model": "x"})  # type: ignore[arg-type]
