@@ -1,0 +1,218 @@
+"""finetune across real processes and a real gloo process group (no mocks).
+
+Each rank is a separate Python process launched with the torchrun-style environment (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), so finetune sets up the group itself through env://, as under torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nbtrain.sft.config import SFTConfig
+from nbtrain.sft.train import finetune
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = str(REPO / "nbtrain" / "data" / "instructions.jsonl")
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    torch.set_num_threads(1)
+    from nbtrain.sft.config import SFTConfig
+    from nbtrain.sft.train import finetune
+
+    kw = json.loads(sys.argv[1])
+    result = finetune(SFTConfig(**kw))
+    rank = int(os.environ["RANK"])
+    with open(sys.argv[2] + f".{rank}", "w") as f:
+        json.dump({"rank": rank, "adapter_dir": result.adapter_dir, "state": result.state,
+                   "history": result.history.to_dict(orient="records")}, f)
+    """
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from nbtrain.sft.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(tmp_path, world: int, **kw) -> list[dict]:
+    """Run finetune(SFTConfig(**kw)) on `world` processes; return each rank's result."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    results = tmp_path / f"result-{os.urandom(4).hex()}"
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), json.dumps(kw), str(results)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{out[-4000:]}"
+    return [json.loads(Path(f"{results}.{r}").read_text()) for r in range(world)]
+
+
+def _kw(tiny, out, **kw):
+    base = dict(
+        model=tiny,
+        data=DATA,
+        output_dir=str(out),
+        max_steps=5,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        max_length=48,
+        logging_steps=1,
+        save_steps=None,
+        lora_r=8,
+        lora_dropout=0.0,
+        seed=3,
+    )
+    base.update(kw)
+    return base
+
+
+def _adapter(path):
+    return load_file(str(Path(path) / "adapter_model.safetensors"))
+
+
+def _losses(history):
+    # computed in float32: compare at float32 tolerances
+    return torch.tensor([row["loss"] for row in history], dtype=torch.float32)
+
+
+def test_two_ranks_equal_one_rank_with_twice_the_batch(tiny, tmp_path):
+    eval_rows = [
+        json.loads(x) for x in Path(DATA).read_text().splitlines()[:21]
+    ]  # odd: uneven shards
+    two = run_ranks(tmp_path, 2, **_kw(tiny, tmp_path / "two", eval_data=eval_rows, eval_steps=5))
+    one = finetune(
+        SFTConfig(
+            **_kw(
+                tiny,
+                tmp_path / "one",
+                per_device_train_batch_size=4,
+                eval_data=eval_rows,
+                eval_steps=5,
+            )
+        )
+    )
+
+    h2, h1 = two[0]["history"], one.history.to_dict(orient="records")
+    assert [r["step"] for r in h2] == [1, 2, 3, 4, 5]
+
+    # every rank returns the same history (timings are each rank's own clock)
+    def untimed(h):
+        return [
+            {k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time", "eval_loss")}
+            for r in h
+        ]
+
+    assert untimed(two[1]["history"]) == untimed(h2)
+    torch.testing.assert_close(_losses(h2), _losses(h1))
+    torch.testing.assert_close(
+        torch.tensor([r["grad_norm"] for r in h2]), torch.tensor([r["grad_norm"] for r in h1])
+    )
+    # evaluation gives the same number whatever the world size
+    assert h2[-1]["eval_loss"] == pytest.approx(h1[-1]["eval_loss"], rel=1e-5)
+    # global tokens: two ranks process the same tokens per step as one rank with the whole batch
+    a2, a1 = _adapter(two[0]["adapter_dir"]), _adapter(one.adapter_dir)
+    assert a2.keys() == a1.keys()
+    # gradients agree to float32 rounding (summation order differs), but Adam divides each update by
+    # sqrt(v): a near-zero gradient component can move by a sizeable fraction of lr, hence the atol
+    torch.testing.assert_close(a2, a1, atol=1e-4, rtol=1e-3)
+    # the adapter moved away from its init (lora_B starts at zero), so the comparison means something
+    assert max(v.abs().max().item() for k, v in a2.items() if "lora_B" in k) > 1e-3
+
+    # rank 1 exports nothing and writes nothing; rank 0 wrote the run folder
+    assert two[0]["adapter_dir"] == str(tmp_path / "two" / "adapter")
+    assert two[1]["adapter_dir"] is None
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["adapter", "metrics.jsonl"]
+
+
+def test_resume_latest_on_two_ranks_equals_uninterrupted(tiny, tmp_path):
+    kw = dict(max_steps=4, save_steps=2, lora_dropout=0.1)
+    full = run_ranks(tmp_path, 2, **_kw(tiny, tmp_path / "full", **kw))
+    ck = tmp_path / "full" / "checkpoint-2"
+    assert sorted(p.name for p in ck.glob("rng_state_*.pth")) == [
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    ]
+
+    # what a kill after step 3 leaves: checkpoint-2 and the rows logged so far
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    shutil.copytree(ck, crashed / "checkpoint-2")
+    lines = (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    (crashed / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    resumed = run_ranks(tmp_path, 2, **_kw(tiny, crashed, resume="latest", **kw))
+
+    assert [r["step"] for r in resumed[0]["history"]] == [1, 2, 3, 4]
+    torch.testing.assert_close(_losses(resumed[0]["history"]), _losses(full[0]["history"]))
+    torch.testing.assert_close(
+        _adapter(resumed[0]["adapter_dir"]), _adapter(full[0]["adapter_dir"])
+    )
+
+
+def test_config_error_on_two_ranks_is_raised_everywhere(tiny, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"nope": 1}\n')
+    with pytest.raises(AssertionError) as e:
+        run_ranks(tmp_path, 2, **_kw(tiny, tmp_path / "bad-out", data=str(bad)))
+    assert "rank 0 failed" in str(e.value) and "row 1 is in none of the known formats" in str(
+        e.value
+    )
+    assert not (tmp_path / "bad-out").exists()
