@@ -156,6 +156,49 @@ class _Dist:
 
 
 # ------------------------------------------------------------------------------------------- helpers
+class _RunLog:
+    """Rank 0's record of a run: the log line, metrics.jsonl and the runs registry, row by row."""
+
+    def __init__(self, out: Path, history: list[dict[str, Any]], name: str, total: int, world: int):
+        from nbtrain.runs import register_run
+
+        self.total = total
+        # a resumed run drops the rows logged after its checkpoint, which it is about to redo
+        tmp = out / ".metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
+        os.replace(tmp, out / "metrics.jsonl")
+        self.file = (out / "metrics.jsonl").open("a")
+        self.run_id = register_run(
+            out,
+            name=name,
+            total_steps=total,
+            world_size=world,
+            cluster_id=os.environ.get("NBTRAIN_CLUSTER_ID"),
+        )
+
+    def stop_requested(self) -> bool:
+        from nbtrain.runs import stop_requested
+
+        return stop_requested(self.run_id)
+
+    def row(self, row: dict[str, Any]) -> None:
+        from nbtrain.runs import update_run
+
+        print(_fmt_line(row, self.total), flush=True)
+        # one line per row, flushed, so a crashed run keeps its history
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        update_run(
+            self.run_id, step=row["step"], loss=row["loss"], tokens_per_s=row["tokens_per_s"]
+        )
+
+    def finish(self, state: str) -> None:
+        from nbtrain.runs import finish_run
+
+        self.file.close()
+        finish_run(self.run_id, state)
+
+
 def _compute_dtype(cfg: SFTConfig, device: Any) -> Any:
     import torch
 
@@ -362,28 +405,14 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
 
     # ---- from here on rank 0 writes to output_dir
     history: list[dict[str, Any]] = []
-    run_id = None
-    metrics_file = None
+    runlog: _RunLog | None = None
     name = cfg.run_name or out.name
     if d.is_zero:
         if cfg.overwrite:
             _clear_output_dir(out)
         out.mkdir(parents=True, exist_ok=True)
         history = _read_history(out, start_step) if resumed else []
-        # a resumed run drops the rows logged after its checkpoint, which it is about to redo
-        tmp = out / ".metrics.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
-        os.replace(tmp, out / "metrics.jsonl")
-        metrics_file = (out / "metrics.jsonl").open("a")
-        from nbtrain.runs import register_run
-
-        run_id = register_run(
-            out,
-            name=name,
-            total_steps=total_steps,
-            world_size=d.world,
-            cluster_id=os.environ.get("NBTRAIN_CLUSTER_ID"),
-        )
+        runlog = _RunLog(out, history, name, total_steps, d.world)
     history = d.broadcast_object(history)
 
     # ---- model, optimizer, schedule
@@ -428,7 +457,6 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
     # LoRA training FLOPs: forward 2N, backward 2N for activations; frozen weights need no weight grads
     flops_per_token = 4 * n_params + 2 * sum(p.numel() for p in trainable)
     peak_flops = _peak_flops(d.device) if compute_dtype is not None else None
-    on_gpu = d.device.type == "cuda"
     GA = cfg.gradient_accumulation_steps
 
     def evaluate() -> float:
@@ -485,15 +513,18 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
     final_state = "failed"
     step = start_step
     last_saved = start_step if resumed else -1
+    meter = _Meter(d, spe, flops_per_token, peak_flops)
+    clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+
+    def log(row: dict[str, Any]) -> None:
+        history.append(row)
+        live.log(**row)
+        if runlog is not None:
+            runlog.row(row)
+
     try:
         model.train()
-        acc_loss = torch.zeros(
-            (), dtype=torch.float64, device=d.device
-        )  # sum of per-step mean losses
-        acc_steps = 0
-        acc_tokens = 0.0
         grad_norm = None
-        interval_start = time.perf_counter()
         stopped = False
         while step < total_steps:
             # one small collective per step: target tokens and lengths per micro-batch, and the stop flag
@@ -503,10 +534,8 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
                 stats[d.rank, a] = sum(e.n_targets for e in exs)
                 stats[d.rank, GA + a] = max(len(e.input_ids) for e in exs)
             stats[d.rank, 2 * GA] = sum(len(e.input_ids) for exs in micro for e in exs)
-            if d.is_zero and run_id is not None:
-                from nbtrain.runs import stop_requested
-
-                stats[0, 2 * GA + 1] = float(stop_requested(run_id))
+            if runlog is not None:
+                stats[0, 2 * GA + 1] = float(runlog.stop_requested())
             stats = d.sum_(stats)
             if stats[0, 2 * GA + 1] > 0:
                 stopped = True
@@ -516,94 +545,41 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
                 # pad to the longest row across ranks: the same shapes as one rank with the whole batch
                 batch = collate(exs, int(stats[:, GA + a].max()), tokenizer.pad_token_id)
                 batch = {k: v.to(d.device) for k, v in batch.items()}
+                # gradients are all-reduced once per step, on the last micro-batch
                 sync = a == GA - 1 or not d.active
-                ctx = contextlib.nullcontext() if sync else model.no_sync()
-                with ctx:
+                with contextlib.nullcontext() if sync else model.no_sync():
                     loss_sum = _token_loss_sum(model, batch, autocast)
                     # DDP averages gradients over ranks; scaling by world turns that into the global sum
                     (loss_sum * (d.world / n_targets)).backward()
-                acc_loss += loss_sum.detach().double() / n_targets
-            clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+                meter.loss += loss_sum.detach().double() / n_targets
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            acc_steps += 1
-            acc_tokens += float(stats[:, 2 * GA].sum())
+            meter.steps += 1
+            meter.tokens += float(stats[:, 2 * GA].sum())
 
-            do_eval = evals is not None and (
+            eval_loss = None
+            if evals is not None and (
                 (cfg.eval_steps is not None and step % cfg.eval_steps == 0) or step == total_steps
-            )
-            eval_loss = evaluate() if do_eval else None
-            if step % cfg.logging_steps == 0 or step == total_steps or do_eval:
-                history.append(
-                    _log_row(
-                        d,
-                        step,
-                        acc_loss,
-                        acc_steps,
-                        acc_tokens,
-                        interval_start,
-                        grad_norm,
-                        lr,
-                        eval_loss,
-                        spe,
-                        flops_per_token,
-                        peak_flops,
-                        on_gpu,
-                    )
-                )
-                row = history[-1]
-                live.log(**row)
-                if d.is_zero:
-                    print(_fmt_line(row, total_steps), flush=True)
-                    assert metrics_file is not None
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
-                    from nbtrain.runs import update_run
-
-                    update_run(
-                        run_id, step=step, loss=row["loss"], tokens_per_s=row["tokens_per_s"]
-                    )
-                acc_loss.zero_()
-                acc_steps, acc_tokens = 0, 0.0
-                interval_start = time.perf_counter()
+            ):
+                t0 = time.perf_counter()
+                eval_loss = evaluate()
+                meter.exclude(time.perf_counter() - t0)
+            if step % cfg.logging_steps == 0 or step == total_steps or eval_loss is not None:
+                log(meter.row(step, grad_norm, lr, eval_loss))
             if cfg.save_steps is not None and step % cfg.save_steps == 0:
                 save(step)
                 last_saved = step
         if stopped:
-            if acc_steps:
-                history.append(
-                    _log_row(
-                        d,
-                        step,
-                        acc_loss,
-                        acc_steps,
-                        acc_tokens,
-                        interval_start,
-                        grad_norm,
-                        scheduler.get_last_lr()[0],
-                        None,
-                        spe,
-                        flops_per_token,
-                        peak_flops,
-                        on_gpu,
-                    )
-                )
-                live.log(**history[-1])
-                if d.is_zero:
-                    assert metrics_file is not None
-                    metrics_file.write(json.dumps(history[-1]) + "\n")
-                    metrics_file.flush()
+            if meter.steps:
+                log(meter.row(step, grad_norm, scheduler.get_last_lr()[0], None))
             if last_saved != step:
                 save(step)
             if d.is_zero:
-                print(
-                    f"nbtrain: stopped at step {step}/{total_steps} on request; checkpoint saved",
-                    flush=True,
-                )
+                print(f"nbtrain: stopped at step {step}/{total_steps} on request; checkpoint saved")
 
         adapter_dir = merged_dir = None
         if d.is_zero:
@@ -614,12 +590,8 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
         final_state = "stopped" if stopped else "done"
     finally:
         live.end()
-        if metrics_file is not None:
-            metrics_file.close()
-        if run_id is not None:
-            from nbtrain.runs import finish_run
-
-            finish_run(run_id, final_state)
+        if runlog is not None:
+            runlog.finish(final_state)
 
     import pandas as pd
 
@@ -631,53 +603,65 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
         metrics=dict(history[-1]) if history else {},
         global_step=step,
         state=final_state,
-        run_id=run_id,
+        run_id=runlog.run_id if runlog else None,
     )
 
 
-def _log_row(
-    d: _Dist,
-    step: int,
-    acc_loss: Any,
-    acc_steps: int,
-    acc_tokens: float,
-    interval_start: float,
-    grad_norm: Any,
-    lr: float,
-    eval_loss: float | None,
-    spe: int,
-    flops_per_token: float,
-    peak_flops: float | None,
-    on_gpu: bool,
-) -> dict[str, Any]:
-    """One metrics row, the same on every rank: loss averaged and tokens summed over ranks."""
-    import torch
+class _Meter:
+    """Accumulates the steps between two logged rows and turns them into one row, the same on every rank."""
 
-    if on_gpu:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - interval_start
-    # ranks' loss shares add up to the global mean; the peak memory of each rank rides along
-    vec = torch.zeros(1 + d.world, dtype=torch.float64)
-    vec[0] = acc_loss.item()
-    if on_gpu:
-        vec[1 + d.rank] = torch.cuda.max_memory_allocated() / 2**30
-    vec = d.sum_(vec)
-    tokens_per_s = acc_tokens / elapsed if elapsed > 0 else 0.0
-    row: dict[str, Any] = {
-        "step": step,
-        "loss": float(vec[0]) / max(acc_steps, 1),
-        "grad_norm": float(grad_norm) if grad_norm is not None else None,
-        "learning_rate": float(lr),
-        "tokens_per_s": tokens_per_s,
-        "step_time": elapsed / max(acc_steps, 1),
-        "epoch": step / spe,
-    }
-    if eval_loss is not None:
-        row["eval_loss"] = eval_loss
-    if on_gpu:
-        if peak_flops:
-            row["mfu"] = tokens_per_s * flops_per_token / (peak_flops * d.world)
-        row["peak_memory_gb"] = float(vec[1:].max())
-        for r in range(d.world):
-            row[f"peak_memory_gb_rank{r}"] = float(vec[1 + r])
-    return row
+    def __init__(self, d: _Dist, spe: int, flops_per_token: float, peak_flops: float | None):
+        import torch
+
+        self.d, self.spe = d, spe
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.on_gpu = d.device.type == "cuda"
+        self.loss = torch.zeros(
+            (), dtype=torch.float64, device=d.device
+        )  # sum of this rank's loss shares
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.steps = 0
+        self.tokens = 0.0
+        self.start = time.perf_counter()
+
+    def exclude(self, seconds: float) -> None:
+        """Leave time spent outside training (evaluation) out of tokens/s and step time."""
+        self.start += seconds
+
+    def row(self, step: int, grad_norm: Any, lr: float, eval_loss: float | None) -> dict[str, Any]:
+        import torch
+
+        d = self.d
+        if self.on_gpu:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self.start
+        # ranks' loss shares add up to the global mean; each rank's peak memory rides along
+        vec = torch.zeros(1 + d.world, dtype=torch.float64)
+        vec[0] = self.loss.item()
+        if self.on_gpu:
+            vec[1 + d.rank] = torch.cuda.max_memory_allocated() / 2**30
+        vec = d.sum_(vec)
+        steps = max(self.steps, 1)
+        tokens_per_s = self.tokens / elapsed if elapsed > 0 else 0.0
+        row: dict[str, Any] = {
+            "step": step,
+            "loss": float(vec[0]) / steps,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "learning_rate": float(lr),
+            "tokens_per_s": tokens_per_s,
+            "step_time": elapsed / steps,
+            "epoch": step / self.spe,
+        }
+        if eval_loss is not None:
+            row["eval_loss"] = eval_loss
+        if self.on_gpu:
+            if self.peak_flops:
+                row["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * d.world)
+            row["peak_memory_gb"] = float(vec[1:].max())
+            for r in range(d.world):
+                row[f"peak_memory_gb_rank{r}"] = float(vec[1 + r])
+        self.reset()
+        return row
