@@ -342,3 +342,47 @@ def test_output_dir_with_another_runs_checkpoints(tiny, tmp_path):
 def test_finetune_needs_an_sftconfig():
     with pytest.raises(ConfigError, match="nbtrain.SFTConfig"):
         finetune({"model": "x"})  # type: ignore[arg-type]
+
+
+def test_epochs_packing_and_gradient_checkpointing(tiny, tmp_path):
+    rows = [{"text": f"the number {i} comes after {i - 1}"} for i in range(1, 41)]
+    result = finetune(
+        make_cfg(
+            tiny,
+            tmp_path / "ep",
+            data=rows,
+            max_steps=-1,
+            num_train_epochs=2,
+            packing=True,
+            max_length=16,
+            gradient_checkpointing=True,
+            logging_steps=100,
+            dtype="float32",
+        )
+    )
+    from nbtrain.sft.data import encode_row
+    from nbtrain.sft.model import load_tokenizer
+
+    tok = load_tokenizer(tiny)
+    blocks = sum(len(encode_row(r, tok, 16).input_ids) for r in rows) // 16
+    steps_per_epoch = blocks // 4
+    assert result.global_step == 2 * steps_per_epoch
+    assert list(result.history["step"]) == [2 * steps_per_epoch]
+    assert result.history["epoch"].iloc[-1] == pytest.approx(2.0)
+    # every packed block is full: tokens per step are exactly batch x max_length
+    row = result.history.iloc[-1]
+    assert row["tokens_per_s"] * row["step_time"] == pytest.approx(4 * 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 autocast, MFU, peak memory)"
+)
+def test_gpu_bf16_metrics(tiny, tmp_path):
+    result = finetune(make_cfg(tiny, tmp_path / "gpu", max_steps=4, logging_steps=2))
+    h = result.history
+    assert (h["peak_memory_gb"] > 0).all() and (h["peak_memory_gb_rank0"] > 0).all()
+    name = torch.cuda.get_device_name()
+    if torch.cuda.is_bf16_supported() and any(k in name for k in ("H100", "H200", "A100")):
+        assert (h["mfu"] > 0).all() and (h["mfu"] < 1).all()
+    assert h["loss"].notna().all()
