@@ -337,6 +337,11 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
 
     # ---- set-up phase: everything that can be wrong is found here, on every rank, before any write
     def setup() -> dict[str, Any]:
+        if not d.is_zero:
+            # N copies of the same "Loading weights" bar would bury rank 0's output in the cell
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         resume_from = _check_output_dir(cfg) if d.is_zero else None
         rows = load_rows(cfg.data, "data")
         eval_rows = load_rows(cfg.eval_data, "eval_data") if cfg.eval_data is not None else None
