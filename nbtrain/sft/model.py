@@ -80,7 +80,11 @@ def load_model(model: str, dtype: Any, device: Any, gradient_checkpointing: bool
     base.config.use_cache = False
     if gradient_checkpointing:
         # non-reentrant checkpointing works with frozen inputs, so peft needs no input-grad hook
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return base.to(device)
 
 
