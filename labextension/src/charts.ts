@@ -131,7 +131,8 @@ export function formatTick(value: number): string {
     return `${Number((value / 1e3).toPrecision(3))}k`;
   }
   if (abs < 1e-2) {
-    return value.toExponential(0).replace('e-', 'e-');
+    // 1.5e-4 stays 1.5e-4: one digit would label two ticks alike
+    return Number(value.toPrecision(2)).toExponential();
   }
   return `${Number(value.toPrecision(3))}`;
 }

@@ -86,9 +86,8 @@ export class RunPanel extends Widget {
       ];
       this._summary.innerHTML = parts.join(' · ');
       this._summary.title = run.output_dir;
-      if (run.state !== 'running') {
-        this._stop.hidden = true;
-      }
+      // (the hidden attribute loses to .jp-Button's display rule)
+      this._stop.style.display = run.state === 'running' ? '' : 'none';
     }
     if (this.metrics.error) {
       this._summary.title = `last poll failed: ${this.metrics.error}`;

@@ -56,6 +56,7 @@ describe('axes', () => {
 
   it('labels ticks briefly', () => {
     expect(formatTick(2e-4)).toBe('2e-4');
+    expect(formatTick(1.5e-4)).toBe('1.5e-4');
     expect(formatTick(32000)).toBe('32k');
     expect(formatTick(0.9312)).toBe('0.931');
   });

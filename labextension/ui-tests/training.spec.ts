@@ -1,0 +1,200 @@
+import { ChildProcess, spawn } from 'child_process';
+import * as fs from 'fs';
+import * as path from 'path';
+
+import { expect, Page, test } from '@playwright/test';
+
+const token = process.env.NBTRAIN_UI_TOKEN!;
+const uiDir = process.env.NBTRAIN_UI_DIR!;
+const repo = path.resolve(__dirname, '..', '..');
+const shots = path.join(uiDir, 'screenshots');
+
+async function openLab(page: Page): Promise<void> {
+  await page.goto(`/lab?token=${token}`);
+  await expect(page.locator('#jupyterlab-splash')).toHaveCount(0, {
+    timeout: 60_000
+  });
+  await expect(page.locator('.jp-LabShell')).toBeVisible();
+}
+
+async function openSidebar(page: Page): Promise<void> {
+  const sidebar = page.locator('#nbtrain-training-sidebar');
+  if (!(await sidebar.isVisible())) {
+    await page.locator('li[data-id="nbtrain-training-sidebar"]').click();
+  }
+  await expect(sidebar).toBeVisible();
+}
+
+function stepOf(text: string | null): number {
+  return Number((text ?? '').split('/')[0]);
+}
+
+test.describe.configure({ mode: 'serial' });
+
+test('Lab opens and the sidebar lists the finished fixture run and the cluster', async ({
+  page
+}) => {
+  await openLab(page);
+  await openSidebar(page);
+  const run = page.locator('.nbtrain-Run', { hasText: 'finished-sft' });
+  await expect(run).toHaveAttribute('data-state', 'done');
+  await expect(run.locator('.nbtrain-Run-progress')).toContainText(
+    'step 200/200 · loss 0.96'
+  );
+  // the one-engine ipyparallel cluster serve_lab.py started, with its side file
+  const cluster = page.locator('.nbtrain-Cluster[data-cluster-id="ui-test"]');
+  await expect(cluster).toContainText('1 node · 1 rank · 0 GPUs · gloo');
+  await expect(cluster).toContainText('from ui-test.ipynb');
+  // a finished run has nothing running: no status bar item
+  await expect(page.locator('.nbtrain-Status')).toBeHidden();
+});
+
+test("a finished run's panel draws its charts", async ({ page }) => {
+  await openLab(page);
+  await openSidebar(page);
+  await page.locator('.nbtrain-Run', { hasText: 'finished-sft' }).click();
+  const panel = page.locator('.nbtrain-RunPanel', { hasText: 'done' });
+  await expect(panel).toBeVisible();
+  // 200 loss points and 8 eval-loss points (every 25 steps) from the fixture's metrics.jsonl
+  const loss = panel.locator('figure[data-chart="loss"]');
+  await expect(loss).toHaveAttribute('data-points', '208');
+  await expect(loss.locator('path.nbtrain-Chart-line')).toHaveCount(2);
+  await expect(loss).toContainText('eval loss 1.04');
+  await expect(
+    panel.locator('figure[data-chart="tokens_per_s"]')
+  ).toHaveAttribute('data-points', '200');
+  await expect(
+    panel.locator('figure[data-chart="learning_rate"]')
+  ).toHaveAttribute('data-points', '200');
+  const d = await loss.locator('path.nbtrain-c1').getAttribute('d');
+  expect(d!.split('L').length).toBe(200);
+  await panel.screenshot({ path: path.join(shots, 'finished-run-panel.png') });
+});
+
+test('a run being written advances its step, and stop ends it', async ({
+  page
+}) => {
+  const out = path.join(uiDir, 'runs', 'live-sft');
+  fs.rmSync(out, { recursive: true, force: true });
+  const writer: ChildProcess = spawn(
+    process.env.PYTHON!,
+    [
+      path.join(repo, 'tests', 'ui', 'fake_run_writer.py'),
+      out,
+      '--steps',
+      '1000',
+      '--interval',
+      '0.25'
+    ],
+    {
+      env: { ...process.env, NBTRAIN_HOME: path.join(uiDir, 'home') },
+      stdio: ['ignore', 'pipe', 'inherit']
+    }
+  );
+  const exited = new Promise<number | null>(resolve =>
+    writer.on('exit', code => resolve(code))
+  );
+  // the writer prints the run id it registered on its first line
+  const runId = await new Promise<string>((resolve, reject) => {
+    writer.stdout!.once('data', (chunk: Buffer) =>
+      resolve(chunk.toString().trim().split('\n')[0])
+    );
+    writer.once('exit', code => reject(new Error(`writer exited: ${code}`)));
+  });
+  try {
+    await openLab(page);
+    await openSidebar(page);
+    const row = page.locator('.nbtrain-Run', { hasText: 'live-sft' });
+    await expect(row).toHaveAttribute('data-state', 'running');
+
+    // the status bar follows the newest running run
+    const status = page.locator('.nbtrain-Status');
+    await expect(status).toHaveText(
+      /^step \d+\/1000 · loss \d+\.\d+ · 3\.\dk tok\/s$/
+    );
+
+    await row.locator('.nbtrain-Item-name').click();
+    const panel = page.locator(`.nbtrain-RunPanel[data-run-id="${runId}"]`);
+    await expect(panel).toHaveAttribute('data-state', 'running');
+    await expect(panel).toBeVisible();
+    const step = panel.locator('.nbtrain-RunPanel-step');
+    await expect(step).toHaveText(/^\d+\/1000$/);
+    const first = stepOf(await step.textContent());
+    // the panel polls every second: within a few seconds the step has moved on
+    await expect
+      .poll(async () => stepOf(await step.textContent()), { timeout: 10_000 })
+      .toBeGreaterThan(first + 2);
+    const points = Number(
+      await panel
+        .locator('figure[data-chart="tokens_per_s"]')
+        .getAttribute('data-points')
+    );
+    expect(points).toBeGreaterThan(first);
+
+    // the README screenshot: sidebar with both runs, the live panel, the status bar
+    await page
+      .locator('.nbtrain-Run', { hasText: 'finished-sft' })
+      .locator('.nbtrain-Item-name')
+      .click();
+    await expect(
+      page.locator('.nbtrain-RunPanel', { hasText: 'done' })
+    ).toBeVisible();
+    await page.locator('.lm-TabBar-tab', { hasText: 'Run: live-sft' }).click();
+    await expect(panel).toBeVisible();
+    await page.waitForTimeout(1500);
+    const docs = path.join(repo, 'docs', 'images', 'lab-sidebar.png');
+    fs.mkdirSync(path.dirname(docs), { recursive: true });
+    await page.screenshot({ path: docs });
+    await page.screenshot({ path: path.join(shots, 'live-run.png') });
+
+    await panel.getByRole('button', { name: 'Stop run' }).click();
+    await expect(panel).toHaveAttribute('data-state', 'stopped', {
+      timeout: 15_000
+    });
+    await expect(row).toHaveAttribute('data-state', 'stopped');
+    await expect(status).toBeHidden();
+    expect(await exited).toBe(0);
+    // the writer checkpointed at the step boundary where it saw the stop flag
+    expect(fs.readdirSync(out).some(f => f.startsWith('checkpoint-'))).toBe(
+      true
+    );
+    const final = stepOf(await step.textContent());
+    await page.waitForTimeout(2500);
+    expect(stepOf(await step.textContent())).toBe(final);
+    await page.screenshot({ path: path.join(shots, 'stopped-run.png') });
+  } finally {
+    if (writer.exitCode === null) {
+      writer.kill();
+    }
+  }
+});
+
+test('the palette has the open, stop and refresh commands', async ({
+  page
+}) => {
+  await openLab(page);
+  await page.locator('.lm-MenuBar-itemLabel', { hasText: 'View' }).click();
+  await page
+    .locator('.lm-Menu-itemLabel', { hasText: 'Activate Command Palette' })
+    .click();
+  const search = page.locator('.lm-CommandPalette-input:visible');
+  await expect(search).toBeVisible();
+  await search.fill('Training');
+  const items = page.locator('.lm-CommandPalette-item:visible');
+  await expect(items.filter({ hasText: 'Open Training Run…' })).toHaveCount(1);
+  await expect(items.filter({ hasText: 'Stop Training Run…' })).toHaveCount(1);
+  await expect(
+    items.filter({ hasText: 'Refresh Training Runs and Clusters' })
+  ).toHaveCount(1);
+  // open a run through the palette's dialog
+  await items.filter({ hasText: 'Open Training Run…' }).click();
+  const dialog = page.locator('.jp-Dialog');
+  const select = dialog.locator('select');
+  const label = (await select.locator('option').nth(1).textContent())!;
+  await select.selectOption({ index: 1 });
+  const id = /\[(\w+)\]$/.exec(label)![1];
+  await dialog.getByRole('button', { name: /ok|select/i }).click();
+  await expect(
+    page.locator(`.nbtrain-RunPanel[data-run-id="${id}"]`)
+  ).toBeVisible();
+});
