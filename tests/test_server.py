@@ -8,11 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
+
+# pytest-jupyter's fixtures, for this module only: as a plugin (pytest_plugins) its autouse
+# fixtures would create and close an event loop and a ServerApp around every test of the session
+from pytest_jupyter.jupyter_server import *  # noqa: F403
 from tornado.httpclient import HTTPClientError
 
 from nbtrain import runs
-
-pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
 FIXTURE_RUN = Path(__file__).parent / "fixtures" / "runs" / "finished-sft"
 
@@ -40,13 +42,23 @@ def finished_run(tmp_path):
     return run_id
 
 
+@pytest.fixture
+def fetch(jp_fetch, jp_asyncio_loop):
+    """jp_fetch, run to completion (tests here are plain functions: no async plugin needed)."""
+
+    def run(*parts, **kwargs):
+        return jp_asyncio_loop.run_until_complete(jp_fetch(*parts, **kwargs))
+
+    return run
+
+
 def _json(response):
     return json.loads(response.body.decode())
 
 
-async def _status(fetch, *parts, **kwargs):
+def _status(fetch, *parts, **kwargs):
     try:
-        response = await fetch(*parts, **kwargs)
+        response = fetch(*parts, **kwargs)
     except HTTPClientError as e:
         return e.code
     return response.code
@@ -62,20 +74,18 @@ ENDPOINTS = [
 
 
 @pytest.mark.parametrize(("method", "parts"), ENDPOINTS)
-async def test_every_endpoint_refuses_a_request_without_token(
-    jp_fetch, finished_run, method, parts
-):
+def test_every_endpoint_refuses_a_request_without_token(fetch, finished_run, method, parts):
     parts = tuple(finished_run if p == "RUNID" else p for p in parts)
     body = b"{}" if method == "POST" else None
     # an empty Authorization header overrides jp_fetch's token; no cookie, no token: 403
-    code = await _status(jp_fetch, *parts, method=method, body=body, headers={"Authorization": ""})
+    code = _status(fetch, *parts, method=method, body=body, headers={"Authorization": ""})
     assert code == 403
     # and the same request with the token goes through, so the 403 above is the auth check
-    assert await _status(jp_fetch, *parts, method=method, body=body) in (200, 202, 409)
+    assert _status(fetch, *parts, method=method, body=body) in (200, 202, 409)
 
 
-async def test_runs_lists_registered_runs(jp_fetch, finished_run):
-    data = _json(await jp_fetch("nbtrain", "api", "runs"))
+def test_runs_lists_registered_runs(fetch, finished_run):
+    data = _json(fetch("nbtrain", "api", "runs"))
     assert [r["id"] for r in data["runs"]] == [finished_run]
     run = data["runs"][0]
     assert run["state"] == "done"
@@ -83,62 +93,58 @@ async def test_runs_lists_registered_runs(jp_fetch, finished_run):
     assert run["ended"] >= run["started"]
 
 
-async def test_run_record_and_unknown_run(jp_fetch, finished_run):
-    assert _json(await jp_fetch("nbtrain", "api", "runs", finished_run))["name"] == "finished-sft"
-    assert await _status(jp_fetch, "nbtrain", "api", "runs", "0123456789ab") == 404
+def test_run_record_and_unknown_run(fetch, finished_run):
+    assert _json(fetch("nbtrain", "api", "runs", finished_run))["name"] == "finished-sft"
+    assert _status(fetch, "nbtrain", "api", "runs", "0123456789ab") == 404
 
 
-async def test_metrics_are_incremental(jp_fetch, finished_run):
-    first = _json(await jp_fetch("nbtrain", "api", "runs", finished_run, "metrics"))
+def test_metrics_are_incremental(fetch, finished_run):
+    first = _json(fetch("nbtrain", "api", "runs", finished_run, "metrics"))
     assert [r["step"] for r in first["rows"]] == list(range(1, 201))
     assert first["last_step"] == 200 and first["more"] is False
     assert first["rows"][24]["eval_loss"] == pytest.approx(
         first["rows"][24]["loss"] + 0.08, abs=1e-3
     )
 
-    later = _json(
-        await jp_fetch("nbtrain", "api", "runs", finished_run, "metrics", params={"after": "150"})
-    )
+    later = _json(fetch("nbtrain", "api", "runs", finished_run, "metrics", params={"after": "150"}))
     assert [r["step"] for r in later["rows"]] == list(range(151, 201))
 
     page = _json(
-        await jp_fetch(
+        fetch(
             "nbtrain", "api", "runs", finished_run, "metrics", params={"after": "10", "limit": "5"}
         )
     )
     assert [r["step"] for r in page["rows"]] == [11, 12, 13, 14, 15]
     assert page["more"] is True and page["last_step"] == 15
 
-    done = _json(
-        await jp_fetch("nbtrain", "api", "runs", finished_run, "metrics", params={"after": "200"})
-    )
+    done = _json(fetch("nbtrain", "api", "runs", finished_run, "metrics", params={"after": "200"}))
     assert done["rows"] == [] and done["last_step"] == 200
 
 
-async def test_metrics_follow_a_file_being_written(jp_fetch, tmp_path):
+def test_metrics_follow_a_file_being_written(fetch, tmp_path):
     out = tmp_path / "live"
     out.mkdir()
     run_id = runs.register_run(out, total_steps=10)
     metrics = out / "metrics.jsonl"
     url = ("nbtrain", "api", "runs", run_id, "metrics")
 
-    assert _json(await jp_fetch(*url))["rows"] == []  # registered before its first step
+    assert _json(fetch(*url))["rows"] == []  # registered before its first step
     with metrics.open("a") as f:
         f.write(json.dumps({"step": 1, "loss": 2.0}) + "\n")
         f.write('{"step": 2, "loss": NaN}\n')
         f.write('{"step": 3, "lo')  # a line still being written
         f.flush()
-        data = _json(await jp_fetch(*url))
+        data = _json(fetch(*url))
         assert [r["step"] for r in data["rows"]] == [1, 2]
         assert data["rows"][1]["loss"] is None  # NaN would break JSON.parse in the browser
         f.write('ss": 1.5}\n')
         f.flush()
-        data = _json(await jp_fetch(*url, params={"after": str(data["last_step"])}))
+        data = _json(fetch(*url, params={"after": str(data["last_step"])}))
         assert data["rows"] == [{"step": 3, "loss": 1.5}]
 
     # a restarted run rewrites its folder: the reader starts over instead of serving stale rows
     metrics.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
-    data = _json(await jp_fetch(*url))
+    data = _json(fetch(*url))
     assert data["rows"] == [{"step": 1, "loss": 9.0}]
 
 
@@ -152,12 +158,12 @@ async def test_metrics_follow_a_file_being_written(jp_fetch, tmp_path):
         ("runs", "etc/passwd", "metrics"),
     ],
 )
-async def test_traversal_is_refused(jp_fetch, finished_run, parts):
-    code = await _status(jp_fetch, "nbtrain", "api", *parts)
+def test_traversal_is_refused(fetch, finished_run, parts):
+    code = _status(fetch, "nbtrain", "api", *parts)
     assert code in (400, 403, 404)
 
 
-async def test_metrics_never_read_outside_the_run_folder(jp_fetch, tmp_path):
+def test_metrics_never_read_outside_the_run_folder(fetch, tmp_path):
     secret = tmp_path / "secret.jsonl"
     secret.write_text(json.dumps({"step": 1, "password": "hunter2"}) + "\n")
     out = tmp_path / "sneaky"
@@ -165,38 +171,32 @@ async def test_metrics_never_read_outside_the_run_folder(jp_fetch, tmp_path):
     (out / "metrics.jsonl").symlink_to(secret)
     run_id = runs.register_run(out)
     # query parameters cannot point the handler somewhere else either
-    code = await _status(
-        jp_fetch, "nbtrain", "api", "runs", run_id, "metrics", params={"path": str(secret)}
-    )
+    code = _status(fetch, "nbtrain", "api", "runs", run_id, "metrics", params={"path": str(secret)})
     assert code == 403
 
 
-async def test_unregistered_folder_is_not_reachable(jp_fetch, tmp_path):
+def test_unregistered_folder_is_not_reachable(fetch, tmp_path):
     out = tmp_path / "never-registered"
     shutil.copytree(FIXTURE_RUN, out)
-    code = await _status(jp_fetch, "nbtrain", "api", "runs", runs.run_id_for(out), "metrics")
+    code = _status(fetch, "nbtrain", "api", "runs", runs.run_id_for(out), "metrics")
     assert code == 404
 
 
-async def test_stop_sets_the_flag_a_running_run_checks(jp_fetch, tmp_path, finished_run):
+def test_stop_sets_the_flag_a_running_run_checks(fetch, tmp_path, finished_run):
     out = tmp_path / "running"
     out.mkdir()
     run_id = runs.register_run(out, total_steps=100)
     assert not runs.stop_requested(run_id)
 
-    response = await jp_fetch("nbtrain", "api", "runs", run_id, "stop", method="POST", body=b"")
+    response = fetch("nbtrain", "api", "runs", run_id, "stop", method="POST", body=b"")
     assert response.code == 202 and _json(response)["stop_requested"] is True
     assert runs.stop_requested(run_id)
 
     # a finished run cannot be stopped, an unknown one does not exist
-    code = await _status(
-        jp_fetch, "nbtrain", "api", "runs", finished_run, "stop", method="POST", body=b""
-    )
+    code = _status(fetch, "nbtrain", "api", "runs", finished_run, "stop", method="POST", body=b"")
     assert code == 409
     assert not runs.stop_requested(finished_run)
-    code = await _status(
-        jp_fetch, "nbtrain", "api", "runs", "0123456789ab", "stop", method="POST", body=b""
-    )
+    code = _status(fetch, "nbtrain", "api", "runs", "0123456789ab", "stop", method="POST", body=b"")
     assert code == 404
 
 
@@ -219,35 +219,35 @@ def _write_side_file(profile_dir: Path, cluster_id: str, **extra) -> None:
 
 
 @pytest.mark.timeout(120)
-async def test_clusters_lists_a_real_ipyparallel_cluster(jp_fetch, tmp_path):
+def test_clusters_lists_a_real_ipyparallel_cluster(fetch, jp_asyncio_loop, tmp_path):
     import ipyparallel as ipp
 
-    assert _json(await jp_fetch("nbtrain", "api", "clusters"))["clusters"] == []
+    assert _json(fetch("nbtrain", "api", "clusters"))["clusters"] == []
 
     profile_dir = tmp_path / "ipython" / "profile_default"
     cluster = ipp.Cluster(n=1, profile_dir=str(profile_dir), cluster_id="nbt-test", log_level=30)
-    await cluster.start_cluster()
+    jp_asyncio_loop.run_until_complete(cluster.start_cluster())
     try:
-        data = _json(await jp_fetch("nbtrain", "api", "clusters"))
+        data = _json(fetch("nbtrain", "api", "clusters"))
         [model] = data["clusters"]
         assert model["cluster_id"] == "nbt-test"
         assert model["state"] == "running" and model["engines"] == 1
         assert model["nbtrain"] is False and model["notebook"] is None  # started by hand
 
         _write_side_file(profile_dir, "nbt-test")
-        [model] = _json(await jp_fetch("nbtrain", "api", "clusters"))["clusters"]
+        [model] = _json(fetch("nbtrain", "api", "clusters"))["clusters"]
         assert model["nbtrain"] is True
         assert model["state"] == "ready" and model["backend"] == "gloo"
         assert model["notebook"] == "train.ipynb"
         assert model["nodes"] == 1 and model["gpus"] == 0
         assert model["ranks"][0]["host"] == "node-a"
     finally:
-        await cluster.stop_cluster()
+        jp_asyncio_loop.run_until_complete(cluster.stop_cluster())
 
-    assert _json(await jp_fetch("nbtrain", "api", "clusters"))["clusters"] == []
+    assert _json(fetch("nbtrain", "api", "clusters"))["clusters"] == []
 
 
-async def test_side_file_counts_nodes_and_gpus(tmp_path):
+def test_side_file_counts_nodes_and_gpus(tmp_path):
     """Enrichment without a live cluster: a stopped cluster file and a two-node side file."""
     import ipyparallel as ipp
 
