@@ -6,6 +6,10 @@ from __future__ import annotations
 class NbtrainError(Exception):
     """Base class for nbtrain's own errors."""
 
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback into nbtrain's internals: the message is the point
+        return f"{type(self).__name__}: {self}".splitlines()
+
 
 class ClusterError(NbtrainError):
     """A cluster could not be started, reached or used."""
@@ -25,10 +29,6 @@ class DistributedCellError(NbtrainError):
     def __init__(self, message: str, failures: list[dict] | None = None):
         super().__init__(message)
         self.failures = failures or []
-
-    def _render_traceback_(self) -> list[str]:
-        # IPython shows this instead of a local traceback, which would only point into nbtrain
-        return str(self).splitlines()
 
 
 class CellTimeoutError(DistributedCellError):

@@ -1,0 +1,327 @@
+"""One `%%distributed` cell: send it to the ranks, stream their output, draw live metrics, gather errors."""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from nbtrain.engine.metrics import KEY_PREFIX
+from nbtrain.errors import CellTimeoutError
+
+if TYPE_CHECKING:
+    from nbtrain.cluster.core import Cluster
+
+OUTPUT_MODES = ("rank0", "all", "none")
+# how long ranks get to honour an interrupt before the stuck ones are replaced (the issue allows 10 s)
+INTERRUPT_GRACE = 4.0
+# once one rank has failed, how long the others may go on before we assume they wait for it
+FAIL_GRACE = 3.0
+POLL = 0.05
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CELL_FILE = re.compile(r"ipykernel_\d+/\d+\.py|<ipython-input-\d+-[0-9a-f]+>")
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+def _publish(data: dict[str, Any], metadata: dict[str, Any] | None = None) -> None:
+    if _in_kernel():
+        from IPython.display import publish_display_data
+
+        publish_display_data(data=data, metadata=metadata or {})
+    elif "text/plain" in data:
+        print(data["text/plain"])
+
+
+class CellRun:
+    """Runs one cell on `which` ranks and waits for it like a local cell would."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        code: str,
+        which: list[int],
+        output: str = "rank0",
+        timeout: float | None = None,
+        live: bool = True,
+    ) -> None:
+        if output not in OUTPUT_MODES:
+            from nbtrain.errors import ConfigError
+
+            msg = f"--output {output!r}: choose one of {', '.join(OUTPUT_MODES)}."
+            raise ConfigError(msg)
+        if timeout is not None and timeout <= 0:
+            from nbtrain.errors import ConfigError
+
+            msg = f"--timeout {timeout} must be a positive number of seconds."
+            raise ConfigError(msg)
+        self.cluster = cluster
+        self.code = code
+        self.which = which
+        self.output = output
+        self.timeout = timeout
+        self.live = live
+        # rank whose output is shown in rank0 mode: rank 0, or the lowest rank the cell runs on
+        self.lead = which[0]
+        self._queue: deque[tuple[Any, ...]] = deque()
+        self._partial: dict[tuple[int, str], str] = {}
+        self._display: Any = None
+        self._seen_keys = 0
+
+    # --- output ---------------------------------------------------------------------------------
+    def _shows(self, rank: int) -> bool:
+        if self.output == "all":
+            return True
+        if self.output == "none":
+            return False
+        return rank == self.lead
+
+    def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
+        # runs on the client's IO thread: only queue, the main thread prints
+        msg_type = msg["header"]["msg_type"]
+        if msg_type in ("stream", "display_data", "execute_result") and self._shows(rank):
+            self._queue.append((rank, msg_type, msg["content"]))
+
+    def _hook(self, ar: Any) -> None:
+        """Attach output callbacks on the IO thread, so no message slips between snapshot and hook."""
+        installed = threading.Event()
+
+        def install() -> None:
+            try:
+                for rank, fut in zip(self.which, ar._children):
+                    md = fut.output.metadata
+                    if self._shows(rank):
+                        for name in ("stdout", "stderr"):
+                            if md[name]:
+                                self._queue.append(
+                                    (rank, "stream", {"name": name, "text": md[name]})
+                                )
+                        for out in md["outputs"]:
+                            self._queue.append((rank, "display_data", out))
+                        if md["execute_result"]:
+                            self._queue.append((rank, "execute_result", md["execute_result"]))
+                    fut.iopub_callbacks.append(partial(self._on_iopub, rank))
+            finally:
+                installed.set()
+
+        self.cluster.client._io_loop.add_callback(install)
+        installed.wait(5)
+
+    def _write(self, rank: int, name: str, text: str) -> None:
+        stream = sys.stderr if name == "stderr" else sys.stdout
+        if self.output != "all":
+            stream.write(text)
+            return
+        key = (rank, name)
+        buf = self._partial.get(key, "") + text
+        *lines, rest = buf.split("\n")
+        self._partial[key] = rest
+        if lines:
+            stream.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+
+    def _drain(self) -> None:
+        wrote = False
+        while self._queue:
+            rank, msg_type, content = self._queue.popleft()
+            if msg_type == "stream":
+                self._write(rank, content["name"], content["text"])
+                wrote = True
+            else:
+                if self.output == "all":
+                    sys.stdout.write(f"[rank {rank}] output:\n")
+                sys.stdout.flush()
+                _publish(content.get("data", {}), content.get("metadata"))
+        if wrote:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+    def _flush_partial(self) -> None:
+        for (rank, name), rest in self._partial.items():
+            if rest:
+                stream = sys.stderr if name == "stderr" else sys.stdout
+                stream.write(f"[rank {rank}] {rest}\n")
+        self._partial.clear()
+
+    def _feed_metrics(self, ar: Any) -> None:
+        if not self.live or 0 not in self.which:
+            return
+        fut = ar._children[self.which.index(0)]
+        data = fut.output.metadata["data"]
+        if len(data) <= self._seen_keys:
+            return
+        keys = [k for k in list(data)[self._seen_keys :]]
+        self._seen_keys += len(keys)
+        for key in keys:
+            if not key.startswith(KEY_PREFIX):
+                continue
+            payload = data[key]
+            if self._display is None:
+                from nbtrain.display.live import LiveDisplay
+
+                self._display = LiveDisplay()
+            self._display.feed(payload)
+
+    # --- the run --------------------------------------------------------------------------------
+    def run(self) -> list[Any]:
+        view = self.cluster.view(self.which)
+        ar = view.execute(self.code, silent=False, block=False)
+        self._hook(ar)
+        start = time.monotonic()
+        self._stopped_note = ""
+        first_failure: float | None = None
+        try:
+            while not ar.wait(POLL):
+                self._drain()
+                self._feed_metrics(ar)
+                if self._display is not None:
+                    self._display.maybe_render()
+                if self.timeout is not None and time.monotonic() - start > self.timeout:
+                    self._on_timeout(ar)
+                if first_failure is None and self._any_failed(ar):
+                    first_failure = time.monotonic()
+                if first_failure is not None and time.monotonic() - first_failure > FAIL_GRACE:
+                    # like torchrun: a failed rank takes the others down rather than leaving them
+                    # blocked for ever in a collective that waits for it
+                    waiting = self._pending(ar)
+                    self._stopped_note = self._stop_ranks(ar)
+                    from nbtrain.cluster.core import _describe_ranks
+
+                    self._stopped_note = (
+                        f"\n\n{_describe_ranks(self.cluster.ranks, waiting)} kept running after the failure "
+                        f"(likely waiting for the failed rank in a collective) and were stopped. {self._stopped_note}"
+                    )
+                    break
+        except KeyboardInterrupt:
+            self._drain()
+            note = self._stop_ranks(ar)
+            self._finish_display()
+            print(f"\nnbtrain: interrupted on {len(self.which)} rank(s). {note}", file=sys.stderr)
+            raise
+        ar.wait_for_output(2.0)
+        self._drain()
+        self._feed_metrics(ar)
+        self._flush_partial()
+        self._finish_display()
+        results = ar.get(return_exceptions=True)
+        from nbtrain.cluster.core import raise_for_failures
+
+        raise_for_failures(self.cluster, self.which, results, note=self._stopped_note)
+        return list(results)
+
+    def _any_failed(self, ar: Any) -> bool:
+        # a finished child holds an ExecuteReply, or the RemoteError itself (not raised)
+        for fut in ar._children:
+            if fut.done() and (
+                fut.exception() is not None or isinstance(fut.result(), BaseException)
+            ):
+                return True
+        return False
+
+    def _finish_display(self) -> None:
+        if self._display is not None:
+            self._display.close()
+
+    def _on_timeout(self, ar: Any) -> None:
+        stacks = self.cluster.stacks(self.which)
+        pending = self._pending(ar)
+        self._drain()
+        note = self._stop_ranks(ar)
+        self._finish_display()
+        text = format_stacks(self.cluster, stacks, pending=pending)
+        msg = (
+            f"the cell ran past --timeout {self.timeout:g} s and was stopped. {note}\n"
+            f"Where each rank was:\n{text}"
+        )
+        raise CellTimeoutError(msg)
+
+    def _pending(self, ar: Any) -> list[int]:
+        return [r for r, fut in zip(self.which, ar._children) if not fut.done()]
+
+    def _stop_ranks(self, ar: Any) -> str:
+        """Interrupt the cell on every rank; replace ranks that do not stop; make the group usable."""
+        cluster = self.cluster
+        cluster.interrupt(self.which)
+        deadline = time.monotonic() + INTERRUPT_GRACE
+        try:
+            while not ar.wait(0.1) and time.monotonic() < deadline:
+                self._drain()
+        except KeyboardInterrupt:
+            pass  # a second interrupt: stop waiting, replace whoever is still busy
+        stuck = self._pending(ar)
+        if stuck:
+            cluster.restart_ranks(stuck)
+            from nbtrain.cluster.core import _describe_ranks
+
+            return (
+                f"{_describe_ranks(cluster.ranks, stuck)} did not stop (blocked in a collective or in "
+                "C code) and were restarted: their variables are gone. The process group was re-created "
+                "on every rank; rebuild objects that hold it (e.g. DDP models)."
+            )
+        return cluster.repair_group()
+
+
+def _normalise(text: str) -> str:
+    return _CELL_FILE.sub("<cell>", _ANSI.sub("", text))
+
+
+def group_failures(
+    cluster: Cluster, failures: Sequence[tuple[int, BaseException]], total: int
+) -> tuple[str, list[dict[str, Any]]]:
+    """One message for many failing ranks: identical failures are shown once with all their ranks."""
+    from nbtrain.cluster.core import _describe_ranks
+
+    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for rank, err in failures:
+        ename = getattr(err, "ename", type(err).__name__)
+        evalue = str(getattr(err, "evalue", err))
+        tb = getattr(err, "traceback", None)
+        if isinstance(tb, list):
+            tb = "\n".join(tb)
+        if not tb and hasattr(err, "render_traceback"):
+            tb = "\n".join(err.render_traceback())
+        tb = tb or f"{ename}: {evalue}"
+        key = (ename, _normalise(evalue), _normalise(tb))
+        group = groups.setdefault(
+            key, {"ename": ename, "evalue": evalue, "traceback": tb, "ranks": []}
+        )
+        group["ranks"].append(rank)
+    n_failed = len(failures)
+    head = f"the cell failed on {n_failed} of {total} rank(s)"
+    parts = [head]
+    for g in groups.values():
+        where = _describe_ranks(cluster.ranks, g["ranks"])
+        parts.append(f"\n{g['ename']}: {g['evalue']}  [{where}]\n{g['traceback'].rstrip()}")
+    return "\n".join(parts), list(groups.values())
+
+
+def format_stacks(
+    cluster: Cluster, stacks: dict[int, dict[str, Any]], pending: Sequence[int] = ()
+) -> str:
+    """Stacks labelled by rank and host; the main thread first, engine machinery threads summarised."""
+    out = []
+    for rank in sorted(stacks):
+        info = stacks[rank]
+        host = info.get("host", cluster.ranks[rank].host)
+        state = "still running" if rank in pending else "finished"
+        out.append(f"--- rank {rank} on {host} (pid {info.get('pid')}, {state}) ---")
+        if info.get("error"):
+            out.append(f"  {info['error']}")
+        for t in info.get("threads", []):
+            if not t["user_frames"] and not t["main"]:
+                continue
+            out.append(f"  thread {t['thread']}{' (main)' if t['main'] else ''}:")
+            out.extend("  " + line for line in t["stack"].rstrip().splitlines())
+    return "\n".join(out)

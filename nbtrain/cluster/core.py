@@ -1,0 +1,753 @@
+"""The notebook side of a cluster: start engines, give each a torch rank, run code on every rank.
+
+In [1]: import nbtrain
+In [2]: cluster = nbtrain.start(n=2)          # twin of %nbtrain start -n 2
+In [3]: cluster.run(lambda: __import__("os").environ["RANK"])
+Out[3]: ['0', '1']
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from nbtrain.cluster.ranges import parse_ranks
+from nbtrain.errors import ClusterError, ConfigError, DistributedCellError, NoClusterError
+
+if TYPE_CHECKING:
+    import ipyparallel as ipp
+
+log = logging.getLogger("nbtrain")
+
+BACKENDS = ("auto", "gloo", "nccl")
+PROFILE = "nbtrain"
+# The hub only admits a new engine after a heartbeat round; ipyparallel's 3 s default makes a cold
+# start wait ~5 s for nothing. 500 ms also lets the hub notice a dead engine within ~5 s.
+HEARTBEAT_MS = 500
+
+_current: Cluster | None = None
+
+
+@dataclass
+class RankInfo:
+    """Where one rank lives."""
+
+    rank: int
+    engine_id: int
+    host: str
+    local_rank: int
+    local_world_size: int
+    pid: int
+    device: str = "cpu"
+    address: str = "127.0.0.1"
+    interface: str | None = None
+
+
+@dataclass
+class StartOptions:
+    """Settings of `nbtrain.start` / `%nbtrain start`, validated before anything starts."""
+
+    n: int = 1  # how many engines (ranks) to start on this machine
+    backend: str = "auto"  # auto (NCCL where every rank has a GPU, else gloo), gloo or nccl
+    timeout: float = 120.0  # seconds to get every engine and the process group, else fail
+    pg_timeout: float = 1800.0  # seconds a collective may wait before torch gives up
+    force: bool = False  # stop a running cluster first instead of refusing
+    profile: str = PROFILE  # IPython profile holding the cluster's connection files
+    extra_env: dict[str, str] = field(default_factory=dict)  # more environment for every rank
+
+    def __post_init__(self) -> None:
+        n = self.n
+        if isinstance(n, bool) or not isinstance(n, int):
+            try:
+                as_float = float(n)
+            except (TypeError, ValueError):
+                as_float = float("nan")
+            if as_float != as_float or as_float != int(as_float):
+                msg = f"-n {n!r} is not a whole number of engines; use e.g. -n 2."
+                raise ConfigError(msg)
+            n = int(as_float)
+        if n < 1:
+            msg = f"-n {n} asks for no engines; start at least one, e.g. -n 2."
+            raise ConfigError(msg)
+        self.n = n
+        if self.backend not in BACKENDS:
+            msg = f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}."
+            raise ConfigError(msg)
+        if self.timeout <= 0:
+            msg = f"--timeout {self.timeout} must be a positive number of seconds."
+            raise ConfigError(msg)
+
+
+def local_gpu_count() -> int:
+    """GPUs this machine exposes, without importing torch or creating a CUDA context."""
+    from nbtrain.engine.setup import _cuda_count
+
+    return _cuda_count()
+
+
+def _free_local_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def assign_ranks(
+    hellos: dict[int, dict[str, Any]], host_order: Sequence[str] = ()
+) -> list[RankInfo]:
+    """Node-major ranks, contiguous per host: hosts in `host_order` (then first seen), engines by id."""
+    by_host: dict[str, list[int]] = {}
+    for eid in sorted(hellos):
+        by_host.setdefault(hellos[eid]["host"], []).append(eid)
+    order = [h for h in host_order if h in by_host] + [h for h in by_host if h not in host_order]
+    ranks: list[RankInfo] = []
+    for host in order:
+        eids = by_host[host]
+        for local_rank, eid in enumerate(eids):
+            ranks.append(
+                RankInfo(
+                    rank=len(ranks),
+                    engine_id=eid,
+                    host=host,
+                    local_rank=local_rank,
+                    local_world_size=len(eids),
+                    pid=int(hellos[eid]["pid"]),
+                )
+            )
+    return ranks
+
+
+def format_table(rows: Sequence[Sequence[str]]) -> str:
+    """Plain-text columns, the first row a header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _describe_ranks(ranks: Sequence[RankInfo], which: Sequence[int]) -> str:
+    hosts: dict[str, list[int]] = {}
+    for r in which:
+        hosts.setdefault(ranks[r].host, []).append(r)
+    parts = []
+    for host, rs in hosts.items():
+        label = "rank" if len(rs) == 1 else "ranks"
+        parts.append(f"{label} {_compact(rs)} on {host}")
+    return "; ".join(parts)
+
+
+def _compact(nums: Sequence[int]) -> str:
+    """0,1,2,5 -> '0-2,5'."""
+    nums = sorted(nums)
+    out: list[str] = []
+    start = prev = nums[0]
+    for n in nums[1:] + [None]:  # type: ignore[list-item]
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return ",".join(out)
+
+
+def _kill_tree(pids: Sequence[int], grace: float = 3.0) -> None:
+    """Wait for processes (and their children) to exit, then kill what is left."""
+    import psutil
+
+    procs: list[psutil.Process] = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs.append(p)
+            procs.extend(p.children(recursive=True))
+        except psutil.Error:
+            continue
+    if not procs:
+        return
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=2.0)
+
+
+class Cluster:
+    """A running set of engines, one per torch rank, joined in one process group.
+
+    Get one from `nbtrain.start()`; `nbtrain.current_cluster()` returns the one the magics use.
+    """
+
+    def __init__(
+        self,
+        client: ipp.Client,
+        ipp_cluster: ipp.Cluster | None,
+        ranks: list[RankInfo],
+        backend: str,
+        options: StartOptions,
+        pids: Sequence[int] = (),
+    ) -> None:
+        self.client = client
+        self.ipp_cluster = ipp_cluster
+        self.ranks = ranks
+        self.backend = backend
+        self.options = options
+        self.started = time.time()
+        self._pids = list(pids)
+        self._stopped = False
+        self._rank_of_engine = {r.engine_id: r.rank for r in ranks}
+
+    # --- what it is -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def cluster_id(self) -> str | None:
+        return getattr(self.ipp_cluster, "cluster_id", None)
+
+    @property
+    def hosts(self) -> list[str]:
+        return list(dict.fromkeys(r.host for r in self.ranks))
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def engine_ids(self, ranks: Sequence[int] | None = None) -> list[int]:
+        which = range(self.world_size) if ranks is None else ranks
+        return [self.ranks[r].engine_id for r in which]
+
+    def __repr__(self) -> str:
+        state = "stopped" if self._stopped else "running"
+        return f"<nbtrain.Cluster {state}: {self.world_size} rank(s), backend {self.backend}, hosts {', '.join(self.hosts)}>"
+
+    def table(self) -> str:
+        """The rank table: rank, host, local rank, device, pid."""
+        rows = [("rank", "host", "local", "device", "address", "pid")]
+        for r in self.ranks:
+            rows.append((str(r.rank), r.host, str(r.local_rank), r.device, r.address, str(r.pid)))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows
+        )
+
+    def _check_usable(self) -> None:
+        if self._stopped:
+            msg = "this cluster was stopped; start a new one with %nbtrain start (or nbtrain.start())."
+            raise NoClusterError(msg)
+
+    # --- running code -------------------------------------------------------------------------
+    def view(self, ranks: Sequence[int] | None = None) -> ipp.DirectView:
+        """An ipyparallel DirectView over `ranks` (all by default), in rank order."""
+        self._check_usable()
+        return self.client.direct_view(targets=self.engine_ids(ranks))
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        ranks: Any = None,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Call `fn(*args, **kwargs)` on every rank; one result per rank, in rank order.
+
+        In [1]: cluster.run(lambda: torch.distributed.get_rank())
+        Out[1]: [0, 1]
+        """
+        which = parse_ranks(ranks, self.world_size)
+        ar = self.view(which).apply_async(fn, *args, **kwargs)
+        return self._gather(ar, which, timeout, what=getattr(fn, "__name__", "function"))
+
+    def _gather(self, ar: Any, which: list[int], timeout: float | None, what: str) -> list[Any]:
+        try:
+            if not ar.wait(timeout):
+                msg = f"{what} did not finish on {_describe_ranks(self.ranks, which)} within {timeout} s."
+                raise ClusterError(msg)
+        except KeyboardInterrupt:
+            self.interrupt(which)
+            raise
+        results = ar.get(return_exceptions=True)
+        raise_for_failures(self, which, results)
+        return list(results)
+
+    def execute(
+        self,
+        code: str,
+        ranks: Any = None,
+        output: str = "rank0",
+        timeout: float | None = None,
+        live: bool = True,
+    ) -> list[Any]:
+        """Run `code` on every rank (or `ranks`) in its persistent namespace, like a `%%distributed` cell.
+
+        Streams the output as it comes (rank 0's, or every rank's with `output="all"`), draws live
+        plots from `nbtrain.log`, and raises `DistributedCellError` if any rank fails.
+        """
+        from nbtrain.cluster.cell import CellRun
+
+        which = parse_ranks(ranks, self.world_size)
+        return CellRun(self, code, which, output=output, timeout=timeout, live=live).run()
+
+    def push(self, namespace: dict[str, Any], ranks: Any = None) -> None:
+        """Put the names in `namespace` into every rank's cell namespace."""
+        which = parse_ranks(ranks, self.world_size)
+        ar = self.view(which).push(namespace, block=False)
+        self._gather(ar, which, None, what="push")
+
+    def pull(self, name: str, ranks: Any = None) -> list[Any]:
+        """The value of `name` on every rank (or `ranks`), in rank order."""
+        which = parse_ranks(ranks, self.world_size)
+        ar = self.view(which).pull(name, block=False)
+        return self._gather(ar, which, None, what=f"pull {name!r}")
+
+    # --- watching and steering ----------------------------------------------------------------
+    def status(self) -> list[dict[str, Any]]:
+        """One row per rank: rank, host, local rank, device, pid, busy/idle and queued cells."""
+        self._check_usable()
+        queues = self.client.queue_status(targets=self.engine_ids())
+        rows = []
+        for r in self.ranks:
+            q = queues.get(r.engine_id, {}) if isinstance(queues, dict) else {}
+            busy = bool(q.get("queue", 0))
+            rows.append(
+                {**asdict(r), "state": "busy" if busy else "idle", "queued": q.get("queue", 0)}
+            )
+        return rows
+
+    def stacks(
+        self, ranks: Any = None, timeout: float = 5.0, all_threads: bool = True
+    ) -> dict[int, dict[str, Any]]:
+        """Every rank's current Python stacks, asked over the control channel (works while busy)."""
+        self._check_usable()
+        which = parse_ranks(ranks, self.world_size)
+        out: dict[int, dict[str, Any]] = {}
+        futures = []
+        for r in which:
+            fut = self.client._send_control_request(
+                targets=[self.ranks[r].engine_id],
+                msg_type="nbtrain_stack_request",
+                content={"all_threads": all_threads},
+                block=False,
+            )
+            futures.append((r, fut))
+        deadline = time.monotonic() + timeout
+        for r, fut in futures:
+            try:
+                replies = fut.result(timeout=max(0.01, deadline - time.monotonic()))
+                out[r] = replies[0]["content"]
+            except Exception as e:  # a dead or wedged engine does not answer
+                out[r] = {
+                    "host": self.ranks[r].host,
+                    "pid": self.ranks[r].pid,
+                    "threads": [],
+                    "error": f"no answer ({type(e).__name__})",
+                }
+        return out
+
+    def interrupt(self, ranks: Any = None) -> None:
+        """Send SIGINT to every rank (or `ranks`): a KeyboardInterrupt in whatever it runs."""
+        self._check_usable()
+        which = parse_ranks(ranks, self.world_size)
+        local = socket.gethostname()
+        for r in which:
+            info = self.ranks[r]
+            if info.host == local and self.ipp_cluster is not None:
+                try:
+                    os.kill(info.pid, signal.SIGINT)
+                    continue
+                except ProcessLookupError:
+                    continue
+            self.client.send_signal(signal.SIGINT, targets=[info.engine_id], block=False)
+
+    def check_group(
+        self, ranks: Sequence[int] | None = None, timeout: float = 10.0
+    ) -> list[dict[str, Any]]:
+        from nbtrain.engine import setup
+
+        return self.run(setup.check_group, ranks=ranks, timeout=timeout)
+
+    def reinit_group(self, timeout: float = 60.0) -> None:
+        """Re-create the process group on every rank (after an interrupt broke it)."""
+        deadline = time.monotonic() + timeout
+        master_addr = self.ranks[0].address
+        _init_group(
+            self.client,
+            self.ranks,
+            self.options,
+            lambda: max(0.1, deadline - time.monotonic()),
+            master_addr=master_addr,
+            port=self._rendezvous_port(),
+        )
+
+    def repair_group(self) -> str:
+        """After an interrupt: keep the process group if every rank agrees on it, else re-create it."""
+        try:
+            info = self.check_group(timeout=10)
+        except Exception:
+            info = []
+        seqs = [i.get("seq") for i in info]
+        intact = (
+            bool(info)
+            and all(i.get("initialized") for i in info)
+            and None not in seqs
+            and len(set(seqs)) == 1
+        )
+        if intact:
+            return "The process group is intact and every rank kept its variables."
+        self.reinit_group()
+        return (
+            "The ranks stopped at different points of their collectives, so the process group was "
+            "re-created; variables are kept, but rebuild objects that hold the old group (e.g. DDP models)."
+        )
+
+    def restart_ranks(self, ranks: Sequence[int], timeout: float | None = None) -> None:
+        """Replace the engines of `ranks` with fresh ones and re-create the process group everywhere."""
+        if self.ipp_cluster is None:
+            msg = (
+                f"rank(s) {_compact(list(ranks))} are stuck, and this cluster was connected, not started, by "
+                "nbtrain, so it cannot replace their engines. Restart the cluster where it was started."
+            )
+            raise ClusterError(msg)
+        import psutil
+
+        from nbtrain.engine import setup
+
+        timeout = timeout or self.options.timeout
+        deadline = time.monotonic() + timeout
+
+        def remaining() -> float:
+            return max(0.1, deadline - time.monotonic())
+
+        dead_ids = {self.ranks[r].engine_id for r in ranks}
+        orphans: list[psutil.Process] = []
+        for r in ranks:
+            try:
+                proc = psutil.Process(self.ranks[r].pid)
+                orphans.extend(proc.children(recursive=True))
+                proc.kill()
+            except psutil.Error:
+                pass
+        # the nanny tells the hub at once; wait until the client no longer lists the old engines
+        while dead_ids & set(self.client.ids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _kill_tree([p.pid for p in orphans], grace=1.0)
+        before = set(self.client.ids)
+        self.ipp_cluster.start_engines_sync(len(ranks))
+        self.client.wait_for_engines(
+            len(before) + len(ranks), timeout=remaining(), interactive=False
+        )
+        new_ids = sorted(set(self.client.ids) - before)
+        hellos = (
+            self.client.direct_view(targets=new_ids)
+            .apply_async(setup.hello)
+            .get(timeout=remaining())
+        )
+        for r, eid, h in zip(sorted(ranks), new_ids, hellos):
+            info = self.ranks[r]
+            info.engine_id, info.pid, info.host = eid, int(h["pid"]), h["host"]
+            self._pids.extend([info.pid, *h.get("children", [])])
+        self._rank_of_engine = {r.engine_id: r.rank for r in self.ranks}
+        self.reinit_group(timeout=remaining())
+
+    def _rendezvous_port(self) -> int:
+        from nbtrain.engine import setup
+
+        if self.ranks[0].host == socket.gethostname():
+            return _free_local_port()
+        return int(self.run(setup.free_port, ranks=[0], timeout=30)[0])
+
+    # --- ending -------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop every engine and the controller; nothing of this cluster keeps running."""
+        global _current
+        if self._stopped:
+            return
+        self._stopped = True
+        if _current is self:
+            _current = None
+        _teardown(self.ipp_cluster, self.client, self._pids)
+
+
+def _teardown(ipp_cluster: Any, client: Any, pids: Sequence[int]) -> None:
+    from nbtrain.cluster import registry
+
+    if client is not None:
+        try:
+            client.close(linger=0)
+        except Exception:
+            pass
+    launcher_pids: list[int] = list(pids)
+    if ipp_cluster is not None:
+        launcher_pids.extend(_launcher_pids(ipp_cluster))
+    launcher_pids.extend(_descendants(launcher_pids))
+    if ipp_cluster is not None:
+        try:
+            ipp_cluster.stop_cluster_sync()
+        except Exception as e:
+            log.debug("ipyparallel stop_cluster failed: %s", e)
+        registry.forget(ipp_cluster)
+    _kill_tree(launcher_pids)
+
+
+def _descendants(pids: Sequence[int]) -> list[int]:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            out.extend(p.pid for p in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            continue
+    return out
+
+
+def _launcher_pids(ipp_cluster: Any) -> list[int]:
+    pids = []
+    ctl = getattr(ipp_cluster, "controller", None)
+    if ctl is not None and getattr(ctl, "pid", None):
+        pids.append(int(ctl.pid))
+    for engine_set in getattr(ipp_cluster, "engines", {}).values():
+        for launcher in getattr(engine_set, "launchers", {}).values():
+            if getattr(launcher, "pid", None):
+                pids.append(int(launcher.pid))
+    return pids
+
+
+def current_cluster() -> Cluster | None:
+    """The cluster `%%distributed` cells run on (the last one started), or None."""
+    if _current is not None and _current.stopped:
+        return None
+    return _current
+
+
+def require_cluster() -> Cluster:
+    cluster = current_cluster()
+    if cluster is None:
+        msg = "no nbtrain cluster is running. Start one first: %nbtrain start -n 2 (or nbtrain.start(n=2))."
+        raise NoClusterError(msg)
+    return cluster
+
+
+def start(
+    n: int = 1,
+    backend: str = "auto",
+    timeout: float = 120.0,
+    force: bool = False,
+    pg_timeout: float = 1800.0,
+    env: dict[str, str] | None = None,
+    quiet: bool = True,
+) -> Cluster:
+    """Start `n` engines on this machine and a process group across them; return the `Cluster`.
+
+    In [1]: cluster = nbtrain.start(n=2)
+    In [2]: cluster.run(lambda: __import__("os").environ["WORLD_SIZE"])
+    Out[2]: ['2', '2']
+
+    Either every engine and the process group are ready within `timeout` seconds, or this raises
+    and leaves no process behind.
+    """
+    global _current
+    options = StartOptions(
+        n=n,
+        backend=backend,
+        timeout=timeout,
+        force=force,
+        pg_timeout=pg_timeout,
+        extra_env=dict(env or {}),
+    )
+    if options.backend == "nccl" and local_gpu_count() < 1:
+        msg = "--backend nccl needs CUDA GPUs, and this machine has none. Use --backend gloo (or auto)."
+        raise ConfigError(msg)
+    if options.backend == "nccl" and local_gpu_count() < options.n:
+        msg = (
+            f"--backend nccl with -n {options.n} needs one GPU per engine, but {socket.gethostname()} has "
+            f"{local_gpu_count()}. Use -n {local_gpu_count()} or --backend gloo."
+        )
+        raise ConfigError(msg)
+    existing = current_cluster()
+    if existing is not None:
+        if not options.force:
+            msg = (
+                f"a cluster is already running ({existing.world_size} rank(s) on {', '.join(existing.hosts)}). "
+                "Stop it with %nbtrain stop, or replace it with %nbtrain start --force."
+            )
+            raise ClusterError(msg)
+        existing.stop()
+    cluster = _start_local(options, quiet=quiet)
+    _current = cluster
+    return cluster
+
+
+async def start_async(**kwargs: Any) -> Cluster:
+    """The awaitable twin of `start` (runs it in a worker thread)."""
+    return await asyncio.to_thread(start, **kwargs)
+
+
+def _start_local(options: StartOptions, quiet: bool = True) -> Cluster:
+    import ipyparallel as ipp
+
+    from nbtrain.cluster import registry
+    from nbtrain.engine import setup
+
+    deadline = time.monotonic() + options.timeout
+
+    def remaining() -> float:
+        return max(0.1, deadline - time.monotonic())
+
+    cluster_id = f"nbtrain-{uuid.uuid4().hex[:8]}"
+    ipp_cluster = ipp.Cluster(
+        n=options.n,
+        profile=options.profile,
+        cluster_id=cluster_id,
+        controller_ip="127.0.0.1",
+        controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"],
+        # engines wait for the connection file themselves, so they start while the controller does
+        send_engines_connection_env=False,
+        log_level=logging.ERROR,
+        shutdown_atexit=True,
+    )
+    client = None
+    pids: list[int] = []
+    step = "starting the controller"
+    try:
+        ipp_cluster.start_controller_sync()
+        step = f"starting {options.n} engine(s)"
+        ipp_cluster.start_engines_sync(options.n)
+        step = "connecting to the controller"
+        client = ipp_cluster.connect_client_sync()
+        step = f"waiting for {options.n} engine(s) to register"
+        try:
+            client.wait_for_engines(options.n, timeout=remaining(), interactive=False)
+        except TimeoutError:
+            got = len(client.ids)
+            msg = (
+                f"only {got} of {options.n} engine(s) started within --timeout {options.timeout:g} s on "
+                f"{socket.gethostname()}. Nothing was left running. Try a longer --timeout, fewer engines, "
+                f"or look at the engine logs in {ipp_cluster.profile_dir}/log."
+            )
+            raise ClusterError(msg) from None
+        step = "saying hello to the engines"
+        dv = client[:]
+        hellos_list = dv.apply_async(setup.hello).get(timeout=remaining())
+        hellos = {eid: h for eid, h in zip(dv.targets, hellos_list)}
+        pids = [p for h in hellos.values() for p in [h["pid"], *h.get("children", [])]]
+        ranks = assign_ranks(hellos)
+        step = "joining the process group"
+        backend = _init_group(
+            client, ranks, options, remaining, master_addr="127.0.0.1", port=_free_local_port()
+        )
+    except BaseException as e:
+        _teardown(ipp_cluster, client, pids)
+        if isinstance(e, (ClusterError, ConfigError, DistributedCellError)):
+            raise
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        msg = f"starting the cluster failed while {step}: {type(e).__name__}: {e}. Nothing was left running."
+        raise ClusterError(msg) from e
+    cluster = Cluster(client, ipp_cluster, ranks, backend, options, pids=pids)
+    registry.write(cluster)
+    return cluster
+
+
+def _init_group(
+    client: Any,
+    ranks: list[RankInfo],
+    options: StartOptions,
+    remaining: Callable[[], float],
+    master_addr: str,
+    port: int,
+) -> str:
+    from nbtrain.engine import setup
+
+    world = len(ranks)
+    pending = []
+    for r in ranks:
+        env = {
+            "RANK": str(r.rank),
+            "LOCAL_RANK": str(r.local_rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(r.local_world_size),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(port),
+            **options.extra_env,
+        }
+        r.address = master_addr if r.rank == 0 else r.address
+        ar = client[r.engine_id].apply_async(
+            setup.init_rank, env, options.backend, options.pg_timeout
+        )
+        pending.append((r, ar))
+    failures: list[tuple[RankInfo, BaseException]] = []
+    late: list[RankInfo] = []
+    backends = set()
+    for r, ar in pending:
+        if not ar.wait(remaining()):
+            late.append(r)
+            continue
+        try:
+            info = ar.get()
+        except Exception as e:
+            failures.append((r, e))
+            continue
+        r.device = info["device"]
+        backends.add(info["backend"])
+    if failures:
+        lines = []
+        for r, e in failures:
+            ename = getattr(e, "ename", type(e).__name__)
+            evalue = getattr(e, "evalue", str(e))
+            lines.append(f"  rank {r.rank} on {r.host}: {ename}: {evalue}")
+        msg = "the process group could not be created; nothing was left running.\n" + "\n".join(
+            lines
+        )
+        raise ClusterError(msg)
+    if late:
+        who = _describe_ranks(ranks, [r.rank for r in late])
+        msg = (
+            f"the process group was not ready within --timeout {options.timeout:g} s: {who} did not join "
+            f"the rendezvous at {master_addr}:{port}. Nothing was left running. A firewall or a wrong "
+            "network interface between the nodes is the usual cause."
+        )
+        raise ClusterError(msg)
+    if len(backends) > 1:
+        msg = (
+            f"ranks chose different backends ({', '.join(sorted(backends))}); pass --backend gloo."
+        )
+        raise ClusterError(msg)
+    return backends.pop()
+
+
+def raise_for_failures(
+    cluster: Cluster, which: Sequence[int], results: Sequence[Any], note: str = ""
+) -> None:
+    """Raise one `DistributedCellError` grouping identical remote failures, if any rank failed."""
+    from nbtrain.cluster.cell import group_failures
+
+    failures = []
+    for r, res in zip(which, results):
+        if isinstance(res, BaseException):
+            failures.append((r, res))
+    if failures:
+        message, groups = group_failures(cluster, failures, total=len(which))
+        raise DistributedCellError(message + note, groups)
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    # a kernel shutdown or restart must not leave engines behind
+    cluster = _current
+    if cluster is not None and not cluster.stopped:
+        try:
+            cluster.stop()
+        except Exception as e:  # pragma: no cover - best effort at exit
+            print(f"nbtrain: stopping the cluster at exit failed: {e}", file=sys.stderr)

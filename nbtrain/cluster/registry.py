@@ -1,0 +1,62 @@
+"""The side file that tells the Jupyter server what an nbtrain cluster is.
+
+ipyparallel writes its own cluster file; next to it nbtrain writes
+``<profile_dir>/security/nbtrain-<cluster_id>.json`` with the rank table, so the Lab sidebar can
+show nodes, ranks and GPUs. Written atomically, mode 0600, removed when the cluster stops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+
+def _path(ipp_cluster: Any) -> Path | None:
+    profile_dir = getattr(ipp_cluster, "profile_dir", None)
+    cluster_id = getattr(ipp_cluster, "cluster_id", None)
+    if not profile_dir or not cluster_id:
+        return None
+    return Path(profile_dir) / "security" / f"nbtrain-{cluster_id}.json"
+
+
+def _notebook() -> str | None:
+    # the notebook that started the cluster, where the kernel knows it (Jupyter sets it for kernels)
+    return os.environ.get("JPY_SESSION_NAME") or None
+
+
+def write(cluster: Any, state: str = "running") -> None:
+    path = _path(cluster.ipp_cluster)
+    if path is None:
+        return
+    data = {
+        "cluster_id": cluster.cluster_id,
+        "profile_dir": str(cluster.ipp_cluster.profile_dir),
+        "state": state,
+        "backend": cluster.backend,
+        "world_size": cluster.world_size,
+        "hosts": cluster.hosts,
+        "ranks": [asdict(r) for r in cluster.ranks],
+        "notebook": _notebook(),
+        "client_pid": os.getpid(),
+        "started": cluster.started,
+        "updated": time.time(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def forget(ipp_cluster: Any) -> None:
+    path = _path(ipp_cluster)
+    if path is not None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass

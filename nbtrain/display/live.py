@@ -1,0 +1,222 @@
+"""The live training display under a running cell: loss and throughput curves, a progress bar, ETA.
+
+Fed with the payloads `nbtrain.log` publishes (see `nbtrain.engine.metrics`). It redraws at most once
+a second on the client, so the engines never wait for it. When the run ends it leaves a static image
+of the curves and a final metrics table in the cell output, which a saved notebook keeps.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import time
+from typing import Any
+
+# metrics drawn as curves: (key, axis title)
+PLOTS = (("loss", "loss"), ("tokens_per_s", "tokens/s"))
+TABLE_KEYS = (
+    "step",
+    "epoch",
+    "loss",
+    "eval_loss",
+    "grad_norm",
+    "learning_rate",
+    "tokens_per_s",
+    "step_time",
+    "mfu",
+    "peak_mem_gb",
+)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.3e}"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _fmt_rate(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if value >= 1000:
+        return f"{value / 1000:.1f}k"
+    return f"{value:.0f}"
+
+
+def _fmt_eta(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds:
+        return "–"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class LiveDisplay:
+    """One display area, updated in place: progress line, then the curves."""
+
+    def __init__(self, min_interval: float = 1.0) -> None:
+        self.min_interval = min_interval
+        self.rows: list[dict[str, Any]] = []
+        self.total: int | None = None
+        self.name: str | None = None
+        self.t0 = time.monotonic()
+        self.closed = False
+        self._handle: Any = None
+        self._last_render = 0.0
+        self._dirty = False
+        self._fig: Any = None
+        self._axes: Any = None
+
+    # --- input ----------------------------------------------------------------------------------
+    def feed(self, payload: dict[str, Any]) -> None:
+        kind = payload.get("kind")
+        if kind == "begin":
+            self.total = payload.get("total_steps")
+            self.name = payload.get("name")
+            self.t0 = time.monotonic()
+            self.rows = []
+            self._dirty = True
+        elif kind == "row":
+            self.rows.append(dict(payload.get("row", {})))
+            self._dirty = True
+        elif kind == "end":
+            self.close()
+            return
+        self.maybe_render()
+
+    def maybe_render(self) -> None:
+        if self.closed or not self._dirty:
+            return
+        now = time.monotonic()
+        if now - self._last_render >= self.min_interval or self._handle is None:
+            self.render()
+
+    def close(self) -> None:
+        """Draw the final state: the curves as a static image and the last metrics as a table."""
+        if self.closed:
+            return
+        self.closed = True
+        self.render(final=True)
+
+    # --- output ---------------------------------------------------------------------------------
+    def _progress(self) -> tuple[int | None, float | None, str]:
+        step = self.rows[-1].get("step") if self.rows else None
+        eta = None
+        if step and self.total:
+            elapsed = time.monotonic() - self.t0
+            eta = elapsed / step * max(0, self.total - step)
+        last = self.rows[-1] if self.rows else {}
+        parts = []
+        if step is not None:
+            parts.append(f"step {step}/{self.total}" if self.total else f"step {step}")
+        if last.get("loss") is not None:
+            parts.append(f"loss {last['loss']:.4f}")
+        if last.get("eval_loss") is not None:
+            parts.append(f"eval {last['eval_loss']:.4f}")
+        if last.get("tokens_per_s") is not None:
+            parts.append(f"{_fmt_rate(last['tokens_per_s'])} tok/s")
+        if not self.closed:
+            parts.append(f"ETA {_fmt_eta(eta)}")
+        return step, eta, " · ".join(parts)
+
+    def _png(self) -> bytes | None:
+        if not self.rows:
+            return None
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        if self._fig is None:
+            self._fig = Figure(figsize=(8.0, 2.6), dpi=80)
+            FigureCanvasAgg(self._fig)
+            self._axes = self._fig.subplots(1, 2)
+        fig, axes = self._fig, self._axes
+        for ax, (key, title) in zip(axes, PLOTS):
+            ax.clear()
+            pts = [
+                (r["step"], r[key])
+                for r in self.rows
+                if r.get(key) is not None and r.get("step") is not None
+            ]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=title, color="#1f77b4")
+            if key == "loss":
+                ev = [
+                    (r["step"], r["eval_loss"])
+                    for r in self.rows
+                    if r.get("eval_loss") is not None and r.get("step") is not None
+                ]
+                if ev:
+                    ax.plot(
+                        [p[0] for p in ev],
+                        [p[1] for p in ev],
+                        "o-",
+                        label="eval loss",
+                        color="#ff7f0e",
+                    )
+                if pts or ev:
+                    ax.legend(loc="upper right", fontsize=8)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+
+    def _table_html(self) -> str:
+        if not self.rows:
+            return ""
+        last = self.rows[-1]
+        keys = [k for k in TABLE_KEYS if k in last] + [k for k in last if k not in TABLE_KEYS]
+        cells = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(_fmt(last[k]))}</td></tr>"
+            for k in keys
+        )
+        return f"<table>{cells}</table>"
+
+    def _table_text(self) -> str:
+        if not self.rows:
+            return ""
+        last = self.rows[-1]
+        return "\n".join(f"{k:>14}  {_fmt(v)}" for k, v in last.items())
+
+    def bundle(self, final: bool = False) -> dict[str, Any]:
+        step, _, line = self._progress()
+        png = self._png()
+        title = html.escape(self.name or "training")
+        bar = ""
+        if self.total and step is not None and not final:
+            bar = f"<progress value='{step}' max='{self.total}' style='width:40%'></progress> "
+        img = ""
+        if png is not None:
+            img = f"<br><img src='data:image/png;base64,{base64.b64encode(png).decode()}'/>"
+        table = self._table_html() if final else ""
+        state = "finished" if final else "running"
+        doc = f"<div class='nbtrain-live'><b>{title}</b> ({state}) {bar}<code>{html.escape(line)}</code>{img}{table}</div>"
+        text = f"{self.name or 'training'} ({state}): {line}"
+        if final:
+            text += "\n" + self._table_text()
+        data: dict[str, Any] = {"text/plain": text, "text/html": doc}
+        if png is not None and final:
+            data["image/png"] = base64.b64encode(png).decode()
+        return data
+
+    def render(self, final: bool = False) -> None:
+        from IPython.display import display
+
+        data = self.bundle(final=final)
+        if final:
+            # the static image is the HTML's inline PNG; offer the raw PNG only as a fallback
+            data.pop("image/png", None)
+        if self._handle is None:
+            self._handle = display(data, raw=True, display_id=True)
+        else:
+            self._handle.update(data, raw=True)
+        self._last_render = time.monotonic()
+        self._dirty = False

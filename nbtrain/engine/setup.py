@@ -1,0 +1,283 @@
+"""Rank set-up that runs inside each engine: environment, process group, names in the cell namespace.
+
+The client calls these with `apply`; each returns plain data so the client never needs torch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any
+
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# frames from these packages are the engine's own machinery, not the user's code
+_MACHINERY = (
+    "/ipykernel/",
+    "/IPython/",
+    "/ipyparallel/",
+    "/tornado/",
+    "/asyncio/",
+    "/zmq/",
+    "/threading.py",
+    "/runpy.py",
+    "<frozen runpy>",
+    "/selectors.py",
+    "/traitlets/",
+    "/jupyter_client/",
+    "/nbtrain/engine/setup.py",
+)
+
+
+_REAL: dict[str, Any] = {}
+_NOTED: set[str] = set()
+
+
+def _note_once(key: str, text: str) -> None:
+    if key not in _NOTED:
+        _NOTED.add(key)
+        print(f"nbtrain: {text}", file=sys.stderr)
+
+
+def _install_torchrun_shims() -> None:
+    """Let code written for torchrun run unchanged although nbtrain already made the group.
+
+    Such code calls `init_process_group()` first and often `destroy_process_group()` last. On an
+    nbtrain engine the first finds the group ready (a no-op if the backend agrees) and the second
+    leaves it in place, so the next cell still has a working group.
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    if "init" in _REAL:
+        return
+    _REAL["init"] = c10d.init_process_group
+    _REAL["destroy"] = c10d.destroy_process_group
+
+    def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            current = str(dist.get_backend())
+            if backend is None or current in str(backend).lower():
+                _note_once(
+                    "init",
+                    "the process group is already set up by nbtrain; init_process_group() kept it.",
+                )
+                return None
+            msg = (
+                f"rank {os.environ.get('RANK')} on {socket.gethostname()}: this code asks for backend "
+                f"{backend!r}, but nbtrain's process group uses {current!r}. Restart the cluster with "
+                f"%nbtrain start --force --backend {backend}."
+            )
+            raise RuntimeError(msg)
+        return _REAL["init"](backend, *args, **kwargs)
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is c10d.GroupMember.WORLD:
+            _note_once(
+                "destroy",
+                "kept nbtrain's process group for the next cell (destroy_process_group() is a no-op here).",
+            )
+            return None
+        return _REAL["destroy"](group)
+
+    for module in (dist, c10d):
+        module.init_process_group = init_process_group  # type: ignore[assignment]
+        module.destroy_process_group = destroy_process_group  # type: ignore[assignment]
+
+
+def _real(name: str) -> Any:
+    import torch.distributed.distributed_c10d as c10d
+
+    return _REAL.get(name) or getattr(c10d, f"{name}_process_group")
+
+
+def _user_ns() -> dict[str, Any]:
+    from IPython import get_ipython
+
+    ip = get_ipython()
+    return ip.user_ns if ip is not None else {}
+
+
+def _cuda_count() -> int:
+    # avoid importing torch just to say hello: the driver's proc entry answers without a CUDA context
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def hello() -> dict[str, Any]:
+    """Who this engine is: host, pid, GPUs. Also installs the stack-dump handler."""
+    os.environ["NBTRAIN_ENGINE"] = "1"
+    install_stack_handler()
+    try:
+        import psutil
+
+        children = [p.pid for p in psutil.Process().children(recursive=True)]
+    except Exception:
+        children = []
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "children": children,
+        "gpus": _cuda_count(),
+        "python": sys.executable,
+    }
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host now (the rendezvous port, when this is rank 0's host)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def init_rank(env: dict[str, str], backend: str, timeout_s: float) -> dict[str, Any]:
+    """Set this rank's torchrun-style environment, then join the process group."""
+    os.environ.update(env)
+    os.environ["NBTRAIN_ENGINE"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    rank = int(env["RANK"])
+    local_rank = int(env["LOCAL_RANK"])
+    world_size = int(env["WORLD_SIZE"])
+    has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    if has_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if has_cuda else "gloo"
+    if backend == "nccl" and not has_cuda:
+        host = socket.gethostname()
+        msg = (
+            f"rank {rank} on {host}: --backend nccl needs a CUDA device for local rank {local_rank}, "
+            f"but torch sees {torch.cuda.device_count()} GPU(s). Use --backend gloo (or auto)."
+        )
+        raise RuntimeError(msg)
+    if dist.is_initialized():
+        _real("destroy")()
+    _real("init")(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+    _install_torchrun_shims()
+    _user_ns().update(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        device=device,
+    )
+    return {"backend": backend, "device": str(device)}
+
+
+def check_group() -> dict[str, Any]:
+    """This rank's view of the process group after an interrupt: alive, and how many collectives ran."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return {"initialized": False, "seq": None}
+    if not dist.is_initialized():
+        return {"initialized": False, "seq": None}
+    seq = None
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        seq = int(pg._get_sequence_number_for_group())
+    except Exception:  # older torch, or a backend that does not count
+        seq = None
+    return {"initialized": True, "seq": seq}
+
+
+def reinit_group(port: int, timeout_s: float) -> dict[str, Any]:
+    """Tear down and re-create the default process group on a fresh rendezvous port."""
+    import torch.distributed as dist
+
+    backend = "gloo"
+    if dist.is_initialized():
+        backend = str(dist.get_backend())
+        try:
+            _real("destroy")()
+        except Exception:
+            pass
+    env = {key: os.environ[key] for key in RANK_ENV}
+    env["MASTER_PORT"] = str(port)
+    return init_rank(env, backend, timeout_s)
+
+
+def shutdown_group() -> None:
+    """Leave the process group cleanly (before the engine stops)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if dist.is_initialized():
+        _real("destroy")()
+
+
+def format_stacks(all_threads: bool = True) -> dict[str, Any]:
+    """Every thread's Python stack in this process, the user's frames only where we can tell."""
+    import threading
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main_id = threading.main_thread().ident
+    out = []
+    for ident, frame in sys._current_frames().items():
+        if not all_threads and ident != main_id:
+            continue
+        frames = traceback.extract_stack(frame)
+        user = [f for f in frames if not any(m in f.filename for m in _MACHINERY)]
+        # a thread with no user frame is engine machinery (heartbeat, iopub...): keep it short
+        shown = user if user else frames[-1:]
+        out.append(
+            {
+                "thread": names.get(ident, str(ident)),
+                "main": ident == main_id,
+                "user_frames": len(user),
+                "stack": "".join(traceback.format_list(shown)),
+            }
+        )
+    out.sort(key=lambda t: (not t["main"], -t["user_frames"]))
+    return {"host": socket.gethostname(), "pid": os.getpid(), "threads": out}
+
+
+def install_stack_handler() -> None:
+    """Answer `nbtrain_stack_request` on the control channel, which runs on its own thread.
+
+    That is what lets the notebook see where a rank is while its main thread is busy or stuck in a
+    collective, without signals and without files on the engine's host.
+    """
+    from IPython import get_ipython
+
+    ip = get_ipython()
+    kernel = getattr(ip, "kernel", None)
+    if kernel is None or "nbtrain_stack_request" in kernel.control_handlers:
+        return
+
+    def handler(stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        all_threads = bool(parent.get("content", {}).get("all_threads", True))
+        try:
+            content = {"status": "ok", **format_stacks(all_threads)}
+        except Exception as e:  # never let a diagnosis request hurt the engine
+            content = {
+                "status": "ok",
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "error": repr(e),
+                "threads": [],
+            }
+        kernel.session.send(stream, "nbtrain_stack_reply", content, parent, ident)
+
+    kernel.control_handlers["nbtrain_stack_request"] = handler

@@ -1,0 +1,231 @@
+"""`%nbtrain` and `%%distributed`: thin magics over the Python API (`nbtrain.start`, `Cluster`)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from typing import Any
+
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from nbtrain.errors import ConfigError, NbtrainError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting the kernel."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        msg = f"{self.prog}: {message}\n\n{self.format_usage().strip()}\nSee %nbtrain? for help."
+        raise ConfigError(msg)
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        if message:
+            print(message, file=sys.stderr)
+        raise _HelpShown()
+
+
+class _HelpShown(Exception):
+    pass
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
+
+
+def _engine_count(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number of engines (e.g. -n 2)"
+        ) from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of engines (e.g. -n 2)")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: start at least one engine (e.g. -n 2)")
+    return int(value)
+
+
+def build_parser() -> _Parser:
+    parser = _Parser(prog="%nbtrain", description="Start, inspect and stop the nbtrain cluster.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("start", help="start engines and a process group; prints the rank table")
+    p.add_argument(
+        "-n",
+        type=_engine_count,
+        default=None,
+        help="engines (ranks) to start on this machine (default: its GPU count, or 1 on CPU)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="auto: NCCL when every rank has a GPU, else gloo",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=120.0,
+        help="seconds to get every engine and the process group (default 120)",
+    )
+    p.add_argument("--force", action="store_true", help="stop a running cluster first")
+
+    sub.add_parser("stop", help="stop every engine and the controller")
+    sub.add_parser("status", help="rank, host, local rank, device, pid, busy/idle")
+    return parser
+
+
+_PARSER = build_parser()
+
+
+def _help_text() -> str:
+    parts = [_PARSER.format_help()]
+    for name, sp in _PARSER._subparsers._group_actions[0].choices.items():  # type: ignore[union-attr]
+        parts.append(f"--- %nbtrain {name} ---\n{sp.format_help()}")
+    return "\n".join(parts)
+
+
+@magics_class
+class NbtrainMagics(Magics):
+    """The magics `%load_ext nbtrain` registers."""
+
+    @line_magic
+    def nbtrain(self, line: str) -> Any:
+        try:
+            args = _PARSER.parse_args(shlex.split(line))
+        except _HelpShown:
+            return None
+        try:
+            if args.command is None:
+                print(_help_text())
+                return None
+            handler = getattr(self, f"_cmd_{args.command}")
+            return handler(args)
+        except NbtrainError as e:
+            # a clear message, not a traceback into nbtrain's internals
+            raise _user_error(e) from None
+
+    def _cmd_start(self, args: argparse.Namespace) -> None:
+        from nbtrain.cluster.core import local_gpu_count, start
+
+        n = args.n if args.n is not None else max(1, local_gpu_count())
+        print(f"nbtrain: starting {n} engine(s) on this machine...", flush=True)
+        t0 = time.monotonic()
+        cluster = start(n=n, backend=args.backend, timeout=args.timeout, force=args.force)
+        elapsed = time.monotonic() - t0
+        print(
+            f"nbtrain: process group ready: {cluster.world_size} rank(s), backend {cluster.backend}, in {elapsed:.1f} s"
+        )
+        print(cluster.table())
+
+    def _cmd_stop(self, args: argparse.Namespace) -> None:
+        from nbtrain.cluster.core import current_cluster
+
+        cluster = current_cluster()
+        if cluster is None:
+            print("nbtrain: no cluster is running.")
+            return
+        cluster.stop()
+        print("nbtrain: cluster stopped; no engine or controller is left running.")
+
+    def _cmd_status(self, args: argparse.Namespace) -> None:
+        from nbtrain.cluster.core import current_cluster
+
+        cluster = current_cluster()
+        if cluster is None:
+            print("nbtrain: no cluster is running. Start one with %nbtrain start -n 2.")
+            return
+        rows = cluster.status()
+        header = ("rank", "host", "local", "device", "pid", "state")
+        table = [header] + [
+            (
+                str(r["rank"]),
+                r["host"],
+                str(r["local_rank"]),
+                r["device"],
+                str(r["pid"]),
+                r["state"],
+            )
+            for r in rows
+        ]
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+        print(
+            f"nbtrain: {cluster.world_size} rank(s), backend {cluster.backend}, cluster {cluster.cluster_id}"
+        )
+        print(
+            "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
+        )
+
+    @magic_arguments()
+    @argument("--ranks", default=None, help="run on these ranks only: 0, 0,2 or 1-3 (default: all)")
+    @argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="fail the cell after S seconds and show where each rank was",
+    )
+    @argument(
+        "--output",
+        choices=("rank0", "all", "none"),
+        default="rank0",
+        help="whose output to show: rank 0 (default), every rank with a [rank N] prefix, or none",
+    )
+    @argument("--no-live", action="store_true", help="do not draw live plots from nbtrain.log()")
+    @cell_magic
+    def distributed(self, line: str, cell: str) -> None:
+        """Run this cell on every rank of the nbtrain cluster, in each rank's persistent namespace.
+
+        The names rank, local_rank, world_size and device are defined, and the torchrun environment
+        (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) is set, so torch.distributed code runs as is:
+
+            %%distributed
+            import torch, torch.distributed as dist
+            t = torch.tensor([float(rank)]); dist.all_reduce(t)
+            print(t)        # rank 0's output is shown; --output all shows every rank's
+
+        A failure on any rank fails the cell, naming the rank(s), host and remote traceback.
+        Interrupting the kernel interrupts every rank.
+        """
+        from nbtrain.cluster.core import require_cluster
+
+        try:
+            args = parse_argstring(self.distributed, line)
+        except Exception as e:
+            raise ConfigError(f"%%distributed: {e}") from None
+        try:
+            cluster = require_cluster()
+            cluster.execute(
+                cell,
+                ranks=args.ranks,
+                output=args.output,
+                timeout=args.timeout,
+                live=not args.no_live,
+            )
+        except NbtrainError as e:
+            raise _user_error(e) from None
+
+
+NbtrainMagics.nbtrain.__doc__ = f"""Start, inspect and stop the nbtrain cluster.
+
+    %nbtrain start -n 2          # local engines; prints the rank table when the group is ready
+    %nbtrain status              # rank, host, local rank, device, pid, busy/idle
+    %nbtrain stop
+
+{_help_text()}"""
+
+
+def _user_error(e: NbtrainError) -> NbtrainError:
+    # keep the type (tests and callers catch it) but drop the chained internals from the display
+    e.__cause__ = None
+    e.__context__ = None
+    return e

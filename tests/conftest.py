@@ -1,0 +1,54 @@
+"""Shared fixtures: an IPython shell driven like a user drives it, and real local clusters."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _nbtrain_home(tmp_path_factory):
+    # runs registry and any per-user state go to a temp dir, never the developer's home
+    home = tmp_path_factory.mktemp("nbtrain-home")
+    old = os.environ.get("NBTRAIN_HOME")
+    os.environ["NBTRAIN_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("NBTRAIN_HOME", None)
+    else:
+        os.environ["NBTRAIN_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def ip():
+    """The IPython shell, with nbtrain loaded as a user would (%load_ext nbtrain)."""
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "nbtrain")
+    return shell
+
+
+def cluster_processes(cluster_id: str | None = None) -> list[psutil.Process]:
+    """Controller, engine and nanny processes still alive (of one cluster, or any nbtrain cluster)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "ipyparallel" not in cmd:
+            continue
+        if cluster_id is None or cluster_id in cmd:
+            found.append(p)
+    return found
+
+
+def wait_gone(pids, timeout=10.0) -> list[int]:
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
