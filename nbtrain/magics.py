@@ -139,7 +139,7 @@ class NbtrainMagics(Magics):
         print("nbtrain: cluster stopped; no engine or controller is left running.")
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
-        from nbtrain.cluster.core import current_cluster
+        from nbtrain.cluster.core import current_cluster, format_table
 
         cluster = current_cluster()
         if cluster is None:
@@ -158,13 +158,10 @@ class NbtrainMagics(Magics):
             )
             for r in rows
         ]
-        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         print(
             f"nbtrain: {cluster.world_size} rank(s), backend {cluster.backend}, cluster {cluster.cluster_id}"
         )
-        print(
-            "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
-        )
+        print(format_table(table))
 
     @magic_arguments()
     @argument("--ranks", default=None, help="run on these ranks only: 0, 0,2 or 1-3 (default: all)")

@@ -27,7 +27,9 @@ def registry_dir() -> Path:
     if home:
         base = Path(home)
     else:
-        data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+        data = os.environ.get("XDG_DATA_HOME") or os.path.join(
+            os.path.expanduser("~"), ".local", "share"
+        )
         base = Path(data) / "nbtrain"
     path = base / "runs"
     path.mkdir(parents=True, exist_ok=True)

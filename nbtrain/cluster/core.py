@@ -236,10 +236,7 @@ class Cluster:
         rows = [("rank", "host", "local", "device", "address", "pid")]
         for r in self.ranks:
             rows.append((str(r.rank), r.host, str(r.local_rank), r.device, r.address, str(r.pid)))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        return "\n".join(
-            "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows
-        )
+        return format_table(rows)
 
     def _check_usable(self) -> None:
         if self._stopped:
