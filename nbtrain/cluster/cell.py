@@ -156,7 +156,8 @@ class CellRun:
         self._partial.clear()
 
     def _feed_metrics(self, ar: Any) -> None:
-        if not self.live or 0 not in self.which:
+        # live plots need a notebook to draw in; elsewhere rank 0's log lines tell the story
+        if not self.live or 0 not in self.which or not _in_kernel():
             return
         fut = ar._children[self.which.index(0)]
         data = fut.output.metadata["data"]

@@ -149,6 +149,12 @@ def init_rank(env: dict[str, str], backend: str, timeout_s: float) -> dict[str, 
     rank = int(env["RANK"])
     local_rank = int(env["LOCAL_RANK"])
     world_size = int(env["WORLD_SIZE"])
+    local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    if local_world > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # as torchrun does: several ranks per host each using every core thrash the CPU
+        threads = max(1, (os.cpu_count() or 1) // local_world)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
     has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
     if has_cuda:
         torch.cuda.set_device(local_rank)
