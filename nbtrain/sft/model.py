@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,12 @@ def apply_lora(model: Any, cfg: Any) -> Any:
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, lora)
+        with warnings.catch_warnings():
+            # transformers 5 warns from inside peft's wrapping about its own renamed attribute
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+            )
+            return get_peft_model(model, lora)
     except ValueError as e:  # e.g. a target that is not a layer type LoRA supports
         linear = ", ".join(linear_module_names(model))
         msg = f"LoRA could not wrap target_modules={cfg.target_modules!r}: {e}. The model's linear modules are: {linear}"

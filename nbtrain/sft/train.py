@@ -337,8 +337,10 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
 
     # ---- set-up phase: everything that can be wrong is found here, on every rank, before any write
     def setup() -> dict[str, Any]:
-        if not d.is_zero:
-            # N copies of the same "Loading weights" bar would bury rank 0's output in the cell
+        if not d.is_zero or os.environ.get("NBTRAIN_ENGINE") == "1":
+            # N copies of the same "Loading weights" bar would bury rank 0's output in the cell, and on
+            # an engine even rank 0's bar is a notebook widget the client cannot draw: the live display
+            # already shows progress
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()

@@ -1,0 +1,42 @@
+# Two commands do all the set-up on a fresh machine by themselves:
+#   make demo   # a small LoRA fine-tune on 2 local CPU engines, headless (nbtrain demo)
+#   make test   # everything CI runs
+VENV ?= .venv
+PY := $(VENV)/bin/python
+OUT ?= nbtrain-demo
+STAMP := $(VENV)/.nbtrain-installed
+# CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA packages.
+# GPU users install nbtrain into an environment that already has their CUDA torch.
+TORCH ?= torch==2.13.0
+
+.PHONY: dev demo test test-python test-lab lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+dev: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/nbtrain demo --out $(OUT)
+
+lint: $(STAMP)
+	$(PY) -m ruff check nbtrain tests benchmarks
+	$(PY) -m ruff format --check nbtrain tests benchmarks
+
+# the JupyterLab extension: build, prettier + eslint, vitest, REST handlers, UI tests in Chromium
+test-lab: $(STAMP)
+	PYTHON=$(abspath $(PY)) bash labextension/run-tests.sh
+
+# the Python suite: real engines, real gloo groups, simulated nodes (needs root for namespaces)
+test-python: $(STAMP)
+	sh scripts/testbed-deps.sh
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/test_server.py tests
+
+test: lint test-lab test-python
+
+clean:
+	rm -rf $(VENV) nbtrain-demo labextension/node_modules labextension/prebuilt labextension/lib
