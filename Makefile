@@ -9,7 +9,7 @@ STAMP := $(VENV)/.nbtrain-installed
 # GPU users install nbtrain into an environment that already has their CUDA torch.
 TORCH ?= torch==2.13.0
 
-.PHONY: dev demo test test-python test-lab lint clean
+.PHONY: dev demo test test-python test-lab lint docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,6 +27,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check nbtrain tests benchmarks
 	$(PY) -m ruff format --check nbtrain tests benchmarks
 
+# the docs, with warnings as errors (mkdocs.yml sets strict)
+docs: $(STAMP)
+	$(PY) -m mkdocs build -q
+
 # the JupyterLab extension: build, prettier + eslint, vitest, REST handlers, UI tests in Chromium
 test-lab: $(STAMP)
 	PYTHON=$(abspath $(PY)) bash labextension/run-tests.sh
@@ -36,7 +40,7 @@ test-python: $(STAMP)
 	sh scripts/testbed-deps.sh
 	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/test_server.py tests
 
-test: lint test-lab test-python
+test: lint docs test-lab test-python
 
 clean:
 	rm -rf $(VENV) nbtrain-demo labextension/node_modules labextension/prebuilt labextension/lib
