@@ -1,0 +1,42 @@
+"""Smoke test of benchmarks/bench_cell.py --quick: it runs end to end on real engines and reports numbers.
+
+Speed itself is judged in benchmarks/RESULTS.md, never here: no timing asserts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cell.py"
+
+
+@pytest.mark.timeout(60)
+def test_bench_cell_quick_reports_numbers(tmp_path):
+    out = tmp_path / "cell.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=55,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["quick"] is True
+    for variant in ("nbtrain", "raw"):
+        s = report["summary_ms"][variant]
+        assert s["n"] == report["runs"] == 20
+        assert math.isfinite(s["median"]) and s["median"] > 0
+        assert s["min"] <= s["median"] <= s["p90"] <= s["max"]
+    names = [m["metric"] for m in report["metrics"]]
+    assert any("median" in n for n in names)
+    for m in report["metrics"]:
+        assert m["ratio"] == pytest.approx(m["nbtrain"] / m["baseline"])
+    # the breakdown covers CellRun's steps, and the load was recorded at both ends
+    assert "nbtrain: AsyncResult.wait (reply from both engines)" in report["phases_ms"]
+    assert len(report["loadavg_start"]) == 3 and len(report["loadavg_end"]) == 3
