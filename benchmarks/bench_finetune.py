@@ -1,0 +1,293 @@
+"""LoRA fine-tuning throughput on 2 local ranks: nbtrain against torchrun, and the live display's overhead.
+
+    .venv/bin/python benchmarks/bench_finetune.py [--reps 4] [--steps 120] [--quick] [--out FILE]
+
+The same run in every variant: `nbtrain.finetune(SFTConfig(...))` on a tiny Llama built by
+`make_tiny_model` (hidden 256, 4 layers: ~50-100 ms a step here), the shipped instruction data, batch
+4 per rank, the same steps and seed, one thread per rank (OMP_NUM_THREADS=1). Interleaved:
+  A  nbtrain, live    a `%%distributed` cell in a real Jupyter kernel (jupyter_client), so the live
+                      loss / tokens/s display draws while it trains
+  B  torchrun         `torchrun --standalone --nproc_per_node=2 _torchrun_finetune.py`
+  C  nbtrain, no live the same cell with `%%distributed --no-live`, same kernel and cluster
+Global tokens/s comes from each run's metrics.jsonl (rank 0 writes it), leaving out the first
+`--warmup-rows` logged rows; it is total tokens over total time of the remaining intervals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+MODEL = {"hidden_size": 256, "num_layers": 4, "intermediate_size": 512, "num_heads": 4}
+
+
+def _config(model: str, steps: int, output_dir: str) -> dict[str, Any]:
+    from nbtrain.data import instructions_path
+
+    return {
+        "model": model,
+        "data": instructions_path(),
+        "output_dir": output_dir,
+        "max_steps": steps,
+        "per_device_train_batch_size": 4,
+        "max_length": 256,
+        "learning_rate": 1e-3,
+        "logging_steps": 5,
+        "save_steps": None,
+        "seed": 0,
+        "overwrite": True,
+    }
+
+
+def tokens_per_s(output_dir: str, warmup_rows: int) -> dict[str, Any]:
+    """Global tokens/s of one run from its metrics.jsonl, without the first `warmup_rows` rows."""
+    rows = [json.loads(line) for line in Path(output_dir, "metrics.jsonl").read_text().splitlines()]
+    tokens = seconds = 0.0
+    prev_step = rows[warmup_rows - 1]["step"] if warmup_rows else 0
+    for row in rows[warmup_rows:]:
+        n = row["step"] - prev_step
+        prev_step = row["step"]
+        seconds += row["step_time"] * n
+        tokens += row["tokens_per_s"] * row["step_time"] * n
+    return {
+        "tokens_per_s": tokens / seconds if seconds else None,
+        "step_time_s": seconds / max(1, rows[-1]["step"] - (rows[warmup_rows - 1]["step"] if warmup_rows else 0)),
+        "rows": len(rows),
+        "last_step": rows[-1]["step"],
+        "final_loss": rows[-1]["loss"],
+    }
+
+
+# ------------------------------------------------------------------------------------ the kernel
+class Kernel:
+    """A real Jupyter kernel driven over jupyter_client, as a notebook frontend drives it."""
+
+    def __init__(self) -> None:
+        from jupyter_client.manager import KernelManager
+
+        self.km = KernelManager(kernel_name="python3")
+        env = dict(os.environ)
+        self.km.start_kernel(env=env, cwd=str(C.REPO))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    def run(self, code: str, timeout: float = 600) -> dict[str, Any]:
+        """Execute `code`; count the output messages by type; raise if the cell failed."""
+        t0 = time.perf_counter()
+        msg_id = self.kc.execute(code)
+        counts: Counter[str] = Counter()
+        text: list[str] = []
+        error = None
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=timeout)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind = msg["msg_type"]
+            counts[kind] += 1
+            if kind == "stream":
+                text.append(msg["content"]["text"])
+            elif kind == "error":
+                error = "\n".join(msg["content"]["traceback"])
+            elif kind == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        wall = time.perf_counter() - t0
+        if error is not None:
+            msg = f"the kernel cell failed:\n{code}\n{error[-4000:]}"
+            raise RuntimeError(msg)
+        return {"wall_s": wall, "messages": dict(counts), "text": "".join(text)}
+
+    def close(self) -> None:
+        try:
+            self.run("import nbtrain\n_c = nbtrain.current_cluster()\n_c and _c.stop()", timeout=120)
+        finally:
+            self.kc.stop_channels()
+            self.km.shutdown_kernel(now=False)
+
+
+def _cell(cfg: dict[str, Any], live: bool) -> str:
+    flag = "" if live else " --no-live"
+    return (
+        f"%%distributed{flag}\n"
+        "import nbtrain\n"
+        f"_result = nbtrain.finetune(nbtrain.SFTConfig(**{cfg!r}))\n"
+    )
+
+
+def _run_torchrun(cfg: dict[str, Any]) -> dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [
+            C.bin_path("torchrun"),
+            "--standalone",
+            "--nproc_per_node=2",
+            str(C.HERE / "_torchrun_finetune.py"),
+            json.dumps(cfg),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        msg = f"torchrun finetune failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        raise RuntimeError(msg)
+    reports = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"rank"')]
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "threads": sorted((r["rank"], r["threads"]) for r in reports),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=4, help="interleaved rounds (default 4)")
+    ap.add_argument("--steps", type=int, default=120, help="optimizer steps per run (default 120)")
+    ap.add_argument("--warmup-rows", type=int, default=2, help="logged rows left out (5 steps each)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 round of 20 steps, no warm-up")
+    ap.add_argument("--out", default=None, help="write the JSON report here too")
+    args = ap.parse_args()
+    C.setup_env()
+    reps, steps = (1, 20) if args.quick else (args.reps, args.steps)
+    rec = C.Recorder("finetune", args.quick)
+
+    from nbtrain.sft.tiny import make_tiny_model
+
+    model = make_tiny_model(C.WORK / "ft-model", **MODEL)
+    rec.data["model"] = MODEL
+    runs_dir = C.WORK / "ft-runs"
+
+    kernel = Kernel()
+    try:
+        kernel.run("%load_ext nbtrain")
+        t = time.perf_counter()
+        kernel.run("import nbtrain\ncluster = nbtrain.start(n=2, env={'OMP_NUM_THREADS': '1'})")
+        rec.data["kernel_cluster_start_s"] = time.perf_counter() - t
+        threads = kernel.run(
+            "%%distributed --output all\nimport torch\nprint('threads', torch.get_num_threads())"
+        )["text"]
+        rec.data["nbtrain_threads_per_rank"] = threads.strip().splitlines()
+        in_kernel = kernel.run(
+            "from nbtrain.cluster.cell import _in_kernel\nprint(_in_kernel())"
+        )["text"].strip()
+        rec.data["kernel_in_kernel"] = in_kernel
+
+        def nbtrain_variant(live: bool, tag: str) -> dict[str, Any]:
+            out = str(runs_dir / tag)
+            cfg = _config(model, steps, out)
+            res = kernel.run(_cell(cfg, live))
+            msgs = res["messages"]
+            return {
+                "output_dir": out,
+                "wall_s": res["wall_s"],
+                "display_messages": msgs.get("display_data", 0),
+                "display_updates": msgs.get("update_display_data", 0),
+                "stream_messages": msgs.get("stream", 0),
+            }
+
+        def torchrun_variant(tag: str) -> dict[str, Any]:
+            out = str(runs_dir / tag)
+            return {"output_dir": out, **_run_torchrun(_config(model, steps, out))}
+
+        variants = {
+            "nbtrain_live": lambda tag: nbtrain_variant(True, tag),
+            "torchrun": torchrun_variant,
+            "nbtrain_nolive": lambda tag: nbtrain_variant(False, tag),
+        }
+        if not args.quick:
+            # engines import transformers/peft once; page cache for torchrun's imports
+            for name, fn in variants.items():
+                fn(f"warmup-{name}")
+        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in variants}
+        for i in range(reps):
+            for name, fn in variants.items():
+                r = fn(f"{name}-{i}")
+                r.update(tokens_per_s(r["output_dir"], args.warmup_rows))
+                runs[name].append(r)
+                print(
+                    f"round {i + 1}/{reps} {name}: {r['tokens_per_s']:.0f} tok/s, "
+                    f"{1e3 * r['step_time_s']:.0f} ms/step",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    finally:
+        kernel.close()
+
+    def med(name: str, key: str = "tokens_per_s") -> float | None:
+        return C.median([r[key] for r in runs[name] if r.get(key) is not None])
+
+    live, tr, nolive = med("nbtrain_live"), med("torchrun"), med("nbtrain_nolive")
+    # paired ratios per round, then the median: robust to load that drifts between rounds
+    paired_tr = [
+        a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["nbtrain_nolive"], runs["torchrun"])
+    ]
+    paired_live = [
+        a["tokens_per_s"] / b["tokens_per_s"]
+        for a, b in zip(runs["nbtrain_live"], runs["nbtrain_nolive"])
+    ]
+    rec.data.update(
+        {
+            "reps": reps,
+            "steps": steps,
+            "warmup_rows_skipped": args.warmup_rows,
+            "summary": {
+                name: {
+                    "tokens_per_s": C.summary([r["tokens_per_s"] for r in rs]),
+                    "step_time_ms": C.summary([1e3 * r["step_time_s"] for r in rs]),
+                }
+                for name, rs in runs.items()
+            },
+            "paired_ratio_nbtrain_over_torchrun": paired_tr,
+            "paired_ratio_live_over_nolive": paired_live,
+            "live_display_messages_per_run": [
+                r["display_messages"] + r["display_updates"] for r in runs["nbtrain_live"]
+            ],
+            "nolive_display_messages_per_run": [
+                r["display_messages"] + r["display_updates"] for r in runs["nbtrain_nolive"]
+            ],
+            "torchrun_threads_per_rank": runs["torchrun"][0]["threads"] if runs["torchrun"] else None,
+            "runs": runs,
+        }
+    )
+    rec.metric(
+        "LoRA finetune, 2 ranks: global tokens/s (nbtrain --no-live / torchrun)",
+        nolive,
+        tr,
+        "torchrun, same finetune",
+        "tok/s",
+        ">= 0.97",
+        note=f"median of paired ratios {C.median(paired_tr):.3f}" if paired_tr else "",
+    )
+    rec.metric(
+        "LoRA finetune: tokens/s with the live display drawing / --no-live (real kernel)",
+        live,
+        nolive,
+        "nbtrain --no-live",
+        "tok/s",
+        ">= 0.99",
+        note=f"median of paired ratios {C.median(paired_live):.3f}" if paired_live else "",
+    )
+    rec.metric(
+        "LoRA finetune, 2 ranks: global tokens/s (nbtrain live / torchrun)",
+        live,
+        tr,
+        "torchrun, same finetune",
+        "tok/s",
+        "",
+    )
+    rec.finish(args.out)
+
+
+if __name__ == "__main__":
+    main()
