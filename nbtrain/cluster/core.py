@@ -51,6 +51,7 @@ class RankInfo:
     device: str = "cpu"
     address: str = "127.0.0.1"
     interface: str | None = None
+    log: str | None = None  # the engine's log file on its host (its stderr and crash dumps)
 
 
 @dataclass
@@ -121,6 +122,7 @@ def assign_ranks(
                     local_rank=local_rank,
                     local_world_size=len(eids),
                     pid=int(hellos[eid]["pid"]),
+                    log=hellos[eid].get("log"),
                 )
             )
     return ranks
@@ -312,14 +314,15 @@ class Cluster:
     def status(self) -> list[dict[str, Any]]:
         """One row per rank: rank, host, local rank, device, pid, busy/idle and queued cells."""
         self._check_usable()
-        queues = self.client.queue_status(targets=self.engine_ids())
+        # a dead engine is no longer registered: asking the hub about it would raise
+        alive = [e for e in self.engine_ids() if e in set(self.client.ids)]
+        queues = self.client.queue_status(targets=alive) if alive else {}
         rows = []
         for r in self.ranks:
             q = queues.get(r.engine_id, {}) if isinstance(queues, dict) else {}
             busy = bool(q.get("queue", 0))
-            rows.append(
-                {**asdict(r), "state": "busy" if busy else "idle", "queued": q.get("queue", 0)}
-            )
+            state = "dead" if r.engine_id not in alive else "busy" if busy else "idle"
+            rows.append({**asdict(r), "state": state, "queued": q.get("queue", 0)})
         return rows
 
     def stacks(
@@ -453,9 +456,35 @@ class Cluster:
         for r, eid, h in zip(sorted(ranks), new_ids, hellos):
             info = self.ranks[r]
             info.engine_id, info.pid, info.host = eid, int(h["pid"]), h["host"]
+            info.log = h.get("log")
             self._pids.extend([info.pid, *h.get("children", [])])
         self._rank_of_engine = {r.engine_id: r.rank for r in self.ranks}
         self.reinit_group(timeout=remaining())
+
+    def probe(self, **kwargs: Any) -> Any:
+        """All-reduce bandwidth and latency across the ranks; see `nbtrain.cluster.probe.probe`."""
+        from nbtrain.cluster.probe import probe
+
+        return probe(self, **kwargs)
+
+    def restart(self, all_ranks: bool = False, timeout: float | None = None) -> str:
+        """Replace dead or wedged engines, re-create the process group; says what was lost.
+
+        In [1]: print(cluster.restart())     # twin of %nbtrain restart
+        nbtrain: replaced rank 1 on node2 (dead: ...) with fresh engines and re-created the process group ...
+        """
+        from nbtrain.cluster.faults import restart
+
+        return restart(self, all_ranks=all_ranks, timeout=timeout)
+
+    def diagnose(self, ranks: Any = None, timeout: float = 8.0) -> Any:
+        """Every rank's Python stacks (all threads) and which ranks wait in a collective; never stops a cell.
+
+        In [1]: cluster.diagnose()           # twin of %nbtrain diagnose; works while a cell runs
+        """
+        from nbtrain.cluster.faults import diagnose
+
+        return diagnose(self, ranks=ranks, timeout=timeout)
 
     def _rendezvous_port(self) -> int:
         from nbtrain.engine import setup
@@ -544,12 +573,19 @@ def start(
     pg_timeout: float = 1800.0,
     env: dict[str, str] | None = None,
     quiet: bool = True,
+    launcher: str = "local",
+    **launch: Any,
 ) -> Cluster:
     """Start `n` engines on this machine and a process group across them; return the `Cluster`.
 
     In [1]: cluster = nbtrain.start(n=2)
     In [2]: cluster.run(lambda: __import__("os").environ["WORLD_SIZE"])
     Out[2]: ['2', '2']
+
+    With `launcher="ssh"`, engines start on other hosts instead (settings in
+    `nbtrain.cluster.launchers.LaunchOptions`: hosts, ip, iface, port, allow_version_mismatch, ...):
+
+    In [3]: nbtrain.start(launcher="ssh", hosts="node1:2,node2:2", force=True)
 
     Either every engine and the process group are ready within `timeout` seconds, or this raises
     and leaves no process behind.
@@ -563,10 +599,15 @@ def start(
         pg_timeout=pg_timeout,
         extra_env=dict(env or {}),
     )
-    if options.backend == "nccl" and local_gpu_count() < 1:
+    launch_options = None
+    if launcher != "local" or launch:
+        from nbtrain.cluster.launchers import parse_launch
+
+        launch_options = parse_launch(launcher, launch)
+    elif options.backend == "nccl" and local_gpu_count() < 1:
         msg = "--backend nccl needs CUDA GPUs, and this machine has none. Use --backend gloo (or auto)."
         raise ConfigError(msg)
-    if options.backend == "nccl" and local_gpu_count() < options.n:
+    elif options.backend == "nccl" and local_gpu_count() < options.n:
         msg = (
             f"--backend nccl with -n {options.n} needs one GPU per engine, but {socket.gethostname()} has "
             f"{local_gpu_count()}. Use -n {local_gpu_count()} or --backend gloo."
@@ -581,7 +622,12 @@ def start(
             )
             raise ClusterError(msg)
         existing.stop()
-    cluster = _start_local(options, quiet=quiet)
+    if launch_options is not None:
+        from nbtrain.cluster.launchers import start_ssh
+
+        cluster = start_ssh(options, launch_options, quiet=quiet)
+    else:
+        cluster = _start_local(options, quiet=quiet)
     _current = cluster
     return cluster
 

@@ -17,6 +17,9 @@ from typing import Any
 INFINIBAND_SYSFS = Path("/sys/class/infiniband")
 # environment that decides which transport and interface collectives use
 _ENV_PREFIXES = ("NCCL_", "GLOO_", "CUDA_VISIBLE_DEVICES", "MASTER_", "TP_SOCKET_IFNAME")
+# Test hook: a JSON object merged over the report, e.g. '{"nbtrain": "0.0.0"}', so tests can make one
+# node look different without installing other versions there. Named in the report when used.
+OVERRIDE_ENV = "NBTRAIN_PREFLIGHT_OVERRIDE"
 
 
 def _dist_version(name: str) -> str | None:
@@ -124,6 +127,9 @@ def collect() -> dict[str, Any]:
     In [1]: %%distributed
        ...: from nbtrain.engine.preflight import collect
        ...: print(collect()["torch"])
+
+    For tests, $NBTRAIN_PREFLIGHT_OVERRIDE (a JSON object) is merged over the report and its keys
+    listed under "overridden".
     """
     import nbtrain
 
@@ -141,4 +147,10 @@ def collect() -> dict[str, Any]:
     report["interfaces"] = network_interfaces()
     report["infiniband"] = infiniband_devices()
     report["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
+    override = os.environ.get(OVERRIDE_ENV)
+    if override:
+        import json
+
+        report.update(json.loads(override))
+        report["overridden"] = sorted(json.loads(override))
     return report

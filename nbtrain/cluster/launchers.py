@@ -1,0 +1,860 @@
+"""Multi-node clusters: engines on other hosts over SSH, or an ipyparallel cluster started elsewhere.
+
+In [1]: cluster = nbtrain.start(launcher="ssh", hosts="node1:2,node2:2")   # %nbtrain start --launcher ssh ...
+nbtrain: controller listens on 10.0.0.5 (eth0; routes to node1, node2)
+In [2]: cluster = nbtrain.connect(profile="default")                        # %nbtrain connect --profile default
+
+The controller runs here, on the address that routes to the hosts; engines start through ipyparallel's
+own SSH engine launcher. Before the process group forms, every engine reports its versions
+(preflight) and the client picks, per node, the interface that reaches rank 0, sets
+NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME to it and MASTER_ADDR to rank 0's address on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from nbtrain.cluster import net
+from nbtrain.cluster.core import (
+    HEARTBEAT_MS,
+    Cluster,
+    RankInfo,
+    StartOptions,
+    _describe_ranks,
+    _init_group,
+    _kill_tree,
+    assign_ranks,
+    format_table,
+)
+from nbtrain.errors import ClusterError, ConfigError, NbtrainError
+
+log = logging.getLogger("nbtrain")
+
+LAUNCHERS = ("local", "ssh", "slurm", "mpi")
+LAUNCH_HOST_ENV = "NBTRAIN_LAUNCH_HOST"
+
+
+# -- settings --------------------------------------------------------------------------------------
+
+
+@dataclass
+class LaunchOptions:
+    """Settings of a multi-node start (`%nbtrain start --launcher ssh ...`), validated on entry."""
+
+    launcher: str = "ssh"  # ssh (slurm and mpi: not yet)
+    hosts: Any = (
+        None  # "node1:2,node2:2" or a list of net.HostSpec; engines default to the GPU count
+    )
+    ip: str | None = None  # the controller's listen address (default: the one routing to the hosts)
+    iface: str | None = (
+        None  # interface for NCCL/gloo on every node (default: the one reaching rank 0)
+    )
+    port: int | None = None  # rendezvous (MASTER_PORT) on rank 0's host (default: a free one)
+    allow_version_mismatch: bool = False  # start although torch/NCCL/nbtrain differ across nodes
+    ssh_args: list[str] = field(default_factory=list)  # extra ssh arguments, e.g. ["-F", "cfg"]
+    remote_python: str = sys.executable  # the Python on every host that has nbtrain installed
+    host_env: dict[str, dict[str, str]] = field(default_factory=dict)  # env for one host's engines
+
+    def __post_init__(self) -> None:
+        if self.launcher in ("slurm", "mpi"):
+            msg = (
+                f"--launcher {self.launcher} is not yet supported. Start the cluster yourself "
+                f"(e.g. `ipcluster start --engines={self.launcher.upper()}`) and attach to it with "
+                "%nbtrain connect, or use --launcher ssh --hosts ..."
+            )
+            raise ConfigError(msg)
+        if self.launcher == "local":
+            msg = (
+                "hosts, ip, iface, port and the other multi-node settings need launcher='ssh' "
+                "(%nbtrain start --launcher ssh --hosts ...)."
+            )
+            raise ConfigError(msg)
+        if self.launcher != "ssh":
+            msg = f"unknown launcher {self.launcher!r}; choose one of {', '.join(LAUNCHERS)}."
+            raise ConfigError(msg)
+        if self.hosts is None:
+            msg = "--launcher ssh needs --hosts, e.g. --hosts node1:2,node2:2"
+            raise ConfigError(msg)
+        if isinstance(self.hosts, str):
+            self.hosts = net.parse_hosts(self.hosts)
+        else:
+            self.hosts = list(self.hosts)
+        if self.port is not None and not 0 < int(self.port) < 65536:
+            msg = (
+                f"--port {self.port} is not a TCP port; give one from 1 to 65535, or leave it out."
+            )
+            raise ConfigError(msg)
+        if self.ip is not None:
+            try:
+                import ipaddress
+
+                ipaddress.ip_address(self.ip)
+            except ValueError:
+                msg = f"--ip {self.ip!r} is not an IP address; give an address of this machine."
+                raise ConfigError(msg) from None
+            if self.ip not in net.local_addresses():
+                mine = ", ".join(
+                    f"{i.name} {a}" for i in net.interfaces() for a in i.ipv4 if not i.loopback
+                )
+                msg = f"--ip {self.ip} is not an address of this machine; its addresses: {mine}."
+                raise ConfigError(msg)
+        if isinstance(self.ssh_args, str):
+            self.ssh_args = shlex.split(self.ssh_args)
+        known = {h.host for h in self.hosts}
+        for host in self.host_env:
+            if host not in known:
+                msg = f"host_env names {host!r}, which is not in --hosts ({', '.join(known)})."
+                raise ConfigError(msg)
+
+
+def parse_launch(launcher: str, kwargs: dict[str, Any]) -> LaunchOptions:
+    """LaunchOptions from `nbtrain.start(launcher=..., **kwargs)`; unknown settings are an error."""
+    names = {f.name for f in fields(LaunchOptions)} - {"launcher"}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        msg = f"unknown setting(s) for launcher {launcher!r}: {', '.join(unknown)}; known: {', '.join(sorted(names))}."
+        raise ConfigError(msg)
+    return LaunchOptions(launcher=launcher, **kwargs)
+
+
+# -- ipyparallel's SSH engine launcher, started in parallel ----------------------------------------
+
+
+def _ssh_engine_set_class() -> type:
+    from ipyparallel.cluster.launcher import SSHEngineSetLauncher
+
+    class ParallelSSHEngineSetLauncher(SSHEngineSetLauncher):
+        """ipyparallel's SSH engine set, with its engines started, stopped and read in parallel.
+
+        The stock one starts engine after engine (five ssh round trips each) and stops them the same
+        way; for 4 engines that is ~15 s each way, most of it waiting on the network.
+        """
+
+        def start(self, n: int) -> list[str]:
+            engine_traits = self.launcher_class.class_traits(config=True)
+            shared = set(self.traits(config=True)).intersection(engine_traits)
+            inherited = shared.difference({"location", "user", "hostname", "to_send", "to_fetch"})
+            inherited = inherited.union({"profile_dir", "cluster_id"})
+            todo = []
+            for host, n_or_config in self.engines.items():
+                overrides = dict(n_or_config) if isinstance(n_or_config, dict) else {}
+                count = overrides.pop("n", 1) if overrides else n_or_config
+                user, _, hostname = host.rpartition("@")
+                for i in range(count):
+                    kwargs = {attr: getattr(self, attr) for attr in inherited}
+                    env = {**kwargs.get("environment", {}), **overrides.get("environment", {})}
+                    kwargs.update(overrides)
+                    kwargs["environment"] = env
+                    kwargs["parent"] = self
+                    kwargs["identifier"] = key = f"{host}/{i}"
+                    el = self.launchers[key] = self.launcher_class(**kwargs)
+                    # the connection info travels in $IPP_CONNECTION_INFO: no files to copy
+                    if "IPP_CONNECTION_INFO" in env or i > 0:
+                        el.to_send = []
+                    el.on_stop(self._notice_engine_stopped)
+                    el.loop  # noqa: B018 - bind the launcher to this thread's loop before threads
+                    todo.append((key, el, user or None, hostname))
+
+            def go(item: tuple[str, Any, str | None, str]) -> str:
+                key, el, user, hostname = item
+                el.start(user=user, hostname=hostname)
+                return key
+
+            with ThreadPoolExecutor(max(1, len(todo))) as pool:
+                futures = [pool.submit(go, item) for item in todo]
+                errors = []
+                for (key, *_), fut in zip(todo, futures):
+                    try:
+                        fut.result()
+                    except Exception as e:
+                        errors.append(f"{key}: {e}")
+            self.n = len(todo)
+            if errors:
+                raise RuntimeError("; ".join(errors))
+            keys = [key for key, *_ in todo]
+            self.notify_start(keys)
+            return keys
+
+        async def stop(self) -> None:
+            import asyncio
+
+            running = [el for el in self.launchers.values() if el.state == "running"]
+
+            def one(el: Any) -> None:
+                try:
+                    el.signal(signal.SIGTERM)
+                    el.wait_one(timeout=self.stop_seconds_until_kill)
+                except Exception:
+                    try:
+                        el.signal(signal.SIGKILL)
+                    except Exception as e:
+                        log.debug("KILL to engine %s failed: %s", el.identifier, e)
+
+            # nbtrain's teardown already ended them on their hosts, all at once; else do it here
+            if running and not getattr(self, "_nbtrain_killed", False):
+                await asyncio.gather(*(asyncio.to_thread(one, el) for el in running))
+            for el in running:
+                if getattr(el, "_stop_waiting", None) is not None:
+                    el._stop_waiting.set()
+                el._output = ""  # cached: notify_stop would otherwise scp the log back
+                el.notify_stop({"exit_code": None, "pid": el.pid, "identifier": el.identifier})
+
+        def get_output(self, remove: bool = False) -> str:
+            # the stock one scps every engine's log back (seconds per engine); the logs stay on the
+            # hosts instead, where error messages point
+            return ""
+
+    return ParallelSSHEngineSetLauncher
+
+
+# -- reaching the hosts ----------------------------------------------------------------------------
+
+_HOST_CHECK = """
+import json, os, socket, sys
+out = {"hostname": socket.gethostname(), "python": sys.executable}
+try:
+    import nbtrain
+    from nbtrain.engine.setup import _cuda_count
+    out["nbtrain"] = nbtrain.__version__
+    out["gpus"] = _cuda_count()
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+print("NBTRAIN_HOST_CHECK " + json.dumps(out))
+"""
+
+
+@dataclass
+class HostCheck:
+    host: str
+    hostname: str
+    gpus: int
+
+
+def _ssh_base(lo: LaunchOptions, timeout: float) -> list[str]:
+    # BatchMode: never prompt for a password inside a kernel; ConnectTimeout: an unreachable host
+    # fails within --timeout instead of the TCP default of minutes
+    connect = max(1, int(timeout))
+    return [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={connect}",
+        *lo.ssh_args,
+    ]
+
+
+def check_hosts(lo: LaunchOptions, timeout: float) -> dict[str, HostCheck]:
+    """Log in to every host at once and ask its Python for nbtrain and the GPU count.
+
+    This is where the errors users meet on a new cluster surface, with ssh's own message: an
+    unreachable host, a refused key, a missing Python or nbtrain.
+    """
+    base = _ssh_base(lo, timeout)
+
+    def one(spec: net.HostSpec) -> HostCheck:
+        cmd = f"{shlex.quote(lo.remote_python)} -c {shlex.quote(_HOST_CHECK)}"
+        try:
+            proc = subprocess.run(
+                [*base, spec.location, cmd],
+                capture_output=True,
+                text=True,
+                timeout=timeout + 2,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            msg = (
+                f"host {spec.host} did not answer over SSH within --timeout {timeout:g} s. Check that "
+                f"it is up and reachable from this machine (`ssh {spec.location} true`), or give a "
+                "longer --timeout. Nothing was started."
+            )
+            raise ClusterError(msg) from None
+        line = next(
+            (ln for ln in proc.stdout.splitlines() if ln.startswith("NBTRAIN_HOST_CHECK ")), None
+        )
+        err = proc.stderr.strip()
+        if proc.returncode == 255 or (line is None and proc.returncode != 127 and not err):
+            what = err or f"ssh exited with {proc.returncode}"
+            if "timed out" in what.lower():
+                fix = (
+                    f"Check that {spec.host} is up and reachable from this machine, or give a longer "
+                    "--timeout."
+                )
+            elif "permission denied" in what.lower() or "publickey" in what.lower():
+                fix = (
+                    f"Set up key-based login (`ssh-copy-id {spec.location}`) so that "
+                    f"`ssh {spec.location} true` works without a password."
+                )
+            else:
+                fix = f"Make `ssh {spec.location} true` work from this machine first."
+            msg = f"cannot log in to host {spec.host} over SSH: {what}. {fix} Nothing was started."
+            raise ClusterError(msg)
+        if line is None:
+            msg = (
+                f"no Python at {lo.remote_python} on host {spec.host} ({err or proc.returncode}). "
+                "Pass --python with the path of the Python that has nbtrain installed on every "
+                "host (the same path everywhere). Nothing was started."
+            )
+            raise ClusterError(msg)
+        info = json.loads(line.split(" ", 1)[1])
+        if "error" in info:
+            msg = (
+                f"{lo.remote_python} on host {spec.host} cannot import nbtrain ({info['error']}). "
+                f"Install it there (pip install nbtrain), or pass --python with the Python that has "
+                "it. Nothing was started."
+            )
+            raise ClusterError(msg)
+        return HostCheck(spec.host, info["hostname"], int(info.get("gpus", 0)))
+
+    specs: list[net.HostSpec] = lo.hosts
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(one, s) for s in specs]
+        results: dict[str, HostCheck] = {}
+        first_error: Exception | None = None
+        for spec, fut in zip(specs, futures):
+            try:
+                results[spec.host] = fut.result()
+            except Exception as e:
+                first_error = first_error or e
+    if first_error is not None:
+        raise first_error
+    return results
+
+
+def engine_counts(lo: LaunchOptions, checks: dict[str, HostCheck], backend: str) -> dict[str, int]:
+    """Engines per host: as given, else the host's GPU count (1 without GPUs). Checks NCCL fits."""
+    counts = {}
+    for spec in lo.hosts:
+        gpus = checks[spec.host].gpus
+        n = spec.engines if spec.engines is not None else max(1, gpus)
+        if backend == "nccl" and gpus == 0:
+            msg = (
+                f"--backend nccl needs CUDA GPUs, and host {spec.host} has none. Use --backend gloo "
+                "(or auto), or leave this host out of --hosts."
+            )
+            raise ConfigError(msg)
+        if gpus and n > gpus and backend != "gloo":
+            msg = (
+                f"--hosts asks for {n} engines on host {spec.host}, which has {gpus} GPU(s); NCCL needs "
+                f"one GPU per engine. Write {spec.host}:{gpus} (or {spec.host} alone), or use "
+                "--backend gloo."
+            )
+            raise ConfigError(msg)
+        counts[spec.host] = n
+    return counts
+
+
+# -- the cluster -----------------------------------------------------------------------------------
+
+
+class RemoteCluster(Cluster):
+    """A cluster whose engines run on other hosts (SSH) or were started elsewhere (connect)."""
+
+    def __init__(
+        self,
+        client: Any,
+        ipp_cluster: Any,
+        ranks: list[RankInfo],
+        backend: str,
+        options: StartOptions,
+        *,
+        launch: LaunchOptions | None = None,
+        listen: net.ListenChoice | None = None,
+        preflight: Any = None,
+        notes: Sequence[str] = (),
+        local_pids: Sequence[int] = (),
+        engine_pids: dict[str, list[int]] | None = None,
+    ) -> None:
+        super().__init__(client, ipp_cluster, ranks, backend, options, pids=local_pids)
+        self.engine_pids = engine_pids or {}  # --hosts entry -> pids of its engines (on that host)
+        self.launch = launch
+        self.listen = listen
+        self.preflight = preflight
+        self.notes = list(notes)
+
+    def table(self) -> str:
+        """The rank table: rank, host, local rank, device, address, interface, pid."""
+        rows = [("rank", "host", "local", "device", "address", "interface", "pid")]
+        for r in self.ranks:
+            rows.append(
+                (
+                    str(r.rank),
+                    r.host,
+                    str(r.local_rank),
+                    r.device,
+                    r.address,
+                    r.interface or "-",
+                    str(r.pid),
+                )
+            )
+        return format_table(rows)
+
+    def stop(self) -> None:
+        """Stop every engine (on every host) and the controller; nothing is left running."""
+        from nbtrain.cluster import core
+
+        if self._stopped:
+            return
+        self._stopped = True
+        if core._current is self:
+            core._current = None
+        if self.launch is None:
+            # connected, not started: leave the engines to whoever started them
+            _leave(self.client, self.ranks)
+            return
+        _teardown_remote(
+            self.ipp_cluster, self.client, self.launch, self.engine_pids, remove_logs=True
+        )
+
+    def restart_ranks(self, ranks: Sequence[int], timeout: float | None = None) -> None:
+        msg = (
+            f"{_describe_ranks(self.ranks, list(ranks))} did not stop, and nbtrain cannot yet replace "
+            "single engines on other hosts. Restart the cluster: %nbtrain start --force with the "
+            "same --hosts."
+        )
+        raise ClusterError(msg)
+
+
+def _leave(client: Any, ranks: Sequence[RankInfo]) -> None:
+    from nbtrain.engine import setup
+
+    try:
+        ids = [r.engine_id for r in ranks]
+        client.direct_view(targets=ids).apply_async(setup.shutdown_group).get(timeout=10)
+    except Exception as e:
+        log.debug("leaving the process group failed: %s", e)
+    try:
+        client.close(linger=0)
+    except Exception:
+        pass
+
+
+_KILL_LEFT = """
+import json, os, sys, time
+import psutil
+pids, files = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+procs = []
+for pid in pids:
+    try:
+        p = psutil.Process(pid)
+        procs += [p] + p.children(recursive=True)
+    except psutil.Error:
+        pass
+
+def alive(p):
+    # a zombie has exited; only its parent (or init) has yet to reap it
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+def signal_all(procs, kill):
+    for p in procs:
+        try:
+            p.kill() if kill else p.terminate()
+        except psutil.Error:
+            pass
+
+def wait(procs, timeout):
+    deadline = time.monotonic() + timeout
+    while True:
+        procs = [p for p in procs if alive(p)]
+        if not procs or time.monotonic() > deadline:
+            return procs
+        time.sleep(0.05)
+
+# engines hold nothing to save; TERM lets them close sockets, KILL whoever is slow
+signal_all(procs, kill=False)
+left = wait(procs, 1)
+signal_all(left, kill=True)
+left = wait(left, 3)
+for f in files:
+    try:
+        os.remove(os.path.expanduser(f))
+    except OSError:
+        pass
+print("NBTRAIN_LEFT " + json.dumps([p.pid for p in left]))
+"""
+
+
+def _kill_on_hosts(
+    lo: LaunchOptions, pids: dict[str, set[int]], files: dict[str, set[str]]
+) -> None:
+    """On each host (one ssh each, all at once): TERM the pids and their children, KILL survivors."""
+    base = _ssh_base(lo, 10)
+
+    def one(location: str) -> None:
+        cmd = (
+            f"{shlex.quote(lo.remote_python)} -c {shlex.quote(_KILL_LEFT)} "
+            f"{shlex.quote(json.dumps(sorted(pids.get(location, ()))))} "
+            f"{shlex.quote(json.dumps(sorted(files.get(location, ()))))}"
+        )
+        try:
+            proc = subprocess.run(
+                [*base, location, cmd],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
+            if proc.returncode != 0:
+                log.warning("nbtrain: stopping engines on %s: %s", location, proc.stderr.strip())
+        except subprocess.TimeoutExpired:
+            log.warning("nbtrain: could not check for left-over engines on %s", location)
+
+    todo = sorted(set(pids) | set(files))
+    if todo:
+        with ThreadPoolExecutor(len(todo)) as pool:
+            list(pool.map(one, todo))
+
+
+def _teardown_remote(
+    ipp_cluster: Any,
+    client: Any,
+    lo: LaunchOptions,
+    engine_pids: dict[str, list[int]],
+    remove_logs: bool = False,
+) -> None:
+    """Stop engines on their hosts, make sure none survives, then stop the controller here.
+
+    Remote pids are only ever signalled on their own host (here they may be anyone's). The engines'
+    logs on the hosts are kept after a failed start (the error message points at them).
+    """
+    from nbtrain.cluster import registry
+
+    if client is not None:
+        try:
+            client.close(linger=0)
+        except Exception:
+            pass
+    location_of = {s.host: s.location for s in lo.hosts}
+    pids: dict[str, set[int]] = {}
+    files: dict[str, set[str]] = {}
+    for host, hp in engine_pids.items():
+        pids.setdefault(location_of.get(host, host), set()).update(hp)
+    engine_sets = list(getattr(ipp_cluster, "engines", {}).values())
+    for engine_set in engine_sets:
+        for el in getattr(engine_set, "launchers", {}).values():
+            # every engine ipyparallel started, registered or not
+            if getattr(el, "pid", None) and getattr(el, "location", None):
+                pids.setdefault(el.location, set()).add(int(el.pid))
+                if remove_logs and el.remote_output_file:
+                    files.setdefault(el.location, set()).add(el.remote_output_file)
+    _kill_on_hosts(lo, pids, files)
+    local: list[int] = []
+    ctl = getattr(ipp_cluster, "controller", None) if ipp_cluster is not None else None
+    if ctl is not None and getattr(ctl, "pid", None):
+        local.append(int(ctl.pid))
+    if ipp_cluster is not None:
+        for engine_set in engine_sets:
+            engine_set._nbtrain_killed = True
+        try:
+            ipp_cluster.stop_cluster_sync()
+        except Exception as e:
+            log.debug("ipyparallel stop_cluster failed: %s", e)
+        registry.forget(ipp_cluster)
+    _kill_tree(local)
+
+
+# -- starting over SSH -----------------------------------------------------------------------------
+
+
+def start_ssh(options: StartOptions, lo: LaunchOptions, quiet: bool = True) -> RemoteCluster:
+    """Start a controller here and engines on `lo.hosts` over SSH; form the process group."""
+    import ipyparallel as ipp
+
+    from nbtrain.cluster import registry
+
+    deadline = time.monotonic() + options.timeout
+
+    def remaining() -> float:
+        return max(0.1, deadline - time.monotonic())
+
+    def say(text: str) -> None:
+        notes.append(text)
+        log.info("nbtrain: %s", text)
+        if not quiet:
+            print(f"nbtrain: {text}", flush=True)
+
+    notes: list[str] = []
+    specs: list[net.HostSpec] = lo.hosts
+    names = [s.host for s in specs]
+    # where the controller listens: before anything starts, so a bad host name fails at once
+    if lo.ip:
+        listen = net.ListenChoice(lo.ip, net.interface_of(lo.ip), "given with --ip")
+        for h in names:
+            net.resolve(h)
+    else:
+        listen = net.listen_address(names)
+    say(
+        f"controller listens on {listen.address} ({listen.interface or 'unknown interface'}; "
+        f"{listen.reason})"
+    )
+    checks = check_hosts(lo, remaining())
+    counts = engine_counts(lo, checks, options.backend)
+    total = sum(counts.values())
+    options.n = total
+    say("starting engines over SSH: " + ", ".join(f"{counts[s.host]} on {s.host}" for s in specs))
+
+    launcher_cls = _ssh_engine_set_class()
+    cluster_id = f"nbtrain-{uuid.uuid4().hex[:8]}"
+    ipp_cluster = ipp.Cluster(
+        n=total,
+        profile=options.profile,
+        cluster_id=cluster_id,
+        controller_ip=listen.address,
+        controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"],
+        engine_launcher_class=launcher_cls,
+        log_level=logging.ERROR,
+        shutdown_atexit=True,
+    )
+    cfg = ipp_cluster.config.SSHEngineSetLauncher
+    cfg.engines = {
+        s.location: {
+            "n": counts[s.host],
+            "environment": {LAUNCH_HOST_ENV: s.host, **lo.host_env.get(s.host, {})},
+        }
+        for s in specs
+    }
+    ssh_base = _ssh_base(lo, min(30, options.timeout))
+    cfg.ssh_args = ssh_base[1:]
+    cfg.scp_args = [a for a in ssh_base[1:]]
+    cfg.remote_python = lo.remote_python
+
+    client = None
+    engine_pids: dict[str, list[int]] = {}
+    step = "starting the controller"
+    try:
+        ipp_cluster.start_controller_sync()
+        step = f"starting {total} engine(s) over SSH"
+        ipp_cluster.start_engines_sync(total)
+        step = "connecting to the controller"
+        client = ipp_cluster.connect_client_sync()
+        step = f"waiting for {total} engine(s) to register"
+        try:
+            client.wait_for_engines(total, timeout=remaining(), interactive=False)
+        except TimeoutError:
+            _raise_missing_engines(client, counts, listen, options.timeout)
+        step = "saying hello to the engines"
+        ranks, engine_pids = _hello(client, specs, remaining)
+        step = "running preflight on every engine"
+        result = _preflight(client, ranks, lo.allow_version_mismatch, remaining, say)
+        step = "choosing the network interface of every node"
+        master_addr = _plan_network(
+            client, ranks, result.reports_by_rank, lo.iface, listen, remaining
+        )
+        step = "choosing the rendezvous port"
+        port = _rendezvous_port(client, ranks, lo.port, remaining)
+        say(
+            f"rendezvous at {master_addr}:{port} (rank 0 on {ranks[0].host}, interface "
+            f"{ranks[0].interface})"
+        )
+        step = "joining the process group"
+        backend = _init_group(client, ranks, options, remaining, master_addr=master_addr, port=port)
+    except BaseException as e:
+        _teardown_remote(ipp_cluster, client, lo, engine_pids)
+        if isinstance(e, (NbtrainError, KeyboardInterrupt)):
+            raise
+        msg = f"starting the cluster failed while {step}: {type(e).__name__}: {e}. Nothing was left running."
+        raise ClusterError(msg) from e
+    cluster = RemoteCluster(
+        client,
+        ipp_cluster,
+        ranks,
+        backend,
+        options,
+        launch=lo,
+        listen=listen,
+        preflight=result.result,
+        notes=notes,
+        engine_pids=engine_pids,
+    )
+    registry.write(cluster)
+    return cluster
+
+
+def _raise_missing_engines(
+    client: Any, counts: dict[str, int], listen: net.ListenChoice, timeout: float
+) -> None:
+    from nbtrain.engine import network
+
+    got: dict[str, int] = {}
+    try:
+        ids = list(client.ids)
+        if ids:
+            for h in (
+                client.direct_view(targets=ids).apply_async(network.launch_host).get(timeout=10)
+            ):
+                got[h] = got.get(h, 0) + 1
+    except Exception:
+        pass
+    short = [f"{h} ({got.get(h, 0)} of {n})" for h, n in counts.items() if got.get(h, 0) < n]
+    msg = (
+        f"not every engine registered within --timeout {timeout:g} s: missing on {', '.join(short)}. "
+        f"Engines there could not reach the controller at {listen.address}: check that the host can "
+        f"reach this machine at that address (a firewall?), pass --ip with an address it can "
+        "reach, or give a longer --timeout. The engine log is in ~/.ipython/profile_nbtrain/log on "
+        "that host. Nothing was left running."
+    )
+    raise ClusterError(msg)
+
+
+def _hello(
+    client: Any, specs: Sequence[net.HostSpec], remaining: Callable[[], float]
+) -> tuple[list[RankInfo], dict[str, list[int]]]:
+    """Ranks in --hosts order, and each --hosts entry's engine pids (engine and its nanny)."""
+    from nbtrain.engine import network, setup
+
+    dv = client[:]
+    ar_hello = dv.apply_async(setup.hello)
+    ar_host = dv.apply_async(network.launch_host)
+    hellos = {eid: h for eid, h in zip(dv.targets, ar_hello.get(timeout=remaining()))}
+    labels = {eid: lab for eid, lab in zip(dv.targets, ar_host.get(timeout=remaining()))}
+    # rank order follows --hosts; the host name is what the node calls itself
+    order: list[str] = []
+    for spec in specs:
+        for eid in sorted(hellos):
+            if labels.get(eid) == spec.host and hellos[eid]["host"] not in order:
+                order.append(hellos[eid]["host"])
+    pids: dict[str, list[int]] = {}
+    for eid, h in hellos.items():
+        pids.setdefault(labels.get(eid) or h["host"], []).extend(
+            [int(h["pid"]), *h.get("children", [])]
+        )
+    return assign_ranks(hellos, order), pids
+
+
+@dataclass
+class _Preflight:
+    result: Any
+    reports_by_rank: list[dict[str, Any]]
+
+
+def _preflight(
+    client: Any,
+    ranks: Sequence[RankInfo],
+    allow: bool,
+    remaining: Callable[[], float],
+    say: Callable[[str], None],
+) -> _Preflight:
+    from nbtrain.cluster.preflight import compare
+    from nbtrain.engine import preflight as engine_preflight
+
+    ids = [r.engine_id for r in ranks]
+    reports = (
+        client.direct_view(targets=ids)
+        .apply_async(engine_preflight.collect)
+        .get(timeout=remaining())
+    )
+    result = compare(list(reports), allow_version_mismatch=allow)
+    result.raise_if_fatal()
+    if result.mismatches:
+        text = result.message()
+        say(text.splitlines()[0])
+        warnings.warn(text, stacklevel=4)
+    return _Preflight(result, list(reports))
+
+
+def _plan_network(
+    client: Any,
+    ranks: list[RankInfo],
+    reports: Sequence[dict[str, Any]],
+    iface: str | None,
+    listen: net.ListenChoice,
+    remaining: Callable[[], float],
+) -> str:
+    """Fill every rank's address and interface, set NCCL/GLOO_SOCKET_IFNAME; return MASTER_ADDR."""
+    from nbtrain.engine import network
+
+    leaders: dict[str, RankInfo] = {}
+    for r in ranks:
+        leaders.setdefault(r.host, r)
+    hosts = list(leaders)
+    plan: dict[str, tuple[str, str]] = {}  # host -> (address, interface)
+
+    def ask(host: str, fn: Any, *args: Any) -> Any:
+        return client[leaders[host].engine_id].apply_async(fn, *args)
+
+    if iface:
+        for host in hosts:
+            nics = reports[leaders[host].rank].get("interfaces", {})
+            available = {n: v.get("addresses", []) for n, v in nics.items()}
+            net.require_interface(iface, host, available)
+            v4 = [a for a in available[iface] if ":" not in a]
+            if not v4:
+                msg = (
+                    f"interface {iface} on host {host} has no IPv4 address; pass --iface with an "
+                    "interface that has one, or leave --iface out."
+                )
+                raise ConfigError(msg)
+            plan[host] = (v4[0], iface)
+    else:
+        # every node's address toward the controller, then rank 0's toward another node, then every
+        # other node's toward rank 0: the interfaces the process group's traffic will use
+        toward_ctl = {h: ask(h, network.route, listen.address) for h in hosts}
+        first = {h: ar.get(timeout=remaining()) for h, ar in toward_ctl.items()}
+        h0 = hosts[0]
+        if len(hosts) == 1:
+            plan[h0] = (first[h0]["address"], first[h0]["interface"])
+        else:
+            r0 = ask(h0, network.route, first[hosts[1]]["address"]).get(timeout=remaining())
+            plan[h0] = (r0["address"], r0["interface"])
+            others = {h: ask(h, network.route, plan[h0][0]) for h in hosts[1:]}
+            for h, ar in others.items():
+                r = ar.get(timeout=remaining())
+                plan[h] = (r["address"], r["interface"])
+        for h, (address, nic) in plan.items():
+            if nic in (None, "lo") and len(hosts) > 1:
+                msg = (
+                    f"host {h} would reach rank 0 through {nic or 'no interface'} ({address}); "
+                    "the nodes need a network between them. Pass --iface with the interface "
+                    "that connects them."
+                )
+                raise ClusterError(msg)
+    pending = []
+    for r in ranks:
+        address, nic = plan[r.host]
+        r.address, r.interface = address, nic
+        env = {"NCCL_SOCKET_IFNAME": nic, "GLOO_SOCKET_IFNAME": nic}
+        pending.append(client[r.engine_id].apply_async(network.set_env, env))
+    for ar in pending:
+        ar.get(timeout=remaining())
+    return plan[hosts[0]][0]
+
+
+def _rendezvous_port(
+    client: Any, ranks: Sequence[RankInfo], port: int | None, remaining: Callable[[], float]
+) -> int:
+    from nbtrain.engine import network, setup
+
+    rank0 = client[ranks[0].engine_id]
+    if port is None:
+        return int(rank0.apply_async(setup.free_port).get(timeout=remaining()))
+    if rank0.apply_async(network.port_in_use, int(port)).get(timeout=remaining()):
+        msg = (
+            f"port {port} is already in use on {ranks[0].host} (rank 0's host, where the rendezvous "
+            "listens); pass a free port with --port, or leave --port out to pick a free one. "
+            "Nothing was left running."
+        )
+        raise ConfigError(msg)
+    return int(port)
+
+
+def describe_start(cluster: Cluster) -> str:
+    """The lines `%nbtrain start` prints for a multi-node cluster, before the rank table."""
+    lines = [f"nbtrain: {n}" for n in getattr(cluster, "notes", [])]
+    return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""Network questions the client asks each engine while it sets up a multi-node process group.
+
+Each function runs on an engine (through `apply`) and returns plain data. Cheap to import: the
+standard library and psutil only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def route(target: str) -> dict[str, Any]:
+    """How this host reaches `target`: this host's source address and the interface it leaves by."""
+    from nbtrain.cluster import net
+
+    r = net.route_to(target)
+    return {"address": r.source, "interface": r.interface, "local": r.local, "target": r.address}
+
+
+def port_in_use(port: int) -> bool:
+    """True when a listener cannot bind TCP `port` on this host (the rendezvous port is taken)."""
+    from nbtrain.cluster import net
+
+    return net.port_in_use(port)
+
+
+def set_env(env: dict[str, str]) -> None:
+    """Put `env` into this engine's environment (read later by torch.distributed, gloo and NCCL)."""
+    os.environ.update(env)
+
+
+def launch_host() -> str | None:
+    """The `--hosts` entry this engine was started for over SSH (set by nbtrain's launcher)."""
+    return os.environ.get("NBTRAIN_LAUNCH_HOST")
