@@ -37,3 +37,14 @@ class CellTimeoutError(DistributedCellError):
 
 class ConfigError(NbtrainError, ValueError):
     """A setting is invalid; raised before any engine or step runs."""
+
+
+class RankDiedError(DistributedCellError):
+    """A rank died (killed, crashed, exited, or its node was lost) while a cell ran.
+
+    `deaths` holds one `nbtrain.cluster.faults.RankDeath` per dead rank: rank, host, how, stderr tail.
+    """
+
+    def __init__(self, message: str, deaths: list | None = None):
+        super().__init__(message, [])
+        self.deaths = deaths or []

@@ -82,6 +82,9 @@ def build_parser() -> _Parser:
 
     sub.add_parser("stop", help="stop every engine and the controller")
     sub.add_parser("status", help="rank, host, local rank, device, pid, busy/idle")
+    from nbtrain.fault_magics import add_fault_commands
+
+    add_fault_commands(sub)
     return parser
 
 
@@ -137,6 +140,21 @@ class NbtrainMagics(Magics):
             return
         cluster.stop()
         print("nbtrain: cluster stopped; no engine or controller is left running.")
+
+    def _cmd_restart(self, args: argparse.Namespace) -> None:
+        from nbtrain.fault_magics import cmd_restart
+
+        cmd_restart(args)
+
+    def _cmd_diagnose(self, args: argparse.Namespace) -> None:
+        from nbtrain.fault_magics import cmd_diagnose
+
+        cmd_diagnose(args)
+
+    def _cmd_attach(self, args: argparse.Namespace) -> None:
+        from nbtrain.fault_magics import cmd_attach
+
+        cmd_attach(args)
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
         from nbtrain.cluster.core import current_cluster, format_table

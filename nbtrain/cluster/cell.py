@@ -177,14 +177,21 @@ class CellRun:
 
     # --- the run --------------------------------------------------------------------------------
     def run(self) -> list[Any]:
+        from nbtrain.cluster import faults
+
+        faults.check_alive(self.cluster, self.which)
         view = self.cluster.view(self.which)
         ar = view.execute(self.code, silent=False, block=False)
         self._hook(ar)
         start = time.monotonic()
         self._stopped_note = ""
         first_failure: float | None = None
+        watch = faults.DeathWatch(self.cluster, self.which)
         try:
             while not ar.wait(POLL):
+                dead = watch.poll()
+                if dead:
+                    faults.fail_cell(self, ar, dead, start)
                 self._drain()
                 self._feed_metrics(ar)
                 if self._display is not None:
@@ -236,12 +243,14 @@ class CellRun:
             self._display.close()
 
     def _on_timeout(self, ar: Any) -> None:
-        stacks = self.cluster.stacks(self.which)
+        from nbtrain.cluster.faults import diagnose
+
         pending = self._pending(ar)
+        # the same report as %nbtrain diagnose: stacks, and who waits in a collective
+        text = diagnose(self.cluster, self.which, pending=pending).text
         self._drain()
         note = self._stop_ranks(ar)
         self._finish_display()
-        text = format_stacks(self.cluster, stacks, pending=pending)
         msg = (
             f"the cell ran past --timeout {self.timeout:g} s and was stopped. {note}\n"
             f"Where each rank was:\n{text}"

@@ -116,6 +116,9 @@ def hello() -> dict[str, Any]:
     """Who this engine is: host, pid, GPUs. Also installs the stack-dump handler."""
     os.environ["NBTRAIN_ENGINE"] = "1"
     install_stack_handler()
+    from nbtrain.engine import faults
+
+    log_file = faults.install()["log"]
     try:
         import psutil
 
@@ -129,6 +132,7 @@ def hello() -> dict[str, Any]:
         "children": children,
         "gpus": _cuda_count(),
         "python": sys.executable,
+        "log": log_file,
     }
 
 
@@ -256,7 +260,14 @@ def format_stacks(all_threads: bool = True) -> dict[str, Any]:
             }
         )
     out.sort(key=lambda t: (not t["main"], -t["user_frames"]))
-    return {"host": socket.gethostname(), "pid": os.getpid(), "threads": out}
+    from nbtrain.engine.faults import collectives
+
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "threads": out,
+        "collectives": collectives(),
+    }
 
 
 def install_stack_handler() -> None:

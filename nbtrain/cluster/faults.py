@@ -1,0 +1,604 @@
+"""When ranks die or hang: notice it fast, say what happened in the notebook, and put the cluster back.
+
+In [1]: cluster.diagnose()        # twin of %nbtrain diagnose: every rank's stacks, who waits in a collective
+In [2]: cluster.restart()         # twin of %nbtrain restart: replace dead or wedged engines, new group
+
+How a death is noticed, fastest first:
+  * a local engine's process is gone (psutil, checked every 0.1 s while a cell runs), its exit status
+    read from the launcher that started it (negative: the signal that killed it);
+  * the hub unregisters the engine: its nanny reports the exit at once, or, when the engine and its nanny
+    are both gone or the network to the node is cut, the hub's heartbeat (every 0.5 s, 10 misses) does
+    within about 5 s.
+The last lines of the rank's stderr come from the cell's captured stderr and the engine's own log file
+(where `nbtrain.engine.faults` points faulthandler and a copy of stderr).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from nbtrain.errors import ClusterError, RankDiedError
+
+if TYPE_CHECKING:
+    from nbtrain.cluster.core import Cluster
+
+# how long ranks that outlived a dead one get to leave their cell after SIGINT before their engines are
+# ended: a rank blocked in a gloo/NCCL collective waiting for the dead one never returns by itself
+SURVIVOR_GRACE = 1.5
+CHECK_EVERY = 0.1
+# a rank that does not answer a control-channel request within this many seconds is wedged
+WEDGED_AFTER = 3.0
+TAIL_LINES = 12
+
+_SIGNAL_HINTS = {
+    "SIGKILL": "kill -9, or the kernel's out-of-memory killer",
+    "SIGSEGV": "segmentation fault: a crash in C/C++/CUDA code",
+    "SIGABRT": "abort: a failed C++ assertion or an uncaught C++ exception",
+    "SIGBUS": "bus error",
+    "SIGFPE": "arithmetic error in native code",
+    "SIGILL": "illegal instruction",
+    "SIGTERM": "terminated",
+}
+# ipyparallel's own log lines in an engine's output file: infrastructure, not the rank's stderr
+_INFRA = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ \[(IPEngine|KernelNanny|IPController)")
+
+
+@dataclass
+class RankDeath:
+    """One rank that died: where, how, and what it last wrote to stderr."""
+
+    rank: int
+    host: str
+    pid: int
+    how: str  #: "killed by SIGKILL (...)", "exited with code 3", "lost: no heartbeat ..."
+    exit_code: int | None = None
+    signal: str | None = None
+    tail: list[str] = field(default_factory=list)
+    log: str | None = None
+
+    def describe(self) -> str:
+        lines = [f"rank {self.rank} on {self.host} (pid {self.pid}) {self.how}."]
+        if self.tail:
+            where = f" ({self.log})" if self.log else ""
+            lines.append(f"Last lines of its stderr{where}:")
+            lines.extend(f"    {line}" for line in self.tail)
+        elif self.log:
+            lines.append(f"It wrote nothing to stderr; its log is {self.host}:{self.log}.")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------- detection
+def _is_local(cluster: Cluster, host: str) -> bool:
+    return host == socket.gethostname()
+
+
+def _launcher_for(cluster: Cluster, pid: int) -> Any:
+    ipc = getattr(cluster, "ipp_cluster", None)
+    for engine_set in list(getattr(ipc, "engines", {}).values()):
+        for launcher in list(getattr(engine_set, "launchers", {}).values()):
+            if getattr(launcher, "pid", None) == pid:
+                return launcher
+    return None
+
+
+def _process_gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+def lost_ranks(cluster: Cluster) -> set[int]:
+    """Ranks nbtrain already knows are gone (died, or ended because they were stuck)."""
+    lost = getattr(cluster, "_nbtrain_lost", None)
+    if lost is None:
+        lost = set()
+        cluster._nbtrain_lost = lost  # type: ignore[attr-defined]
+    return lost
+
+
+def dead_ranks(cluster: Cluster, which: Sequence[int] | None = None) -> list[int]:
+    """Ranks (of `which`, default all) whose engine is gone: process exited, or the hub dropped it."""
+    which = range(cluster.world_size) if which is None else which
+    ids = set(cluster.client.ids)
+    out = []
+    for r in which:
+        info = cluster.ranks[r]
+        if info.engine_id not in ids:
+            out.append(r)
+        elif _is_local(cluster, info.host) and _process_gone(info.pid):
+            out.append(r)
+    return out
+
+
+class DeathWatch:
+    """Checks for dead ranks at most every `CHECK_EVERY` seconds (cheap enough for every poll)."""
+
+    def __init__(self, cluster: Cluster, which: Sequence[int]) -> None:
+        self.cluster = cluster
+        self.which = list(which)
+        self._next = 0.0
+
+    def poll(self) -> list[int]:
+        now = time.monotonic()
+        if now < self._next:
+            return []
+        self._next = now + CHECK_EVERY
+        try:
+            return dead_ranks(self.cluster, self.which)
+        except Exception:  # a client shutting down: the cell's own wait reports that
+            return []
+
+
+def check_alive(cluster: Cluster, which: Sequence[int]) -> None:
+    """Before a cell: refuse to run on a cluster with dead ranks, saying what to do."""
+    dead = sorted(set(dead_ranks(cluster)) | lost_ranks(cluster))
+    if not dead:
+        return
+    from nbtrain.cluster.core import _describe_ranks
+
+    msg = (
+        f"{_describe_ranks(cluster.ranks, dead)} of this cluster died or were ended, so the process group "
+        "is broken. Run %nbtrain restart (cluster.restart()) to replace them; then re-run your set-up "
+        "cells, and continue training with finetune(..., resume='latest')."
+    )
+    raise ClusterError(msg)
+
+
+# -------------------------------------------------------------------------------------- description
+def _exit_code(cluster: Cluster, pid: int, wait: float = 1.0) -> int | None:
+    """The exit status of a local engine the launcher started (psutil caches it once reaped)."""
+    import psutil
+
+    launcher = _launcher_for(cluster, pid)
+    proc = getattr(launcher, "process", None)
+    if proc is None:
+        return None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            code = proc.wait(timeout=0)
+            return code if code is not None else None
+        except psutil.TimeoutExpired:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+        except psutil.Error:
+            return None
+
+
+def _how(code: int | None) -> tuple[str, str | None]:
+    if code is None:
+        return "died (its exit status is unknown)", None
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = _SIGNAL_HINTS.get(name)
+        return f"was killed by {name}" + (f" ({hint})" if hint else ""), name
+    return f"exited with code {code}", None
+
+
+def _reachable(address: str, port: int = 22, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return True
+    except OSError as e:
+        # refused means the host is up and answered, just not on that port
+        return isinstance(e, ConnectionRefusedError)
+
+
+def _filter_tail(lines: Sequence[str], n: int = TAIL_LINES) -> list[str]:
+    useful = [line.rstrip() for line in lines if line.strip() and not _INFRA.match(line)]
+    fatal = [i for i, line in enumerate(useful) if line.startswith("Fatal Python error")]
+    if not fatal:
+        return useful[-n:]
+    # a faulthandler dump: the lines before it, its header and the innermost frames of the crashing
+    # thread (most recent call first), not the engine's event-loop frames at its bottom
+    i = fatal[-1]
+    before = useful[max(0, i - 4) : i]
+    dump = useful[i:]
+    current = [k for k, line in enumerate(dump) if line.startswith("Current thread")]
+    if current:
+        dump = dump[:1] + dump[current[0] :]
+    head, frames = [], []
+    for line in dump:
+        if line.lstrip().startswith("File "):
+            if len(frames) < 6:
+                frames.append(line)
+        elif not frames:
+            head.append(line)
+        else:
+            break
+    return before + head + frames
+
+
+def _log_tail(cluster: Cluster, rank: int, survivors: Sequence[int]) -> tuple[list[str], str | None]:
+    from nbtrain.engine.faults import tail_file
+
+    info = cluster.ranks[rank]
+    path = getattr(info, "log", None)
+    launcher = _launcher_for(cluster, info.pid)
+    if path is None and launcher is not None:
+        path = getattr(launcher, "output_file", None)
+    if not path:
+        return [], None
+    if _is_local(cluster, info.host):
+        return tail_file(path, lines=200), path
+    # another rank on the same host can read the file for us
+    for r in survivors:
+        other = cluster.ranks[r]
+        if other.host == info.host and r not in lost_ranks(cluster):
+            try:
+                ar = cluster.client[other.engine_id].apply_async(tail_file, path, 200)
+                return list(ar.get(timeout=2.0)), path
+            except Exception:
+                break
+    return [], path
+
+
+def describe_death(
+    cluster: Cluster, rank: int, cell_stderr: str = "", survivors: Sequence[int] = ()
+) -> RankDeath:
+    """What is known about how `rank` died, from the launcher, the hub and its log."""
+    info = cluster.ranks[rank]
+    code = None
+    sig = None
+    if _is_local(cluster, info.host):
+        code = _exit_code(cluster, info.pid)
+        if code is None and _launcher_for(cluster, info.pid) is None:
+            how = "died (its exit status is unknown: this kernel did not start that engine)"
+        else:
+            how, sig = _how(code)
+    else:
+        same_host_alive = [
+            r
+            for r in survivors
+            if cluster.ranks[r].host == info.host and cluster.ranks[r].engine_id in cluster.client.ids
+        ]
+        if same_host_alive:
+            how = (
+                "died: its nanny reported the engine's exit to the controller (the exit status stays "
+                f"on {info.host})"
+            )
+        elif _reachable(info.address):
+            how = (
+                f"died with its nanny (no heartbeat), though {info.host} still answers on the network: "
+                "killed, e.g. by the out-of-memory killer"
+            )
+        else:
+            how = (
+                f"was lost: no heartbeat from {info.host} and it does not answer on the network at "
+                f"{info.address} (node down or network cut)"
+            )
+    log_lines, path = _log_tail(cluster, rank, survivors)
+    # the log holds a copy of the cell's stderr (and crash dumps); the captured stderr is the fallback
+    tail = _filter_tail(log_lines) or _filter_tail(cell_stderr.splitlines())
+    return RankDeath(
+        rank=rank,
+        host=info.host,
+        pid=info.pid,
+        how=how,
+        exit_code=code,
+        signal=sig,
+        tail=tail,
+        log=path,
+    )
+
+
+# ------------------------------------------------------------------------------------ the failed cell
+def end_engines(cluster: Cluster, ranks: Sequence[int]) -> None:
+    """Kill the engines of `ranks` (they are blocked for good); `restart` brings them back."""
+    import psutil
+
+    for r in ranks:
+        info = cluster.ranks[r]
+        if _is_local(cluster, info.host):
+            try:
+                proc = psutil.Process(info.pid)
+                kids = proc.children(recursive=True)
+                proc.kill()
+                for k in kids:
+                    k.kill()
+            except psutil.Error:
+                pass
+        else:
+            try:
+                # the nanny on that host delivers it
+                cluster.client.send_signal(signal.SIGKILL, targets=[info.engine_id], block=False)
+            except Exception:
+                pass
+    lost_ranks(cluster).update(ranks)
+
+
+def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
+    """A rank died while the cell ran: stop the others, then raise `RankDiedError` saying what happened."""
+    from nbtrain.cluster.core import _describe_ranks
+
+    cluster = run.cluster
+    detected = time.monotonic() - started
+    lost_ranks(cluster).update(dead)
+    survivors = [r for r in run._pending(ar) if r not in dead]
+    if survivors:
+        try:
+            cluster.interrupt(survivors)
+        except Exception:
+            pass
+    deaths = []
+    for r in dead:
+        fut = ar._children[run.which.index(r)]
+        try:
+            cell_stderr = fut.output.metadata.get("stderr", "") or ""
+        except Exception:
+            cell_stderr = ""
+        deaths.append(describe_death(cluster, r, cell_stderr, survivors))
+    deadline = time.monotonic() + SURVIVOR_GRACE
+    while time.monotonic() < deadline and any(
+        not ar._children[run.which.index(r)].done() for r in survivors
+    ):
+        run._drain()
+        time.sleep(0.05)
+    stuck = [r for r in survivors if not ar._children[run.which.index(r)].done()]
+    where = {}
+    if stuck:
+        try:
+            where = {r: classify(i)[1] for r, i in cluster.stacks(stuck, timeout=1.0).items()}
+        except Exception:
+            where = {}
+        end_engines(cluster, stuck)
+    run._drain()
+    run._finish_display()
+    parts = [f"{len(dead)} of {len(run.which)} rank(s) died while the cell ran (noticed after {detected:.1f} s)."]
+    parts.extend(d.describe() for d in deaths)
+    stopped = [r for r in survivors if r not in stuck]
+    if stopped:
+        parts.append(
+            f"Interrupted the other ranks ({_describe_ranks(cluster.ranks, stopped)}); they keep their variables."
+        )
+    if stuck:
+        parts.append(
+            f"Ended {_describe_ranks(cluster.ranks, stuck)}: still blocked {SURVIVOR_GRACE:g} s after an "
+            "interrupt (waiting for the dead rank in a collective)."
+        )
+        parts.extend(f"  rank {r} was in {w}" for r, w in sorted(where.items()))
+    parts.append(
+        "The process group is broken until the lost ranks are replaced: run %nbtrain restart "
+        "(cluster.restart()). Their in-memory state is gone: re-run your set-up cells, and continue "
+        "training with finetune(..., resume='latest')."
+    )
+    err = RankDiedError("\n".join(parts), deaths)
+    raise err
+
+
+# ----------------------------------------------------------------------------------------- restart
+def _wedged(cluster: Cluster, alive: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(busy ranks that ignore SIGINT, ranks that do not answer the control channel)."""
+    if not alive:
+        return [], []
+    queues = cluster.client.queue_status(targets=cluster.engine_ids(alive))
+    busy = [r for r in alive if queues.get(cluster.ranks[r].engine_id, {}).get("queue", 0)]
+    if busy:
+        cluster.interrupt(busy)
+        deadline = time.monotonic() + 4.0
+        while busy and time.monotonic() < deadline:
+            time.sleep(0.2)
+            queues = cluster.client.queue_status(targets=cluster.engine_ids(busy))
+            busy = [r for r in busy if queues.get(cluster.ranks[r].engine_id, {}).get("queue", 0)]
+    quiet = [r for r in alive if r not in busy]
+    stacks = cluster.stacks(quiet, timeout=WEDGED_AFTER) if quiet else {}
+    silent = [r for r, s in stacks.items() if s.get("error")]
+    return busy, silent
+
+
+def restart(cluster: Cluster, all_ranks: bool = False, timeout: float | None = None) -> str:
+    """Replace dead or wedged engines with fresh ones and re-create the process group on every rank.
+
+    Returns what was done, for the notebook. Replaced ranks lose their in-memory state.
+    """
+    from nbtrain.cluster import registry
+    from nbtrain.cluster.core import _describe_ranks
+
+    cluster._check_usable()
+    t0 = time.monotonic()
+    world = range(cluster.world_size)
+    dead = set(dead_ranks(cluster)) | lost_ranks(cluster)
+    busy, silent = ([], []) if all_ranks else _wedged(cluster, [r for r in world if r not in dead])
+    replace = sorted(world) if all_ranks else sorted(dead | set(busy) | set(silent))
+    if replace:
+        cluster.restart_ranks(replace, timeout=timeout)
+    else:
+        cluster.reinit_group(timeout=timeout or 60.0)
+    lost_ranks(cluster).clear()
+    try:
+        registry.write(cluster)
+    except Exception:
+        pass
+    took = time.monotonic() - t0
+    if not replace:
+        return (
+            f"nbtrain: every rank was alive; the process group was re-created in {took:.1f} s. Variables "
+            "are kept; rebuild objects that hold the old group (e.g. DDP models)."
+        )
+    reasons = []
+    if dead & set(replace):
+        reasons.append(f"dead: {_describe_ranks(cluster.ranks, sorted(dead))}")
+    if busy:
+        reasons.append(f"did not stop: {_describe_ranks(cluster.ranks, busy)}")
+    if silent:
+        reasons.append(f"did not answer: {_describe_ranks(cluster.ranks, silent)}")
+    why = f" ({'; '.join(reasons)})" if reasons else ""
+    kept = [r for r in world if r not in replace]
+    kept_note = (
+        f" {_describe_ranks(cluster.ranks, kept)} kept their variables, but rebuild objects that hold "
+        "the old process group (e.g. DDP models)."
+        if kept
+        else ""
+    )
+    return (
+        f"nbtrain: replaced {_describe_ranks(cluster.ranks, replace)}{why} with fresh engines and re-created "
+        f"the process group in {took:.1f} s. The in-memory state of the replaced ranks was lost: re-run "
+        f"your set-up cells, and continue training with finetune(..., resume='latest').{kept_note}"
+    )
+
+
+# ---------------------------------------------------------------------------------------- diagnose
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "reduce",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "wait",
+}
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
+
+
+@dataclass
+class Diagnosis:
+    """Where every rank is, and which ranks wait in a collective (`Cluster.diagnose()`)."""
+
+    stacks: dict[int, dict[str, Any]]
+    waiting: dict[int, str]  #: rank -> "all_reduce at <cell>:5" for ranks blocked in a collective
+    other: dict[int, str]  #: rank -> what it does instead ("time.sleep at <cell>:7", "idle", ...)
+    behind: list[int]  #: ranks that have not entered the collective others wait in (flight recorder)
+    text: str
+    took: float = 0.0
+
+    def __str__(self) -> str:
+        return self.text
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text)
+
+
+def _frames(stack: str) -> list[tuple[str, int, str]]:
+    return [(m["file"], int(m["line"]), m["fn"]) for m in _FRAME.finditer(stack)]
+
+
+def _main_thread(info: dict[str, Any]) -> dict[str, Any] | None:
+    for t in info.get("threads", []):
+        if t.get("main"):
+            return t
+    return None
+
+
+def _user_site(frames: list[tuple[str, int, str]]) -> str:
+    for file, line, fn in reversed(frames):
+        if "/site-packages/" not in file and "/torch/" not in file:
+            short = "<cell>" if ("ipykernel_" in file or "<ipython-input" in file) else file
+            return f"{short}:{line} in {fn}"
+    return ""
+
+
+def classify(info: dict[str, Any]) -> tuple[str, str]:
+    """("collective" | "busy" | "idle" | "silent", what) for one rank's stacks."""
+    if info.get("error"):
+        return "silent", info["error"]
+    main = _main_thread(info)
+    if main is None or not main.get("user_frames"):
+        return "idle", "idle (no cell running)"
+    frames = _frames(main["stack"])
+    site = _user_site(frames)
+    for file, _line, fn in reversed(frames):
+        if "/torch/distributed/" in file and fn in COLLECTIVES:
+            return "collective", f"{fn}" + (f", called at {site}" if site else "")
+        if "/torch/autograd/" in file and fn in ("backward", "_engine_run_backward"):
+            return "collective", "backward (DDP's gradient all-reduce runs in it)" + (
+                f", called at {site}" if site else ""
+            )
+    file, line, fn = frames[-1] if frames else ("?", 0, "?")
+    return "busy", f"{fn} ({site or f'{file}:{line}'})"
+
+
+def _seqs(stacks: dict[int, dict[str, Any]]) -> dict[int, tuple[int, str]]:
+    out = {}
+    for r, info in stacks.items():
+        entries = (info.get("collectives") or {}).get("entries") or []
+        if entries:
+            last = entries[-1]
+            if last.get("seq") is not None:
+                out[r] = (int(last["seq"]), str(last.get("op", "")))
+    return out
+
+
+def diagnose(cluster: Cluster, ranks: Any = None, timeout: float = 8.0, pending: Sequence[int] | None = None) -> Diagnosis:
+    """Every rank's Python stacks (all threads), and which ranks wait in a collective and which do not."""
+    from nbtrain.cluster.core import _describe_ranks
+    from nbtrain.cluster.ranges import parse_ranks
+
+    t0 = time.monotonic()
+    which = parse_ranks(ranks, cluster.world_size)
+    alive = [r for r in which if r not in lost_ranks(cluster)]
+    stacks = cluster.stacks(alive, timeout=timeout, all_threads=True)
+    for r in which:
+        if r not in stacks:
+            stacks[r] = {"host": cluster.ranks[r].host, "pid": cluster.ranks[r].pid, "threads": [], "error": "dead (ended or died earlier); run %nbtrain restart"}
+    waiting: dict[int, str] = {}
+    other: dict[int, str] = {}
+    for r in sorted(stacks):
+        kind, what = classify(stacks[r])
+        (waiting if kind == "collective" else other)[r] = what
+    seqs = _seqs(stacks)
+    behind: list[int] = []
+    summary = []
+    if seqs:
+        top = max(s for s, _ in seqs.values())
+        ahead = sorted(r for r, (s, _) in seqs.items() if s == top)
+        behind = sorted(r for r, (s, _) in seqs.items() if s < top)
+        op = seqs[ahead[0]][1]
+        if behind:
+            summary.append(
+                f"flight recorder: {_describe_ranks(cluster.ranks, ahead)} entered collective #{top} "
+                f"({op}); {_describe_ranks(cluster.ranks, behind)} did not "
+                f"(last: {', '.join(f'rank {r} #{seqs[r][0]}' for r in behind)})."
+            )
+        else:
+            summary.append(f"flight recorder: every rank's last collective is #{top} ({op}).")
+    if waiting:
+        summary.insert(0, f"waiting in a collective: {'; '.join(f'rank {r}: {w}' for r, w in sorted(waiting.items()))}")
+    if other:
+        summary.insert(
+            1 if waiting else 0,
+            f"not in a collective: {'; '.join(f'rank {r}: {w}' for r, w in sorted(other.items()))}",
+        )
+    if waiting and [r for r in other if r not in lost_ranks(cluster)]:
+        summary.append(
+            "The waiting ranks are blocked until the others reach the same collective; look at where "
+            "those others are in the stacks below."
+        )
+    from nbtrain.cluster.cell import format_stacks
+
+    took = time.monotonic() - t0
+    if pending is None:
+        pending = [r for r in which if r in waiting or not other.get(r, "").startswith("idle")]
+    text = "\n".join(summary) + "\n\n" + format_stacks(cluster, stacks, pending=pending)
+    return Diagnosis(stacks=stacks, waiting=waiting, other=other, behind=behind, text=text, took=took)
