@@ -49,6 +49,25 @@ def machine() -> dict[str, Any]:
     }
 
 
+def code_version() -> dict[str, Any]:
+    """The commit measured, and whether nbtrain/ had uncommitted changes (others may edit the tree)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.rstrip("\n")
+        except Exception:
+            return ""
+
+    dirty = git("status", "--porcelain", "--", "nbtrain")
+    return {
+        "commit": git("rev-parse", "--short", "HEAD").strip(),
+        "nbtrain_dirty_files": [line for line in dirty.splitlines() if line.strip()],
+    }
+
+
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -88,6 +107,7 @@ class Recorder:
             "quick": quick,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "machine": machine(),
+            "code": code_version(),
             "loadavg_start": loadavg(),
         }
         self.metrics: list[dict[str, Any]] = []

@@ -52,14 +52,19 @@ def render_markdown(results: dict[str, Any]) -> str:
         "but absolute figures are noisier and slower than on an idle machine. Load average (1, 5, 15 min) "
         "at the start and end of each benchmark:",
         "",
-        "| benchmark | load at start | load at end | wall |",
-        "|---|---|---|---|",
+        "| benchmark | started | commit | load at start | load at end | wall |",
+        "|---|---|---|---|---|---|",
     ]
     for name in BENCHES:
         if name in b:
             r = b[name]
+            code = r.get("code", {})
+            commit = code.get("commit", "?")
+            if code.get("nbtrain_dirty_files"):
+                commit += f" + {len(code['nbtrain_dirty_files'])} uncommitted nbtrain file(s)"
             lines.append(
-                f"| {name} | {r['loadavg_start']} | {r['loadavg_end']} | {r['wall_s']:.0f} s |"
+                f"| {name} | {r['started']} | {commit} | {r['loadavg_start']} | {r['loadavg_end']} | "
+                f"{r['wall_s']:.0f} s |"
             )
     lines += [
         "",
@@ -184,6 +189,12 @@ def main() -> None:
         "loadavg_start": C.loadavg(),
         "benchmarks": {},
     }
+    previous = out_dir / "results.json"
+    if set(args.only) != set(BENCHES) and previous.is_file():
+        # a partial re-run keeps the other benchmarks' last results (each carries its own date and load)
+        old = json.loads(previous.read_text())
+        if old.get("quick") == args.quick:
+            results["benchmarks"].update(old.get("benchmarks", {}))
     failed = []
     for name in args.only:
         part = C.WORK / f"{name}{'-quick' if args.quick else ''}.json"
