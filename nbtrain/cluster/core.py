@@ -700,6 +700,12 @@ def _start_local(options: StartOptions, quiet: bool = True) -> Cluster:
         raise ClusterError(msg) from e
     cluster = Cluster(client, ipp_cluster, ranks, backend, options, pids=pids)
     registry.write(cluster)
+    from nbtrain.cluster.watchdog import spawn
+
+    # stops the cluster if its kernel dies and nothing runs on it for NBTRAIN_IDLE_TIMEOUT seconds
+    watchdog = spawn(cluster)
+    if watchdog is not None:
+        cluster._pids.append(watchdog)
     return cluster
 
 

@@ -202,6 +202,10 @@ class SFTConfig:
         positive_int("eval_steps", allow_none=True)
         positive_int("save_steps", allow_none=True)
         need(
+            isinstance(self.seed, int) and not isinstance(self.seed, bool),
+            f"seed={self.seed!r} must be an integer, e.g. 42",
+        )
+        need(
             isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
             f"warmup_steps={self.warmup_steps!r} must be an integer >= 0",
         )

@@ -1,0 +1,217 @@
+"""Reconnect a new kernel to a cluster that outlived its kernel, and to the job it runs.
+
+In [1]: %load_ext nbtrain
+In [2]: %nbtrain attach              # twin of nbtrain.attach(): rank table, then the running job's live plot
+
+Engines and the controller run in their own sessions, so a dying kernel leaves them (and a `finetune`
+in progress, which keeps appending to ``output_dir/metrics.jsonl``) running. The cluster's side file
+``<profile>/security/nbtrain-<cluster_id>.json`` holds the rank table; ipyparallel's own cluster file
+lets the new kernel stop and restart engines as if it had started them. Following the job tails its
+metrics.jsonl into the same live display a `%%distributed` cell draws; interrupting the follow only
+detaches, the job goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from nbtrain.errors import ClusterError
+
+
+@dataclass
+class Attached:
+    """What `attach` found: the cluster (now current) and the job running on it, if any."""
+
+    cluster: Any
+    run: dict[str, Any] | None
+
+    def follow(self, timeout: float | None = None, live: bool = True, poll: float = 0.5) -> list[dict[str, Any]]:
+        """Tail the running job's metrics.jsonl (into the live display in a notebook) until it ends."""
+        if self.run is None:
+            return []
+        return follow_run(self.run, timeout=timeout, live=live, poll=poll)
+
+
+def _profile_dir(profile: str) -> Path:
+    from IPython.paths import get_ipython_dir
+
+    return Path(get_ipython_dir()) / f"profile_{profile}"
+
+
+def find_clusters(profile: str = "nbtrain") -> list[dict[str, Any]]:
+    """Side files of this profile's clusters whose controller still runs, newest first."""
+    import psutil
+
+    out = []
+    for path in sorted((_profile_dir(profile) / "security").glob("nbtrain-*.json")):
+        try:
+            side = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        ipp_file = path.with_name(f"cluster-{side.get('cluster_id')}.json")
+        try:
+            ctl = json.loads(ipp_file.read_text()).get("controller", {}).get("state", {})
+            alive = psutil.pid_exists(int(ctl.get("pid", -1)))
+        except (OSError, ValueError, json.JSONDecodeError, AttributeError):
+            alive = False
+        if alive:
+            side["_path"] = str(path)
+            out.append(side)
+    out.sort(key=lambda s: s.get("started") or 0, reverse=True)
+    return out
+
+
+def running_job(cluster: Any) -> dict[str, Any] | None:
+    """The registered run that rank 0 of `cluster` is executing, if any."""
+    from nbtrain.runs import list_runs
+
+    pid0 = cluster.ranks[0].pid
+    for run in list_runs():
+        if run.get("state") == "running" and run.get("pid") == pid0:
+            return run
+    return None
+
+
+def attach(
+    cluster_id: str | None = None,
+    profile: str = "nbtrain",
+    live: bool = True,
+    follow: bool = True,
+    timeout: float = 30.0,
+) -> Attached:
+    """Make a running cluster this kernel's current cluster again; follow its running job.
+
+    In [1]: a = nbtrain.cluster.attach.attach()     # %nbtrain attach
+    """
+    import ipyparallel as ipp
+
+    from nbtrain.cluster import core, registry
+
+    found = find_clusters(profile)
+    if cluster_id is not None:
+        found = [s for s in found if s.get("cluster_id") == cluster_id]
+    if not found:
+        which = f"cluster {cluster_id!r}" if cluster_id else "no running nbtrain cluster"
+        msg = (
+            f"{which} {'is not running' if cluster_id else 'was found'} in profile {profile!r} "
+            f"({_profile_dir(profile)}). Start one with %nbtrain start -n 2."
+        )
+        raise ClusterError(msg)
+    if len(found) > 1 and cluster_id is None:
+        ids = ", ".join(s["cluster_id"] for s in found)
+        msg = f"{len(found)} clusters are running ({ids}); name one: %nbtrain attach <cluster_id>."
+        raise ClusterError(msg)
+    side = found[0]
+    current = core.current_cluster()
+    if current is not None and current.cluster_id == side["cluster_id"]:
+        return Attached(current, running_job(current))
+    if current is not None:
+        msg = (
+            f"this kernel already has a cluster ({current.cluster_id}); stop it with %nbtrain stop "
+            "before attaching to another."
+        )
+        raise ClusterError(msg)
+    try:
+        ipc = ipp.Cluster.from_file(profile_dir=side["profile_dir"], cluster_id=side["cluster_id"])
+        client = ipc.connect_client_sync()
+        client.wait_for_engines(side["world_size"], timeout=timeout, interactive=False)
+    except Exception as e:
+        msg = (
+            f"could not reconnect to cluster {side['cluster_id']}: {type(e).__name__}: {e}. Its idle "
+            "watchdog stops it once nothing runs on it; or start a new one with %nbtrain start --force."
+        )
+        raise ClusterError(msg) from None
+    names = {f.name for f in fields(core.RankInfo)}
+    ranks = [core.RankInfo(**{k: v for k, v in r.items() if k in names}) for r in side["ranks"]]
+    missing = [r.rank for r in ranks if r.engine_id not in client.ids]
+    options = core.StartOptions(n=len(ranks))
+    cluster = core.Cluster(
+        client, ipc, ranks, side.get("backend", "gloo"), options, pids=[r.pid for r in ranks]
+    )
+    cluster.started = side.get("started") or cluster.started
+    if missing:
+        from nbtrain.cluster.faults import lost_ranks
+
+        lost_ranks(cluster).update(missing)
+    core._current = cluster
+    registry.write(cluster)  # this kernel is now the one attached (client_pid)
+    run = running_job(cluster)
+    print(
+        f"nbtrain: attached to cluster {cluster.cluster_id}: {cluster.world_size} rank(s), backend "
+        f"{cluster.backend}" + (f"; rank(s) {missing} are gone: run %nbtrain restart" if missing else "")
+    )
+    print(cluster.table())
+    result = Attached(cluster, run)
+    if run is None:
+        print("nbtrain: no job is running on it.")
+    else:
+        print(f"nbtrain: job {run['name']!r} is running (step {run.get('step')}/{run.get('total_steps')}), output in {run['output_dir']}")
+        if follow and live:
+            try:
+                result.follow(live=True)
+            except KeyboardInterrupt:
+                print("nbtrain: stopped following; the job goes on.")
+    return result
+
+
+def follow_run(
+    run: dict[str, Any], timeout: float | None = None, live: bool = True, poll: float = 0.5
+) -> list[dict[str, Any]]:
+    """Rows of a run's metrics.jsonl as they come, until the run is no longer running (or `timeout`)."""
+    from nbtrain.runs import get_run
+
+    path = Path(run["output_dir"]) / "metrics.jsonl"
+    display = None
+    if live:
+        from nbtrain.cluster.cell import _in_kernel
+
+        if _in_kernel():
+            from nbtrain.display.live import LiveDisplay
+
+            display = LiveDisplay()
+            display.feed({"kind": "begin", "total_steps": run.get("total_steps"), "name": run.get("name")})
+    rows: list[dict[str, Any]] = []
+    pos = 0
+    buf = ""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            state = (get_run(run["id"]) or {}).get("state")
+            try:
+                with open(path) as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                    pos = f.tell()
+            except FileNotFoundError:
+                chunk = ""
+            buf += chunk
+            *lines, buf = buf.split("\n")
+            for line in lines:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                rows.append(row)
+                if display is not None:
+                    display.feed({"kind": "row", "row": row})
+                else:
+                    print(f"step {row.get('step')}/{run.get('total_steps')} | loss {row.get('loss', float('nan')):.4f}", flush=True)
+            if display is not None:
+                display.maybe_render()
+            if state != "running" and not chunk:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(poll)
+    finally:
+        if display is not None:
+            display.feed({"kind": "end"})
+            display.close()
+    return rows
+
+
+__all__ = ["Attached", "attach", "find_clusters", "follow_run", "running_job"]
