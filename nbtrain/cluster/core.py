@@ -709,6 +709,24 @@ def _start_local(options: StartOptions, quiet: bool = True) -> Cluster:
     return cluster
 
 
+def _loopback_env(
+    ranks: Sequence[RankInfo], master_addr: str, port: int, options: StartOptions
+) -> dict[str, str]:
+    """A cluster on this machine alone keeps its process group off the network.
+
+    torch's TCPStore listens on every interface, so local ranks meet through a FileStore in the profile's
+    security folder (0700) instead, and gloo's pairs use the loopback interface.
+    """
+    if master_addr != "127.0.0.1" or any(r.host != socket.gethostname() for r in ranks):
+        return {}
+    from IPython.paths import get_ipython_dir
+
+    folder = os.path.join(get_ipython_dir(), f"profile_{options.profile}", "security")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    store = os.path.join(folder, f".nbtrain-store-{os.getpid()}-{port}")
+    return {"NBTRAIN_STORE_FILE": store, "GLOO_SOCKET_IFNAME": "lo"}
+
+
 def _init_group(
     client: Any,
     ranks: list[RankInfo],
@@ -729,6 +747,7 @@ def _init_group(
             "LOCAL_WORLD_SIZE": str(r.local_world_size),
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(port),
+            **_loopback_env(ranks, master_addr, port, options),
             **options.extra_env,
         }
         r.address = master_addr if r.rank == 0 else r.address

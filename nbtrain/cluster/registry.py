@@ -51,6 +51,12 @@ def write(cluster: Any, state: str = "running") -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
     os.replace(tmp, path)
+    # ipyparallel writes its own cluster file world-readable; it names pids and log paths: keep it private
+    ipp_file = path.with_name(f"cluster-{cluster.cluster_id}.json")
+    try:
+        os.chmod(ipp_file, 0o600)
+    except OSError:
+        pass
 
 
 def forget(ipp_cluster: Any) -> None:

@@ -176,9 +176,11 @@ def init_rank(env: dict[str, str], backend: str, timeout_s: float) -> dict[str, 
         raise RuntimeError(msg)
     if dist.is_initialized():
         _real("destroy")()
+    # a local cluster meets through a file in its 0700 security folder: nothing listens on the network
+    store_file = os.environ.get("NBTRAIN_STORE_FILE")
     _real("init")(
         backend=backend,
-        init_method="env://",
+        init_method=f"file://{store_file}" if store_file else "env://",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
@@ -224,6 +226,9 @@ def reinit_group(port: int, timeout_s: float) -> dict[str, Any]:
             pass
     env = {key: os.environ[key] for key in RANK_ENV}
     env["MASTER_PORT"] = str(port)
+    if os.environ.get("NBTRAIN_STORE_FILE"):
+        # a fresh rendezvous file for the new group, next to the old one
+        env["NBTRAIN_STORE_FILE"] = os.environ["NBTRAIN_STORE_FILE"].rsplit("-", 1)[0] + f"-{port}"
     return init_rank(env, backend, timeout_s)
 
 
