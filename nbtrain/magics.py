@@ -55,6 +55,63 @@ def _engine_count(text: str) -> int:
     return int(value)
 
 
+def _add_multinode_start_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-node (--launcher ssh)")
+    g.add_argument(
+        "--launcher",
+        choices=("local", "ssh", "slurm", "mpi"),
+        default="local",
+        help="local: engines on this machine; ssh: on --hosts (slurm, mpi: not yet)",
+    )
+    g.add_argument(
+        "--hosts",
+        default=None,
+        help="HOST[:ENGINES],... e.g. node1:2,node2:2 (default engines: the host's GPU count, 1 on CPU)",
+    )
+    g.add_argument(
+        "--ip",
+        default=None,
+        help="controller listen address (default: the one routing to the hosts)",
+    )
+    g.add_argument(
+        "--iface",
+        default=None,
+        help="network interface for NCCL/gloo on every node (default: the one reaching rank 0)",
+    )
+    g.add_argument(
+        "--port", type=int, default=None, help="rendezvous port on rank 0's host (default: free)"
+    )
+    g.add_argument(
+        "--allow-version-mismatch",
+        action="store_true",
+        help="start although torch, NCCL or nbtrain versions differ across nodes",
+    )
+    g.add_argument(
+        "--python",
+        default=None,
+        help="Python with nbtrain on every host (default: this kernel's interpreter path)",
+    )
+    g.add_argument("--ssh-args", default=None, help='extra ssh arguments, e.g. "-F ~/.ssh/cluster"')
+
+
+def _add_multinode_commands(sub: Any) -> None:
+    c = sub.add_parser("connect", help="attach to an ipyparallel cluster started any way")
+    c.add_argument("cluster_id", nargs="?", default=None, help="the ipyparallel cluster id")
+    c.add_argument("--profile", default=None, help="IPython profile of the cluster")
+    c.add_argument("--file", default=None, help="the cluster's JSON file (security/cluster-*.json)")
+    c.add_argument("--iface", default=None, help="network interface for NCCL/gloo on every node")
+    c.add_argument("--port", type=int, default=None, help="rendezvous port on rank 0's host")
+    c.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    c.add_argument("--timeout", type=_positive_float, default=120.0)
+    c.add_argument("--allow-version-mismatch", action="store_true")
+    c.add_argument("--force", action="store_true", help="stop a running cluster first")
+    pr = sub.add_parser("probe", help="all-reduce bandwidth and latency across the ranks")
+    pr.add_argument(
+        "--max-size", default="64M", help="largest all-reduce message, e.g. 64M (default)"
+    )
+    pr.add_argument("--iters", type=int, default=5, help="timed repetitions per size")
+
+
 def build_parser() -> _Parser:
     parser = _Parser(prog="%nbtrain", description="Start, inspect and stop the nbtrain cluster.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -79,9 +136,11 @@ def build_parser() -> _Parser:
         help="seconds to get every engine and the process group (default 120)",
     )
     p.add_argument("--force", action="store_true", help="stop a running cluster first")
+    _add_multinode_start_args(p)
 
     sub.add_parser("stop", help="stop every engine and the controller")
     sub.add_parser("status", help="rank, host, local rank, device, pid, busy/idle")
+    _add_multinode_commands(sub)
     from nbtrain.fault_magics import add_fault_commands
 
     add_fault_commands(sub)
@@ -119,6 +178,8 @@ class NbtrainMagics(Magics):
             raise _user_error(e) from None
 
     def _cmd_start(self, args: argparse.Namespace) -> None:
+        if args.launcher != "local":
+            return self._cmd_start_remote(args)
         from nbtrain.cluster.core import local_gpu_count, start
 
         n = args.n if args.n is not None else max(1, local_gpu_count())
@@ -130,6 +191,69 @@ class NbtrainMagics(Magics):
             f"nbtrain: process group ready: {cluster.world_size} rank(s), backend {cluster.backend}, in {elapsed:.1f} s"
         )
         print(cluster.table())
+
+    def _cmd_start_remote(self, args: argparse.Namespace) -> None:
+        from nbtrain.cluster.core import start
+
+        if args.n is not None:
+            msg = (
+                f"-n is for local engines; with --launcher {args.launcher} give the engines per "
+                "host in --hosts (node1:2,node2:2)."
+            )
+            raise ConfigError(msg)
+        launch: dict[str, Any] = {
+            "hosts": args.hosts,
+            "ip": args.ip,
+            "iface": args.iface,
+            "port": args.port,
+            "allow_version_mismatch": args.allow_version_mismatch,
+        }
+        if args.python:
+            launch["remote_python"] = args.python
+        if args.ssh_args:
+            launch["ssh_args"] = args.ssh_args
+        t0 = time.monotonic()
+        cluster = start(
+            launcher=args.launcher,
+            backend=args.backend,
+            timeout=args.timeout,
+            force=args.force,
+            quiet=False,
+            **launch,
+        )
+        self._print_ready(cluster, time.monotonic() - t0)
+
+    def _cmd_connect(self, args: argparse.Namespace) -> None:
+        from nbtrain.cluster.launchers import connect
+
+        t0 = time.monotonic()
+        cluster = connect(
+            args.cluster_id,
+            profile=args.profile,
+            file=args.file,
+            iface=args.iface,
+            port=args.port,
+            backend=args.backend,
+            timeout=args.timeout,
+            allow_version_mismatch=args.allow_version_mismatch,
+            force=args.force,
+            quiet=False,
+        )
+        self._print_ready(cluster, time.monotonic() - t0)
+
+    def _print_ready(self, cluster: Any, elapsed: float) -> None:
+        print(
+            f"nbtrain: process group ready: {cluster.world_size} rank(s) on {len(cluster.hosts)} "
+            f"host(s), backend {cluster.backend}, in {elapsed:.1f} s"
+        )
+        print(cluster.table())
+
+    def _cmd_probe(self, args: argparse.Namespace) -> None:
+        from nbtrain.cluster.core import require_cluster
+        from nbtrain.cluster.probe import parse_size
+
+        result = require_cluster().probe(max_bytes=parse_size(args.max_size), iters=args.iters)
+        print(result)
 
     def _cmd_stop(self, args: argparse.Namespace) -> None:
         from nbtrain.cluster.core import current_cluster
@@ -233,6 +357,9 @@ class NbtrainMagics(Magics):
 NbtrainMagics.nbtrain.__doc__ = f"""Start, inspect and stop the nbtrain cluster.
 
     %nbtrain start -n 2          # local engines; prints the rank table when the group is ready
+    %nbtrain start --launcher ssh --hosts node1:2,node2:2   # engines on other hosts over SSH
+    %nbtrain connect --profile P # attach to an ipyparallel cluster started any way
+    %nbtrain probe               # all-reduce bandwidth and latency across the ranks
     %nbtrain status              # rank, host, local rank, device, pid, busy/idle
     %nbtrain stop
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shlex
 import signal
 import subprocess
@@ -377,6 +378,7 @@ class RemoteCluster(Cluster):
         notes: Sequence[str] = (),
         local_pids: Sequence[int] = (),
         engine_pids: dict[str, list[int]] | None = None,
+        preflight_reports: list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(client, ipp_cluster, ranks, backend, options, pids=local_pids)
         self.engine_pids = engine_pids or {}  # --hosts entry -> pids of its engines (on that host)
@@ -384,6 +386,7 @@ class RemoteCluster(Cluster):
         self.listen = listen
         self.preflight = preflight
         self.notes = list(notes)
+        self.preflight_reports = preflight_reports  # collect() of every rank, in rank order
 
     def table(self) -> str:
         """The rank table: rank, host, local rank, device, address, interface, pid."""
@@ -682,6 +685,7 @@ def start_ssh(options: StartOptions, lo: LaunchOptions, quiet: bool = True) -> R
         preflight=result.result,
         notes=notes,
         engine_pids=engine_pids,
+        preflight_reports=result.reports_by_rank,
     )
     registry.write(cluster)
     return cluster
@@ -858,3 +862,118 @@ def describe_start(cluster: Cluster) -> str:
     """The lines `%nbtrain start` prints for a multi-node cluster, before the rank table."""
     lines = [f"nbtrain: {n}" for n in getattr(cluster, "notes", [])]
     return "\n".join(lines)
+
+
+# -- attaching to a cluster started elsewhere ------------------------------------------------------
+
+
+def _find_ipp_cluster(cluster_id: str | None, profile: str | None, file: str | None) -> Any:
+    import ipyparallel as ipp
+    from ipyparallel.cluster.cluster import ClusterManager
+
+    if file:
+        try:
+            return ipp.Cluster.from_file(file)
+        except FileNotFoundError:
+            msg = f"no cluster file {file}; ipyparallel writes it to <profile>/security/cluster-<id>.json."
+            raise ConfigError(msg) from None
+    manager = ClusterManager()
+    found = manager.load_clusters(profile=profile) if profile else manager.load_clusters()
+    running = {k: c for k, c in found.items() if c.controller is not None}
+    if cluster_id is not None:
+        running = {k: c for k, c in running.items() if c.cluster_id == cluster_id}
+    if len(running) == 1:
+        return next(iter(running.values()))
+    where = f"profile {profile}" if profile else "any IPython profile"
+    if not running:
+        what = f"cluster {cluster_id!r}" if cluster_id else "running ipyparallel cluster"
+        msg = (
+            f"no {what} in {where}. Start one (ipcluster start -n 2 --profile P) and connect with "
+            "%nbtrain connect --profile P, or pass --file with its cluster file."
+        )
+        raise ClusterError(msg)
+    listed = ", ".join(sorted(running))
+    msg = (
+        f"several clusters in {where}: {listed}. Name one: %nbtrain connect CLUSTER_ID --profile P."
+    )
+    raise ClusterError(msg)
+
+
+def connect(
+    cluster_id: str | None = None,
+    *,
+    profile: str | None = None,
+    file: str | None = None,
+    iface: str | None = None,
+    port: int | None = None,
+    backend: str = "auto",
+    timeout: float = 120.0,
+    allow_version_mismatch: bool = False,
+    force: bool = False,
+    quiet: bool = True,
+) -> RemoteCluster:
+    """Attach to an ipyparallel cluster started any way; give its engines ranks and a process group.
+
+    In [1]: cluster = nbtrain.connect(profile="mpi")      # twin of %nbtrain connect --profile mpi
+
+    Stopping the returned cluster leaves its engines running (whoever started them stops them).
+    """
+    from nbtrain.cluster import core
+
+    options = StartOptions(backend=backend, timeout=timeout, force=force)
+    existing = core.current_cluster()
+    if existing is not None:
+        if not force:
+            msg = (
+                f"a cluster is already running ({existing.world_size} rank(s) on "
+                f"{', '.join(existing.hosts)}). Stop it with %nbtrain stop, or pass --force."
+            )
+            raise ClusterError(msg)
+        existing.stop()
+    deadline = time.monotonic() + timeout
+
+    def remaining() -> float:
+        return max(0.1, deadline - time.monotonic())
+
+    ipp_cluster = _find_ipp_cluster(cluster_id, profile, file)
+    client = ipp_cluster.connect_client_sync()
+    try:
+        ids = sorted(client.ids)
+        if not ids:
+            msg = f"cluster {ipp_cluster.cluster_id!r} has no engines registered; start some first."
+            raise ClusterError(msg)
+        from nbtrain.engine import setup
+
+        dv = client.direct_view(targets=ids)
+        hellos = dict(zip(ids, dv.apply_async(setup.hello).get(timeout=remaining())))
+        ranks = assign_ranks(hellos)
+        options.n = len(ranks)
+        notes: list[str] = []
+        result = _preflight(client, ranks, allow_version_mismatch, remaining, notes.append)
+        url = str(client._config.get("registration", "") or "")
+        m = re.search(r"//([^:/]+)", url) or re.search(r"//([^:/]+)", str(client._query_addr))
+        ctl = m.group(1) if m and m.group(1) not in ("*", "0.0.0.0") else "127.0.0.1"
+        listen = net.ListenChoice(ctl, net.interface_of(ctl), "the connected cluster's controller")
+        master_addr = _plan_network(client, ranks, result.reports_by_rank, iface, listen, remaining)
+        port_ = _rendezvous_port(client, ranks, port, remaining)
+        backend_ = _init_group(
+            client, ranks, options, remaining, master_addr=master_addr, port=port_
+        )
+    except BaseException:
+        _leave(client, [])
+        raise
+    cluster = RemoteCluster(
+        client,
+        None,
+        ranks,
+        backend_,
+        options,
+        preflight=result.result,
+        notes=notes,
+        preflight_reports=result.reports_by_rank,
+    )
+    core._current = cluster
+    if not quiet:
+        for n in notes:
+            print(f"nbtrain: {n}")
+    return cluster
