@@ -33,7 +33,14 @@ def quickstart_path() -> Path:
     return Path(__file__).with_name("notebooks") / QUICKSTART
 
 
-def _kernel_manager() -> Any:
+# Seconds a kernel gets to exit after a shutdown request before it is sent SIGTERM (half of it) and
+# killed. Jupyter's 5 s is less than stopping a cluster at exit takes today (~10 s on 2 CPU engines),
+# and a killed kernel leaves its engines running: the demo waits longer, so a failed cell leaves
+# nothing behind.
+SHUTDOWN_WAIT = 30.0
+
+
+def _kernel_manager(shutdown_wait_time: float = SHUTDOWN_WAIT) -> Any:
     """A KernelManager whose python3 kernel is this interpreter, whatever kernelspecs are installed.
 
     A python3 kernelspec in ~/.local/share/jupyter could point at another Python, one without nbtrain.
@@ -51,7 +58,11 @@ def _kernel_manager() -> Any:
                 metadata={},
             )
 
-    return KernelManager(kernel_name="python3", kernel_spec_manager=_ThisPython())
+    return KernelManager(
+        kernel_name="python3",
+        kernel_spec_manager=_ThisPython(),
+        shutdown_wait_time=shutdown_wait_time,
+    )
 
 
 def _label(source: str, width: int = 60) -> str:
@@ -132,7 +143,9 @@ def run_notebook(
     # the kernel's own chatter (transport warnings, engine launch logs) goes to a file, not the terminal
     with open(out / "kernel.log", "w") as kernel_log:
         try:
-            client.execute(env=env, stdout=kernel_log, stderr=kernel_log)
+            # cleanup_kc: nbclient leaves a kernel it was handed running; shut it down here, so its
+            # atexit hook stops the cluster (a kernel that dies with this process would not)
+            client.execute(env=env, stdout=kernel_log, stderr=kernel_log, cleanup_kc=True)
         except CellExecutionError as e:
             index = max(started) if started else -1
             error = _ANSI.sub("", f"{e.ename}: {e.evalue}".strip())

@@ -1,0 +1,136 @@
+"""The `nbtrain` command: `nbtrain demo` runs the quickstart notebook end to end in a real kernel."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from nbtrain import __version__
+from nbtrain.cli import main
+from tests.conftest import wait_gone
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _nbtrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The installed console script, as a user runs it."""
+    script = Path(sys.executable).with_name("nbtrain")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "nbtrain.cli"]
+    return subprocess.run(
+        [*cmd, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_version_and_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"nbtrain {__version__}"
+    assert main([]) == 0  # no command: the help
+    assert "demo" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "--out DIR" in capsys.readouterr().out
+
+
+def test_console_script_help():
+    proc = _nbtrain("--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: nbtrain" in proc.stdout and "demo" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "out"  # does not exist yet: the demo creates it
+    proc = _nbtrain("demo", "--out", str(out))
+    return out, proc
+
+
+def test_demo_runs_end_to_end(demo):
+    out, proc = demo
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # progress per cell, then the summary
+    assert re.search(r"^\[1/\d+\] .* \d+\.\d s$", proc.stdout, re.M), proc.stdout
+    assert "nbtrain demo: done in" in proc.stdout
+    run = out / "runs" / "quickstart"
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (run / "adapter" / name).stat().st_size > 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 40
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0  # it learned something
+    assert f"final loss    {rows[-1]['loss']:.4f}" in proc.stdout
+    assert f"adapter       {run / 'adapter'}" in proc.stdout
+    assert (out / "tiny-llama" / "config.json").exists()
+
+
+def test_demo_notebook_keeps_plot_table_history_and_generation(demo):
+    out, _ = demo
+    nb = nbformat.read(str(out / "01-quickstart.ipynb"), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count for c in code), "every code cell ran"
+    assert not any(o.output_type == "error" for c in code for o in c.outputs)
+    finetune = next(c for c in code if "nbtrain.finetune(cfg)" in c.source)
+    finals = [
+        o
+        for o in finetune.outputs
+        if o.output_type == "display_data" and "(finished)" in o.data.get("text/html", "")
+    ]
+    assert len(finals) == 1, "one live display, left in its final state"
+    html = finals[0].data["text/html"]
+    images = re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", html)
+    assert len(images) == 1 and base64.b64decode(images[0])[:8] == PNG
+    assert "<table>" in html and ">loss<" in html and ">step<" in html
+    stdout = "".join(o.get("text", "") for o in finetune.outputs if o.output_type == "stream")
+    assert "step 40/40 | loss" in stdout
+    history = next(c for c in code if "result.history" in c.source)
+    table = next(o for o in history.outputs if o.output_type == "execute_result")
+    assert "<table" in table.data["text/html"] and "tokens_per_s" in table.data["text/plain"]
+    generate = next(c for c in code if "PeftModel.from_pretrained" in c.source)
+    assert "with the adapter:" in "".join(o.get("text", "") for o in generate.outputs)
+    # no progress-bar widgets or other bulk: the plot is the only image
+    assert (out / "01-quickstart.ipynb").stat().st_size < 200_000
+
+
+def test_demo_failing_cell_names_it_and_leaves_nothing_running(tmp_path):
+    nb = new_notebook(
+        cells=[
+            new_markdown_cell("## Start"),
+            new_code_cell(
+                "%load_ext nbtrain\n%nbtrain start -n 2\n"
+                "import psutil\n"
+                "print('PIDS', *[p.pid for p in psutil.Process().children(recursive=True)])"
+            ),
+            new_markdown_cell("## Fail"),
+            new_code_cell("%%distributed\nif rank == 1:\n    raise KeyError('no such column')"),
+            new_code_cell("print('never reached')"),
+        ]
+    )
+    nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "bad.ipynb"
+    nbformat.write(nb, str(path))
+    out = tmp_path / "out"
+    proc = _nbtrain("demo", "--out", str(out), "--notebook", str(path), timeout=180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "cell 2 of 3 (Fail; `%%distributed`) failed" in proc.stderr, proc.stderr
+    assert "KeyError: 'no such column'  [rank 1 on" in proc.stderr
+    assert str(out / "bad.ipynb") in proc.stderr
+    executed = nbformat.read(str(out / "bad.ipynb"), as_version=4)
+    assert [o.output_type for o in executed.cells[3].outputs][-1] == "error"
+    # the kernel got time to stop its cluster on the way out
+    text = "".join(o.get("text", "") for o in executed.cells[1].outputs)
+    line = next(ln for ln in text.splitlines() if ln.startswith("PIDS "))
+    pids = [int(p) for p in line.split()[1:]]
+    assert len(pids) >= 3  # controller, 2 engines (and their helpers)
+    left = wait_gone(pids, timeout=10)
+    for pid in left:  # a failing check must not leak engines onto the machine
+        psutil.Process(pid).kill()
+    assert left == [], f"cluster processes outlived the demo's kernel: {left}"

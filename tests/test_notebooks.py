@@ -1,0 +1,213 @@
+"""Notebooks in a real Jupyter kernel (nbclient), as CI and `nbtrain demo` run them.
+
+Not IPython's test shell: display, plots, errors and shutdown go through a real kernel and its
+iopub channel, so what these tests see is what a saved notebook keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import psutil
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+from nbformat.v4 import new_code_cell, new_notebook
+
+from nbtrain.cli import _kernel_manager, quickstart_path
+from tests.conftest import wait_gone
+
+# what JupyterLab and nbclient give a kernel to exit before SIGTERM (half) and SIGKILL: the tests
+# shut kernels down the way users' kernels are shut down
+JUPYTER_SHUTDOWN_WAIT = 5.0
+# Stopping a cluster takes 5-10 s today (ipyparallel's stop_cluster_sync ~5 s, then a 3 s grace in
+# nbtrain.cluster.core._kill_tree for processes it left), and the atexit hook starts it ~2 s after the
+# shutdown request, so a kernel is SIGTERMed mid-teardown: whether the engines outlive it is a race.
+# Owned by the cluster core; remove the mark when teardown fits in Jupyter's 2.5 s.
+LEAK = (
+    "cluster teardown at kernel exit takes 5-10 s, longer than Jupyter's 2.5 s before SIGTERM "
+    "(shutdown_wait_time 5 s): a restarted kernel may die mid-teardown, leaving engines running"
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+# prints, as JSON, every process the kernel started for the cluster: the controller, the engines and
+# their nannies are all the kernel's descendants
+WHO_RUNS = """\
+import json, os, psutil, nbtrain
+_c = nbtrain.current_cluster()
+print("PROCS " + json.dumps({
+    "kernel": os.getpid(),
+    "ranks": [r.pid for r in _c.ranks],
+    "tree": [p.pid for p in psutil.Process().children(recursive=True)],
+}))
+"""
+
+
+def _left_running(pids: list[int], timeout: float) -> list[int]:
+    """Those of `pids` still alive after `timeout` s; they are killed, so a failure leaks nothing."""
+    left = wait_gone(pids, timeout=timeout)
+    for pid in left:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    return left
+
+
+def _notebook(*sources: str) -> nbformat.NotebookNode:
+    nb = new_notebook(cells=[new_code_cell(s) for s in sources])
+    nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def _stdout(cell: nbformat.NotebookNode) -> str:
+    return "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
+
+
+def _procs(cell: nbformat.NotebookNode) -> dict:
+    line = next(ln for ln in _stdout(cell).splitlines() if ln.startswith("PROCS "))
+    return json.loads(line[len("PROCS ") :])
+
+
+def test_shipped_quickstart_is_the_repo_notebook():
+    # `nbtrain demo` runs the copy inside the package (so a wheel has it); it must not drift
+    repo_copy = ROOT / "notebooks" / "01-quickstart.ipynb"
+    assert quickstart_path().read_bytes() == repo_copy.read_bytes(), (
+        "nbtrain/notebooks/01-quickstart.ipynb differs from notebooks/01-quickstart.ipynb; "
+        "copy the notebook you edited over the other"
+    )
+
+
+@pytest.fixture(scope="module")
+def failing_run(tmp_path_factory):
+    """One kernel: start 2 ranks, display + plot from rank 0, then a cell that fails on rank 1.
+
+    nbclient stops at the failing cell and shuts the kernel down; the tests below look at what it
+    raised, what the executed notebook holds, and which processes outlive the kernel.
+    """
+    nb = _notebook(
+        "import sys\nprint(sys.executable)",
+        "%load_ext nbtrain\n%nbtrain start -n 2",
+        WHO_RUNS,
+        """%%distributed
+from IPython.display import HTML, display
+import matplotlib.pyplot as plt
+
+if rank == 0:
+    display(HTML("<b>shown by rank 0</b>"))
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.plot([1, 3, 2])
+    plt.show()
+print(f"rank {rank} done")""",
+        """%%distributed
+if rank == 1:
+    raise ValueError("boom on rank one")""",
+        "print('never reached')",
+    )
+    client = NotebookClient(
+        nb,
+        km=_kernel_manager(JUPYTER_SHUTDOWN_WAIT),
+        timeout=120,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path_factory.mktemp("nb"))}},
+    )
+    with pytest.raises(CellExecutionError) as info:
+        # shut the kernel down when done, as nbclient does with a kernel manager of its own
+        client.execute(cleanup_kc=True)
+    ended = time.monotonic()
+    return {"nb": nb, "error": info.value, "ended": ended}
+
+
+def test_kernel_is_this_python(failing_run):
+    assert _stdout(failing_run["nb"].cells[0]).strip() == sys.executable
+
+
+def test_rank0_display_and_plot_reach_the_notebook(failing_run):
+    cell = failing_run["nb"].cells[3]
+    outputs = [o for o in cell.outputs if o.output_type == "display_data"]
+    html = [o for o in outputs if "shown by rank 0" in o.data.get("text/html", "")]
+    pngs = [o for o in outputs if "image/png" in o.data]
+    assert len(html) == 1, cell.outputs
+    assert len(pngs) == 1, cell.outputs
+    import base64
+
+    assert base64.b64decode(pngs[0].data["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
+    # rank 0's stdout only, by default
+    assert _stdout(cell) == "rank 0 done\n"
+
+
+def test_failure_on_rank1_fails_the_notebook_once(failing_run):
+    err = failing_run["error"]
+    text = ANSI.sub("", str(err))
+    assert err.ename == "DistributedCellError"
+    assert f"ValueError: boom on rank one  [rank 1 on {socket.gethostname()}]" in text
+    assert "the cell failed on 1 of 2 rank(s)" in text
+    # the remote traceback (with the raising line) is shown once, not once per rank or twice;
+    # nbclient's message quotes the cell's source first, separated by dashes
+    shown_error = text.split("-" * 18)[-1]
+    assert shown_error.count('raise ValueError("boom on rank one")') == 1, text
+    nb = failing_run["nb"]
+    cell = nb.cells[4]
+    errors = [o for o in cell.outputs if o.output_type == "error"]
+    assert len(errors) == 1
+    shown = ANSI.sub("", "\n".join(errors[0].traceback) + _stdout(cell))
+    assert shown.count('raise ValueError("boom on rank one")') == 1, shown
+    # nbclient stopped at the failure
+    assert nb.cells[5].get("outputs") == []
+
+
+def test_kernel_shutdown_leaves_no_cluster_process(failing_run):
+    procs = _procs(failing_run["nb"].cells[2])
+    assert set(procs["ranks"]) <= set(procs["tree"]), procs
+    assert len(procs["tree"]) >= 3  # controller + 2 engines at least
+    left = _left_running(
+        procs["tree"], timeout=max(0.1, 10 - (time.monotonic() - failing_run["ended"]))
+    )
+    assert left == [], f"processes of the cluster still running after the kernel shut down: {left}"
+
+
+@pytest.mark.xfail(strict=False, reason=LEAK)
+def test_kernel_restart_leaves_no_cluster_process():
+    """JupyterLab's Restart Kernel is a graceful restart: shutdown_request(restart=True), then a new kernel."""
+    km = _kernel_manager(JUPYTER_SHUTDOWN_WAIT)
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    out: list[str] = []
+
+    def run(code: str) -> None:
+        reply = kc.execute_interactive(
+            code,
+            timeout=120,
+            output_hook=lambda msg: (
+                out.append(msg["content"].get("text", "")) if msg["msg_type"] == "stream" else None
+            ),
+        )
+        assert reply["content"]["status"] == "ok", reply["content"]
+
+    try:
+        kc.wait_for_ready(timeout=60)
+        run("%load_ext nbtrain\n%nbtrain start -n 2")
+        run(WHO_RUNS)
+        line = next(ln for ln in "".join(out).splitlines() if ln.startswith("PROCS "))
+        procs = json.loads(line[len("PROCS ") :])
+        assert len(procs["tree"]) >= 3
+        km.restart_kernel(now=False)
+        left = _left_running(procs["tree"], timeout=10)
+        assert left == [], f"processes of the cluster still running after a kernel restart: {left}"
+        # the restarted kernel is a fresh one and works
+        kc.wait_for_ready(timeout=60)
+        out.clear()
+        run("import os; print(os.getpid())")
+        assert int("".join(out).strip()) != procs["kernel"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
