@@ -536,13 +536,18 @@ def classify(info: dict[str, Any]) -> tuple[str, str]:
                 f", called at {site}" if site else ""
             )
     file, line, fn = frames[-1] if frames else ("?", 0, "?")
-    return "busy", f"{fn} ({site or f'{file}:{line}'})"
+    code = main["stack"].rstrip().splitlines()[-1].strip() if main.get("stack") else ""
+    what = f"`{code}`" if code and not code.startswith("File ") else fn
+    return "busy", f"{what} ({site or f'{file}:{line}'})"
 
 
 def _seqs(stacks: dict[int, dict[str, Any]]) -> dict[int, tuple[int, str]]:
     out = {}
     for r, info in stacks.items():
-        entries = (info.get("collectives") or {}).get("entries") or []
+        fr = info.get("collectives") or {}
+        entries = fr.get("entries") or []
+        if fr.get("available") and not entries:
+            out[r] = (0, "none yet")  # recording, but this rank has run no collective
         if entries:
             last = entries[-1]
             if last.get("seq") is not None:
