@@ -80,7 +80,10 @@ def _phases(cluster: Any, view: Any, runs: int) -> dict[str, Any]:
     finally:
         for owner, name, orig in reversed(restore):
             setattr(owner, name, orig)
-    out = {k: {"median_ms": 1e3 * C.median(v), "p90_ms": 1e3 * C.quantile(v, 0.9)} for k, v in per_run.items()}
+    out = {
+        k: {"median_ms": 1e3 * C.median(v), "p90_ms": 1e3 * C.quantile(v, 0.9)}
+        for k, v in per_run.items()
+    }
     return dict(sorted(out.items(), key=lambda kv: (kv[0].split(":")[0], -kv[1]["median_ms"])))
 
 
@@ -100,7 +103,9 @@ def _cprofile(fn: Any, runs: int, top: int = 15) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=200, help="timed runs of each variant (default 200)")
+    ap.add_argument(
+        "--runs", type=int, default=200, help="timed runs of each variant (default 200)"
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: 20 runs each, short profile")
     ap.add_argument("--out", default=None, help="write the JSON report here too")
     args = ap.parse_args()

@@ -61,7 +61,8 @@ def tokens_per_s(output_dir: str, warmup_rows: int) -> dict[str, Any]:
         tokens += row["tokens_per_s"] * row["step_time"] * n
     return {
         "tokens_per_s": tokens / seconds if seconds else None,
-        "step_time_s": seconds / max(1, rows[-1]["step"] - (rows[warmup_rows - 1]["step"] if warmup_rows else 0)),
+        "step_time_s": seconds
+        / max(1, rows[-1]["step"] - (rows[warmup_rows - 1]["step"] if warmup_rows else 0)),
         "rows": len(rows),
         "last_step": rows[-1]["step"],
         "final_loss": rows[-1]["loss"],
@@ -109,7 +110,9 @@ class Kernel:
 
     def close(self) -> None:
         try:
-            self.run("import nbtrain\n_c = nbtrain.current_cluster()\n_c and _c.stop()", timeout=120)
+            self.run(
+                "import nbtrain\n_c = nbtrain.current_cluster()\n_c and _c.stop()", timeout=120
+            )
         finally:
             self.kc.stop_channels()
             self.km.shutdown_kernel(now=False)
@@ -152,8 +155,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=4, help="interleaved rounds (default 4)")
     ap.add_argument("--steps", type=int, default=120, help="optimizer steps per run (default 120)")
-    ap.add_argument("--warmup-rows", type=int, default=2, help="logged rows left out (5 steps each)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 round of 20 steps, no warm-up")
+    ap.add_argument(
+        "--warmup-rows", type=int, default=2, help="logged rows left out (5 steps each)"
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: 1 round of 20 steps, no warm-up"
+    )
     ap.add_argument("--out", default=None, help="write the JSON report here too")
     args = ap.parse_args()
     C.setup_env()
@@ -175,9 +182,9 @@ def main() -> None:
             "cluster.execute('import torch; print(\"threads\", torch.get_num_threads())', output='all')"
         )["text"]
         rec.data["nbtrain_threads_per_rank"] = threads.strip().splitlines()
-        in_kernel = kernel.run(
-            "from nbtrain.cluster.cell import _in_kernel\nprint(_in_kernel())"
-        )["text"].strip()
+        in_kernel = kernel.run("from nbtrain.cluster.cell import _in_kernel\nprint(_in_kernel())")[
+            "text"
+        ].strip()
         rec.data["kernel_in_kernel"] = in_kernel
 
         def nbtrain_variant(live: bool, tag: str) -> dict[str, Any]:
@@ -227,7 +234,8 @@ def main() -> None:
     live, tr, nolive = med("nbtrain_live"), med("torchrun"), med("nbtrain_nolive")
     # paired ratios per round, then the median: robust to load that drifts between rounds
     paired_tr = [
-        a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["nbtrain_nolive"], runs["torchrun"])
+        a["tokens_per_s"] / b["tokens_per_s"]
+        for a, b in zip(runs["nbtrain_nolive"], runs["torchrun"])
     ]
     paired_live = [
         a["tokens_per_s"] / b["tokens_per_s"]
@@ -253,7 +261,9 @@ def main() -> None:
             "nolive_display_messages_per_run": [
                 r["display_messages"] + r["display_updates"] for r in runs["nbtrain_nolive"]
             ],
-            "torchrun_threads_per_rank": runs["torchrun"][0]["threads"] if runs["torchrun"] else None,
+            "torchrun_threads_per_rank": runs["torchrun"][0]["threads"]
+            if runs["torchrun"]
+            else None,
             "runs": runs,
         }
     )

@@ -101,8 +101,14 @@ def _child_nbtrain_phases() -> dict[str, Any]:
         setattr(owner, name, timed)
 
     wrap_async(ipp.Cluster, "start_controller", "controller process launched")
-    wrap_async(ipp.Cluster, "start_engines", "engine processes launched (they boot in the background)")
-    wrap_async(ipp.Cluster, "connect_client", "client connected (waits for the controller's connection file)")
+    wrap_async(
+        ipp.Cluster, "start_engines", "engine processes launched (they boot in the background)"
+    )
+    wrap_async(
+        ipp.Cluster,
+        "connect_client",
+        "client connected (waits for the controller's connection file)",
+    )
     wrap(ipp.Client, "wait_for_engines", "engines registered (wait_for_engines)")
     wrap(core, "_init_group", "process group (init_rank on every engine: import torch, gloo)")
     wrap(registry, "write", "registry file written")
@@ -132,7 +138,9 @@ def _child_nbtrain_phases() -> dict[str, Any]:
             phases.append({"phase": gap, "s": a - prev_end})
         phases.append({"phase": label, "s": b - a})
         prev_end = b
-    phases.append({"phase": "after the process group (Cluster object, return)", "s": (e - s) - prev_end})
+    phases.append(
+        {"phase": "after the process group (Cluster object, return)", "s": (e - s) - prev_end}
+    )
     return {
         "import_ipyparallel_s": p_ipp,
         "start_s": e - s,
@@ -244,7 +252,9 @@ def _run_torchrun() -> dict[str, Any]:
 
 def _import_torch_reference() -> float:
     """A fresh interpreter's `import torch.distributed` (what every engine pays once)."""
-    code = "import time; t=time.perf_counter(); import torch.distributed; print(time.perf_counter()-t)"
+    code = (
+        "import time; t=time.perf_counter(); import torch.distributed; print(time.perf_counter()-t)"
+    )
     out = subprocess.run([C.python(), "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 

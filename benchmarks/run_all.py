@@ -50,7 +50,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         "**The machine was shared with other engineers' jobs while this ran** (2 cores): variants were "
         "interleaved (A, B, C, A, B, C, ...) so load drifts over all of them alike, and medians are shown, "
         "but absolute figures are noisier and slower than on an idle machine. Load average (1, 5, 15 min) "
-        "at the start and end of each benchmark:",
+        "at the start and end of each benchmark (on 2 cores, a load above 2 means other jobs were "
+        "competing with the benchmark for CPU):",
         "",
         "| benchmark | started | commit | load at start | load at end | wall |",
         "|---|---|---|---|---|---|",
@@ -146,25 +147,30 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"Tiny Llama {f['model']}, {f['steps']} steps, batch 4 per rank, max_length 256, seed 0, one "
             f"thread per rank (nbtrain ranks: {', '.join(f['nbtrain_threads_per_rank'])}; torchrun ranks "
             f"(rank, threads): {f['torchrun_threads_per_rank']}); first {f['warmup_rows_skipped']} logged rows "
-            f"(5 steps each) left out. nbtrain runs are `%%distributed` cells in a real Jupyter kernel "
+            f"(5 steps each) left out. nbtrain runs are `Cluster.execute(code, live=True/False)` cells (what "
+            f"`%%distributed [--no-live]` calls) in a real Jupyter kernel "
             f"(`_in_kernel()` = {f['kernel_in_kernel']}); the live variant sent "
             f"{f['live_display_messages_per_run']} display messages per run, the --no-live one "
             f"{f['nolive_display_messages_per_run']}.",
             "",
-            "| variant | tokens/s median | min | max | step time median |",
-            "|---|---|---|---|---|",
+            "| variant | tokens/s median | min | max | max/min | step time median |",
+            "|---|---|---|---|---|---|",
         ]
         for name, sm in f["summary"].items():
             t = sm["tokens_per_s"]
             lines.append(
                 f"| {name} | {_fmt(t['median'], 'tok/s')} | {_fmt(t['min'], 'tok/s')} | "
-                f"{_fmt(t['max'], 'tok/s')} | {_fmt(sm['step_time_ms']['median'], 'ms')} |"
+                f"{_fmt(t['max'], 'tok/s')} | {t['max'] / t['min']:.2f} | "
+                f"{_fmt(sm['step_time_ms']['median'], 'ms')} |"
             )
         lines += [
             "",
             f"Per-round ratios, nbtrain --no-live / torchrun: "
             f"{', '.join(f'{x:.3f}' for x in f['paired_ratio_nbtrain_over_torchrun'])}; "
-            f"live / --no-live: {', '.join(f'{x:.3f}' for x in f['paired_ratio_live_over_nolive'])}.",
+            f"live / --no-live: {', '.join(f'{x:.3f}' for x in f['paired_ratio_live_over_nolive'])}. "
+            "Where a variant's max/min is far above 1 the machine's load moved during the run: a ratio "
+            "closer to 1 than that spread is not resolved by this run; re-run on a quiet machine to judge "
+            "a target such as 0.97 or 0.99.",
         ]
     return "\n".join(lines) + "\n"
 
@@ -178,8 +184,18 @@ def main() -> None:
         default=None,
         help="where results.json and RESULTS.md go (default: benchmarks/, or benchmarks/_work with --quick)",
     )
+    ap.add_argument(
+        "--render",
+        action="store_true",
+        help="only rewrite RESULTS.md from the existing results.json",
+    )
     args = ap.parse_args()
     C.setup_env()
+    if args.render:
+        where = Path(args.out_dir) if args.out_dir else (C.WORK if args.quick else C.HERE)
+        results = json.loads((where / "results.json").read_text())
+        (where / "RESULTS.md").write_text(render_markdown(results))
+        return
     out_dir = Path(args.out_dir) if args.out_dir else (C.WORK if args.quick else C.HERE)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
