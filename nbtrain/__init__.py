@@ -21,6 +21,7 @@ __all__ = [
     "SFTConfig",
     "TrainResult",
     "__version__",
+    "connect",
     "current_cluster",
     "finetune",
     "is_rank_zero",
@@ -34,6 +35,7 @@ __all__ = [
 _LAZY = {
     "Cluster": "nbtrain.cluster.core",
     "DistributedCellError": "nbtrain.errors",
+    "connect": "nbtrain.cluster.launchers",
     "current_cluster": "nbtrain.cluster.core",
     "start": "nbtrain.cluster.core",
     "SFTConfig": "nbtrain.sft.config",
@@ -45,6 +47,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from nbtrain.cluster.core import Cluster, current_cluster, start
+    from nbtrain.cluster.launchers import connect
     from nbtrain.engine.metrics import log
     from nbtrain.engine.rank import is_rank_zero
     from nbtrain.errors import DistributedCellError

@@ -12,11 +12,12 @@ NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME to it and MASTER_ADDR to rank 0's address 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import re
 import shlex
-import signal
+import socket
 import subprocess
 import sys
 import time
@@ -99,8 +100,6 @@ class LaunchOptions:
             raise ConfigError(msg)
         if self.ip is not None:
             try:
-                import ipaddress
-
                 ipaddress.ip_address(self.ip)
             except ValueError:
                 msg = f"--ip {self.ip!r} is not an IP address; give an address of this machine."
@@ -113,6 +112,8 @@ class LaunchOptions:
                 raise ConfigError(msg)
         if isinstance(self.ssh_args, str):
             self.ssh_args = shlex.split(self.ssh_args)
+        for h in self.hosts:
+            net.resolve(h.host)  # an unknown host fails here, naming it, before anything starts
         known = {h.host for h in self.hosts}
         for host in self.host_env:
             if host not in known:
@@ -134,88 +135,7 @@ def parse_launch(launcher: str, kwargs: dict[str, Any]) -> LaunchOptions:
 
 
 def _ssh_engine_set_class() -> type:
-    from ipyparallel.cluster.launcher import SSHEngineSetLauncher
-
-    class ParallelSSHEngineSetLauncher(SSHEngineSetLauncher):
-        """ipyparallel's SSH engine set, with its engines started, stopped and read in parallel.
-
-        The stock one starts engine after engine (five ssh round trips each) and stops them the same
-        way; for 4 engines that is ~15 s each way, most of it waiting on the network.
-        """
-
-        def start(self, n: int) -> list[str]:
-            engine_traits = self.launcher_class.class_traits(config=True)
-            shared = set(self.traits(config=True)).intersection(engine_traits)
-            inherited = shared.difference({"location", "user", "hostname", "to_send", "to_fetch"})
-            inherited = inherited.union({"profile_dir", "cluster_id"})
-            todo = []
-            for host, n_or_config in self.engines.items():
-                overrides = dict(n_or_config) if isinstance(n_or_config, dict) else {}
-                count = overrides.pop("n", 1) if overrides else n_or_config
-                user, _, hostname = host.rpartition("@")
-                for i in range(count):
-                    kwargs = {attr: getattr(self, attr) for attr in inherited}
-                    env = {**kwargs.get("environment", {}), **overrides.get("environment", {})}
-                    kwargs.update(overrides)
-                    kwargs["environment"] = env
-                    kwargs["parent"] = self
-                    kwargs["identifier"] = key = f"{host}/{i}"
-                    el = self.launchers[key] = self.launcher_class(**kwargs)
-                    # the connection info travels in $IPP_CONNECTION_INFO: no files to copy
-                    if "IPP_CONNECTION_INFO" in env or i > 0:
-                        el.to_send = []
-                    el.on_stop(self._notice_engine_stopped)
-                    el.loop  # noqa: B018 - bind the launcher to this thread's loop before threads
-                    todo.append((key, el, user or None, hostname))
-
-            def go(item: tuple[str, Any, str | None, str]) -> str:
-                key, el, user, hostname = item
-                el.start(user=user, hostname=hostname)
-                return key
-
-            with ThreadPoolExecutor(max(1, len(todo))) as pool:
-                futures = [pool.submit(go, item) for item in todo]
-                errors = []
-                for (key, *_), fut in zip(todo, futures):
-                    try:
-                        fut.result()
-                    except Exception as e:
-                        errors.append(f"{key}: {e}")
-            self.n = len(todo)
-            if errors:
-                raise RuntimeError("; ".join(errors))
-            keys = [key for key, *_ in todo]
-            self.notify_start(keys)
-            return keys
-
-        async def stop(self) -> None:
-            import asyncio
-
-            running = [el for el in self.launchers.values() if el.state == "running"]
-
-            def one(el: Any) -> None:
-                try:
-                    el.signal(signal.SIGTERM)
-                    el.wait_one(timeout=self.stop_seconds_until_kill)
-                except Exception:
-                    try:
-                        el.signal(signal.SIGKILL)
-                    except Exception as e:
-                        log.debug("KILL to engine %s failed: %s", el.identifier, e)
-
-            # nbtrain's teardown already ended them on their hosts, all at once; else do it here
-            if running and not getattr(self, "_nbtrain_killed", False):
-                await asyncio.gather(*(asyncio.to_thread(one, el) for el in running))
-            for el in running:
-                if getattr(el, "_stop_waiting", None) is not None:
-                    el._stop_waiting.set()
-                el._output = ""  # cached: notify_stop would otherwise scp the log back
-                el.notify_stop({"exit_code": None, "pid": el.pid, "identifier": el.identifier})
-
-        def get_output(self, remove: bool = False) -> str:
-            # the stock one scps every engine's log back (seconds per engine); the logs stay on the
-            # hosts instead, where error messages point
-            return ""
+    from nbtrain.cluster.ssh_engines import ParallelSSHEngineSetLauncher
 
     return ParallelSSHEngineSetLauncher
 
@@ -230,6 +150,11 @@ try:
     from nbtrain.engine.setup import _cuda_count
     out["nbtrain"] = nbtrain.__version__
     out["gpus"] = _cuda_count()
+    from nbtrain.engine.preflight import network_interfaces
+    out["interfaces"] = {n: v["addresses"] for n, v in network_interfaces().items()}
+    if len(sys.argv) > 1:
+        from nbtrain.cluster.net import port_in_use
+        out["port_in_use"] = port_in_use(int(sys.argv[1]))
 except Exception as e:
     out["error"] = f"{type(e).__name__}: {e}"
 print("NBTRAIN_HOST_CHECK " + json.dumps(out))
@@ -241,6 +166,8 @@ class HostCheck:
     host: str
     hostname: str
     gpus: int
+    interfaces: dict[str, list[str]] = field(default_factory=dict)
+    port_in_use: bool | None = None  # for --port, asked on the first host (rank 0's) only
 
 
 def _ssh_base(lo: LaunchOptions, timeout: float) -> list[str]:
@@ -267,6 +194,8 @@ def check_hosts(lo: LaunchOptions, timeout: float) -> dict[str, HostCheck]:
 
     def one(spec: net.HostSpec) -> HostCheck:
         cmd = f"{shlex.quote(lo.remote_python)} -c {shlex.quote(_HOST_CHECK)}"
+        if lo.port is not None and spec is lo.hosts[0]:
+            cmd += f" {int(lo.port)}"
         try:
             proc = subprocess.run(
                 [*base, spec.location, cmd],
@@ -318,7 +247,13 @@ def check_hosts(lo: LaunchOptions, timeout: float) -> dict[str, HostCheck]:
                 "it. Nothing was started."
             )
             raise ClusterError(msg)
-        return HostCheck(spec.host, info["hostname"], int(info.get("gpus", 0)))
+        return HostCheck(
+            spec.host,
+            info["hostname"],
+            int(info.get("gpus", 0)),
+            info.get("interfaces", {}),
+            info.get("port_in_use"),
+        )
 
     specs: list[net.HostSpec] = lo.hosts
     with ThreadPoolExecutor(len(specs)) as pool:
@@ -608,6 +543,18 @@ def start_ssh(options: StartOptions, lo: LaunchOptions, quiet: bool = True) -> R
         f"{listen.reason})"
     )
     checks = check_hosts(lo, remaining())
+    # what can be told from the host checks fails here, before any engine starts; the same checks
+    # run again on the engines (authoritative: an engine's environment may differ from a login's)
+    for spec in specs:
+        if lo.iface:
+            net.require_interface(lo.iface, spec.host, checks[spec.host].interfaces)
+    if lo.port is not None and checks[specs[0].host].port_in_use:
+        msg = (
+            f"port {lo.port} is already in use on {specs[0].host} (rank 0's host, where the "
+            "rendezvous listens); pass a free port with --port, or leave --port out to pick a free "
+            "one. Nothing was started."
+        )
+        raise ConfigError(msg)
     counts = engine_counts(lo, checks, options.backend)
     total = sum(counts.values())
     options.n = total
@@ -878,7 +825,11 @@ def _find_ipp_cluster(cluster_id: str | None, profile: str | None, file: str | N
             msg = f"no cluster file {file}; ipyparallel writes it to <profile>/security/cluster-<id>.json."
             raise ConfigError(msg) from None
     manager = ClusterManager()
-    found = manager.load_clusters(profile=profile) if profile else manager.load_clusters()
+    try:
+        found = manager.load_clusters(profile=profile) if profile else manager.load_clusters()
+    except Exception as e:  # IPython's ProfileDirError for an unknown profile
+        msg = f"cannot read profile {profile!r}: {e}. Name an existing profile or pass --file."
+        raise ClusterError(msg) from None
     running = {k: c for k, c in found.items() if c.controller is not None}
     if cluster_id is not None:
         running = {k: c for k, c in running.items() if c.cluster_id == cluster_id}
@@ -938,6 +889,12 @@ def connect(
     ipp_cluster = _find_ipp_cluster(cluster_id, profile, file)
     client = ipp_cluster.connect_client_sync()
     try:
+        # a cluster that is still starting: wait for the engines its launchers started
+        expected = sum(int(getattr(es, "n", 0) or 0) for es in ipp_cluster.engines.values())
+        try:
+            client.wait_for_engines(max(1, expected), timeout=remaining(), interactive=False)
+        except TimeoutError:
+            pass
         ids = sorted(client.ids)
         if not ids:
             msg = f"cluster {ipp_cluster.cluster_id!r} has no engines registered; start some first."
@@ -950,10 +907,15 @@ def connect(
         options.n = len(ranks)
         notes: list[str] = []
         result = _preflight(client, ranks, allow_version_mismatch, remaining, notes.append)
-        url = str(client._config.get("registration", "") or "")
-        m = re.search(r"//([^:/]+)", url) or re.search(r"//([^:/]+)", str(client._query_addr))
-        ctl = m.group(1) if m and m.group(1) not in ("*", "0.0.0.0") else "127.0.0.1"
-        listen = net.ListenChoice(ctl, net.interface_of(ctl), "the connected cluster's controller")
+        # the controller's address as this client reaches it; where that is loopback but engines
+        # run elsewhere, this machine's address on the route to their hosts
+        m = re.search(r"//\[?([^\]/]+?)\]?$", str(client._config.get("interface", "")))
+        ctl = m.group(1) if m and m.group(1) not in ("*", "0.0.0.0") else net.LOOPBACK
+        local_only = all(r.host == socket.gethostname() for r in ranks)
+        if ipaddress.ip_address(ctl).is_loopback and not local_only:
+            listen = net.listen_address([r.host for r in ranks])
+        else:
+            listen = net.ListenChoice(ctl, net.interface_of(ctl), "the connected controller")
         master_addr = _plan_network(client, ranks, result.reports_by_rank, iface, listen, remaining)
         port_ = _rendezvous_port(client, ranks, port, remaining)
         backend_ = _init_group(

@@ -33,7 +33,6 @@ def _ssh_kw(testbed: Testbed, **kw):
         ssh_args=testbed.ssh_args,
         remote_python=testbed.remote_python,
         timeout=90,
-        force=True,
         **kw,
     )
 
@@ -82,7 +81,7 @@ def cluster12(testbed: Testbed):
     n1, n2 = testbed.nodes[0], testbed.nodes[1]
     before = _local_ipp_pids()
     t0 = time.monotonic()
-    cluster = nbtrain.start(hosts=f"{n1.name}:1,{n2.name}:2", **_ssh_kw(testbed))
+    cluster = nbtrain.start(hosts=f"{n1.name}:1,{n2.name}:2", force=True, **_ssh_kw(testbed))
     cluster.start_seconds = time.monotonic() - t0
     yield cluster
     cluster.stop()
@@ -212,6 +211,65 @@ def test_probe_reports_bus_bandwidth_and_node_latency(testbed: Testbed, cluster1
     assert "busbw GB/s" in text and f"{n1.name} -> {n2.name}" in text
 
 
+# --- stops the shared cluster; the bad-input tests below start their own ------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from nbtrain.sft.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _finetune(kw):
+    from nbtrain.sft.config import SFTConfig
+    from nbtrain.sft.train import finetune
+
+    result = finetune(SFTConfig(**kw))
+    return {"adapter_dir": result.adapter_dir, "losses": list(result.history["loss"])}
+
+
+def test_two_node_finetune_equals_local_engines(
+    testbed: Testbed, cluster12, tiny, tmp_path
+) -> None:
+    from safetensors.torch import load_file
+
+    from nbtrain.data import instructions_path
+
+    def kw(out):
+        return dict(
+            model=tiny,
+            data=instructions_path(),
+            output_dir=str(out),
+            max_steps=10,
+            per_device_train_batch_size=2,
+            learning_rate=5e-3,
+            max_length=48,
+            logging_steps=1,
+            save_steps=None,
+            lora_r=8,
+        )
+
+    remote = cluster12.run(_finetune, kw(tmp_path / "nodes"), timeout=240)
+    before = _local_ipp_pids()
+    cluster12.stop()
+    _assert_nothing_left(testbed, before)
+    local_cluster = nbtrain.start(n=3, timeout=120)
+    try:
+        local = local_cluster.run(_finetune, kw(tmp_path / "local"), timeout=240)
+    finally:
+        local_cluster.stop()
+
+    assert remote[0]["adapter_dir"] and local[0]["adapter_dir"]
+    torch.testing.assert_close(torch.tensor(remote[0]["losses"]), torch.tensor(local[0]["losses"]))
+    a_nodes = load_file(str(Path(remote[0]["adapter_dir"]) / "adapter_model.safetensors"))
+    a_local = load_file(str(Path(local[0]["adapter_dir"]) / "adapter_model.safetensors"))
+    assert a_nodes.keys() == a_local.keys()
+    torch.testing.assert_close(a_nodes, a_local)
+    # the adapter moved (lora_B starts at zero), so equality means something
+    assert max(v.abs().max().item() for k, v in a_nodes.items() if "lora_B" in k) > 1e-3
+
+
 def test_magic_start_with_bad_hosts_starts_nothing(ip, testbed: Testbed) -> None:
     before = _local_ipp_pids()
     ssh = f"--ssh-args='-F {testbed.ssh_config}' --python {testbed.remote_python}"
@@ -300,62 +358,3 @@ def test_unreachable_host_fails_within_the_timeout(testbed: Testbed) -> None:
     assert "--timeout" in msg and "Nothing was started" in msg
     assert elapsed < 4 + 5
     _assert_nothing_left(testbed, before)
-
-
-# --- last: stops the shared cluster ---------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from nbtrain.sft.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-def _finetune(kw):
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.train import finetune
-
-    result = finetune(SFTConfig(**kw))
-    return {"adapter_dir": result.adapter_dir, "losses": list(result.history["loss"])}
-
-
-def test_two_node_finetune_equals_local_engines(
-    testbed: Testbed, cluster12, tiny, tmp_path
-) -> None:
-    from safetensors.torch import load_file
-
-    from nbtrain.data import instructions_path
-
-    def kw(out):
-        return dict(
-            model=tiny,
-            data=instructions_path(),
-            output_dir=str(out),
-            max_steps=10,
-            per_device_train_batch_size=2,
-            learning_rate=5e-3,
-            max_length=48,
-            logging_steps=1,
-            save_steps=None,
-            lora_r=8,
-        )
-
-    remote = cluster12.run(_finetune, kw(tmp_path / "nodes"), timeout=240)
-    before = _local_ipp_pids()
-    cluster12.stop()
-    _assert_nothing_left(testbed, before)
-    local_cluster = nbtrain.start(n=3, timeout=120)
-    try:
-        local = local_cluster.run(_finetune, kw(tmp_path / "local"), timeout=240)
-    finally:
-        local_cluster.stop()
-
-    assert remote[0]["adapter_dir"] and local[0]["adapter_dir"]
-    torch.testing.assert_close(torch.tensor(remote[0]["losses"]), torch.tensor(local[0]["losses"]))
-    a_nodes = load_file(str(Path(remote[0]["adapter_dir"]) / "adapter_model.safetensors"))
-    a_local = load_file(str(Path(local[0]["adapter_dir"]) / "adapter_model.safetensors"))
-    assert a_nodes.keys() == a_local.keys()
-    torch.testing.assert_close(a_nodes, a_local)
-    # the adapter moved (lora_B starts at zero), so equality means something
-    assert max(v.abs().max().item() for k, v in a_nodes.items() if "lora_B" in k) > 1e-3
