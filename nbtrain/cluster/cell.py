@@ -204,6 +204,11 @@ class CellRun:
                     # like torchrun: a failed rank takes the others down rather than leaving them
                     # blocked for ever in a collective that waits for it
                     waiting = self._pending(ar)
+                    # a rank's failure can be the echo of a peer that died where we cannot see it
+                    # (another host, before the heartbeat says so): ranks that do not answer are dead
+                    silent = faults.silent_ranks(self.cluster, waiting)
+                    if silent:
+                        faults.fail_cell(self, ar, silent, start)
                     self._stopped_note = self._stop_ranks(ar)
                     from nbtrain.cluster.core import _describe_ranks
 

@@ -121,6 +121,16 @@ def dead_ranks(cluster: Cluster, which: Sequence[int] | None = None) -> list[int
     return out
 
 
+def silent_ranks(cluster: Cluster, which: Sequence[int], timeout: float = 2.0) -> list[int]:
+    """Ranks of `which` that are dead, or alive to the hub but not answering their control channel."""
+    dead = dead_ranks(cluster, which)
+    rest = [r for r in which if r not in dead]
+    if rest:
+        stacks = cluster.stacks(rest, timeout=timeout)
+        dead += [r for r in rest if stacks.get(r, {}).get("error")]
+    return sorted(dead)
+
+
 class DeathWatch:
     """Checks for dead ranks at most every `CHECK_EVERY` seconds (cheap enough for every poll)."""
 
@@ -361,6 +371,19 @@ def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
     run._finish_display()
     parts = [f"{len(dead)} of {len(run.which)} rank(s) died while the cell ran (noticed after {detected:.1f} s)."]
     parts.extend(d.describe() for d in deaths)
+    for i, r in enumerate(run.which):
+        fut = ar._children[i]
+        if r in dead or r in survivors or not fut.done():
+            continue
+        err = fut.exception()
+        if err is None and isinstance(fut.result(), BaseException):
+            err = fut.result()
+        if err is not None:
+            first = str(getattr(err, "evalue", err)).strip().splitlines()[:1]
+            parts.append(
+                f"{_describe_ranks(cluster.ranks, [r])} failed first: {getattr(err, 'ename', type(err).__name__)}: "
+                f"{first[0] if first else ''}"
+            )
     stopped = [r for r in survivors if r not in stuck]
     if stopped:
         parts.append(
