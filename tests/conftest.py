@@ -38,7 +38,15 @@ def cluster_processes(cluster_id: str | None = None) -> list[psutil.Process]:
         cmd = " ".join(p.info["cmdline"] or [])
         if "ipyparallel" not in cmd:
             continue
-        if cluster_id is None or cluster_id in cmd:
+        if cluster_id is None:
+            found.append(p)
+            continue
+        # ipyparallel passes the cluster id to its processes in the environment, not the command line
+        try:
+            env_id = p.environ().get("IPP_CLUSTER_ID")
+        except psutil.Error:
+            continue
+        if env_id == cluster_id or cluster_id in cmd:
             found.append(p)
     return found
 

@@ -30,11 +30,6 @@ JUPYTER_SHUTDOWN_WAIT = 5.0
 # nbtrain.cluster.core._kill_tree for processes it left), and the atexit hook starts it ~2 s after the
 # shutdown request, so a kernel is SIGTERMed mid-teardown: whether the engines outlive it is a race.
 # Owned by the cluster core; remove the mark when teardown fits in Jupyter's 2.5 s.
-LEAK = (
-    "cluster teardown at kernel exit takes 5-10 s, longer than Jupyter's 2.5 s before SIGTERM "
-    "(shutdown_wait_time 5 s): a restarted kernel may die mid-teardown, leaving engines running"
-)
-
 ROOT = Path(__file__).resolve().parents[1]
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -174,7 +169,6 @@ def test_kernel_shutdown_leaves_no_cluster_process(failing_run):
     assert left == [], f"processes of the cluster still running after the kernel shut down: {left}"
 
 
-@pytest.mark.xfail(strict=False, reason=LEAK)
 def test_kernel_restart_leaves_no_cluster_process():
     """JupyterLab's Restart Kernel is a graceful restart: shutdown_request(restart=True), then a new kernel."""
     km = _kernel_manager(JUPYTER_SHUTDOWN_WAIT)

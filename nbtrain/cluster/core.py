@@ -206,6 +206,7 @@ class Cluster:
         self.started = time.time()
         self._pids = list(pids)
         self._stopped = False
+        self._views: dict[tuple[int, ...], Any] = {}
         self._rank_of_engine = {r.engine_id: r.rank for r in ranks}
 
     # --- what it is -------------------------------------------------------------------------
@@ -249,7 +250,12 @@ class Cluster:
     def view(self, ranks: Sequence[int] | None = None) -> ipp.DirectView:
         """An ipyparallel DirectView over `ranks` (all by default), in rank order."""
         self._check_usable()
-        return self.client.direct_view(targets=self.engine_ids(ranks))
+        targets = tuple(self.engine_ids(ranks))
+        # keyed by engine ids, so a restarted rank (new engine) gets a new view
+        view = self._views.get(targets)
+        if view is None:
+            view = self._views[targets] = self.client.direct_view(targets=list(targets))
+        return view
 
     def run(
         self,
@@ -506,6 +512,12 @@ class Cluster:
 
 
 def _teardown(ipp_cluster: Any, client: Any, pids: Sequence[int]) -> None:
+    """Stop a local cluster: every engine, nanny, the controller and the watchdog, all at once.
+
+    ipyparallel's own stop signals the processes one after another and waits several seconds, but a
+    kernel restart gives us about 2.5 s before it is killed itself: so terminate everything we know of
+    together, kill what is left after a short grace, and only then let ipyparallel tidy its files.
+    """
     from nbtrain.cluster import registry
 
     if client is not None:
@@ -513,17 +525,51 @@ def _teardown(ipp_cluster: Any, client: Any, pids: Sequence[int]) -> None:
             client.close(linger=0)
         except Exception:
             pass
-    launcher_pids: list[int] = list(pids)
+    local: list[int] = list(pids)
     if ipp_cluster is not None:
-        launcher_pids.extend(_launcher_pids(ipp_cluster))
-    launcher_pids.extend(_descendants(launcher_pids))
+        local.extend(_launcher_pids(ipp_cluster))
+    local.extend(_descendants(local))
+    # engines (IPython kernels) sit on SIGTERM for seconds; their state is being discarded anyway
+    _terminate(local, grace=0.5)
     if ipp_cluster is not None:
         try:
             ipp_cluster.stop_cluster_sync()
         except Exception as e:
             log.debug("ipyparallel stop_cluster failed: %s", e)
         registry.forget(ipp_cluster)
-    _kill_tree(launcher_pids)
+
+
+def _running(proc: Any) -> bool:
+    import psutil
+
+    try:
+        # our own children linger as zombies until ipyparallel's waiter threads reap them: they are gone
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _terminate(pids: Sequence[int], grace: float) -> None:
+    """SIGTERM every process, SIGKILL those still running after `grace` seconds."""
+    import psutil
+
+    procs = []
+    for pid in dict.fromkeys(pids):
+        try:
+            p = psutil.Process(pid)
+            p.terminate()
+            procs.append(p)
+        except psutil.Error:
+            continue
+    deadline = time.monotonic() + grace
+    while procs and time.monotonic() < deadline:
+        time.sleep(0.05)
+        procs = [p for p in procs if _running(p)]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def _descendants(pids: Sequence[int]) -> list[int]:
@@ -658,7 +704,9 @@ def _start_local(options: StartOptions, quiet: bool = True) -> Cluster:
         # engines wait for the connection file themselves, so they start while the controller does
         send_engines_connection_env=False,
         log_level=logging.ERROR,
-        shutdown_atexit=True,
+        # nbtrain stops its clusters at exit itself, all processes at once; ipyparallel's own atexit
+        # stop is serial and slow enough that a restarting kernel gets killed halfway through it
+        shutdown_atexit=False,
     )
     client = None
     pids: list[int] = []
