@@ -21,20 +21,30 @@ def add_fault_commands(sub: Any) -> None:
         "restart",
         help="replace dead or wedged engines and re-create the process group (their variables are lost)",
     )
-    p.add_argument("--all", action="store_true", help="replace every engine, not only dead or wedged ones")
-    p.add_argument("--timeout", type=_seconds, default=None, help="seconds to get the new engines and group")
+    p.add_argument(
+        "--all", action="store_true", help="replace every engine, not only dead or wedged ones"
+    )
+    p.add_argument(
+        "--timeout", type=_seconds, default=None, help="seconds to get the new engines and group"
+    )
     p = sub.add_parser(
         "diagnose",
         help="every rank's Python stacks and who waits in a collective; works while a cell runs",
     )
     p.add_argument("--ranks", default=None, help="only these ranks: 0, 0,2 or 1-3 (default: all)")
-    p.add_argument("--timeout", type=_seconds, default=8.0, help="seconds to wait for the ranks' answers")
+    p.add_argument(
+        "--timeout", type=_seconds, default=8.0, help="seconds to wait for the ranks' answers"
+    )
     p = sub.add_parser(
         "attach",
         help="reconnect this kernel to a running cluster (after a kernel restart) and its running job",
     )
-    p.add_argument("cluster_id", nargs="?", default=None, help="which cluster (default: the only one)")
-    p.add_argument("--profile", default=None, help="IPython profile the cluster lives in (default: nbtrain)")
+    p.add_argument(
+        "cluster_id", nargs="?", default=None, help="which cluster (default: the only one)"
+    )
+    p.add_argument(
+        "--profile", default=None, help="IPython profile the cluster lives in (default: nbtrain)"
+    )
     p.add_argument("--no-live", action="store_true", help="do not follow the running job's metrics")
 
 

@@ -28,7 +28,9 @@ def _cluster_pids(cluster_id: str) -> list[int]:
     """Controller and engine pids of a cluster, from ipyparallel's cluster file (cmdlines do not name it)."""
     from nbtrain.cluster.attach import _profile_dir
 
-    data = json.loads((_profile_dir("nbtrain") / "security" / f"cluster-{cluster_id}.json").read_text())
+    data = json.loads(
+        (_profile_dir("nbtrain") / "security" / f"cluster-{cluster_id}.json").read_text()
+    )
     pids = [data["controller"]["state"]["pid"]]
     for engine_set in data["engines"]["sets"].values():
         pids += [int(e["pid"]) for e in engine_set["engines"].values()]
@@ -146,7 +148,9 @@ def test_orphaned_idle_cluster_stops_itself(tmp_path):
     gone_after = time.monotonic() - killed_at
     assert _alive(pids) == [], "the idle orphan cluster did not stop itself"
     assert gone_after > 3.0  # not before its idle timeout
-    print(f"idle orphan stopped {gone_after:.1f} s after its kernel died (timeout 4 s); start took {killed_at - t0:.1f} s")
+    print(
+        f"idle orphan stopped {gone_after:.1f} s after its kernel died (timeout 4 s); start took {killed_at - t0:.1f} s"
+    )
     from nbtrain.cluster.attach import find_clusters
 
     assert cluster_id not in [s["cluster_id"] for s in find_clusters()]

@@ -58,7 +58,13 @@ def _ipp_processes() -> set[int]:
 
 
 def _base(files, **kw):
-    return {"model": str(files / "tiny"), "data": str(files / "train.jsonl"), "output_dir": str(files / "out"), "max_steps": 2, **kw}
+    return {
+        "model": str(files / "tiny"),
+        "data": str(files / "train.jsonl"),
+        "output_dir": str(files / "out"),
+        "max_steps": 2,
+        **kw,
+    }
 
 
 # (id, what to call, expected words in the message)
@@ -75,7 +81,9 @@ def _finetune(**kw):
 
 
 def _finetune_path(key, name, **kw):
-    return lambda ip, f, c: nbtrain.finetune(nbtrain.SFTConfig(**_base(f, **{key: str(f / name)}, **kw)))
+    return lambda ip, f, c: nbtrain.finetune(
+        nbtrain.SFTConfig(**_base(f, **{key: str(f / name)}, **kw))
+    )
 
 
 def _magic(line):
@@ -95,7 +103,11 @@ CASES = [
     ("unknown subcommand", _magic("frobnicate"), ["invalid choice: 'frobnicate'"]),
     ("diagnose --timeout 0", _magic("diagnose --timeout 0"), ["--timeout", "positive"]),
     ("restart --timeout x", _magic("restart --timeout x"), ["not a number of seconds"]),
-    ("attach unknown cluster", _magic("attach nbtrain-doesnotexist"), ["nbtrain-doesnotexist", "is not running"]),
+    (
+        "attach unknown cluster",
+        _magic("attach nbtrain-doesnotexist"),
+        ["nbtrain-doesnotexist", "is not running"],
+    ),
     # %%distributed
     ("--output everything", _cell("--output everything"), ["everything"]),
     ("--ranks 0,5", _cell("--ranks 0,5"), ["outside the world of 1"]),
@@ -105,12 +117,28 @@ CASES = [
     # Python API
     ("start(n=0)", lambda ip, f, c: nbtrain.start(n=0), ["asks for no engines"]),
     ("start(n='two')", lambda ip, f, c: nbtrain.start(n="two"), ["not a whole number"]),
-    ("start(backend='mpi')", lambda ip, f, c: nbtrain.start(n=1, backend="mpi"), ["unknown backend 'mpi'"]),
-    ("start(timeout=0)", lambda ip, f, c: nbtrain.start(n=1, timeout=0, force=True), ["--timeout 0", "positive"]),
-    ("start again without force", lambda ip, f, c: nbtrain.start(n=1), ["already running", "--force"]),
+    (
+        "start(backend='mpi')",
+        lambda ip, f, c: nbtrain.start(n=1, backend="mpi"),
+        ["unknown backend 'mpi'"],
+    ),
+    (
+        "start(timeout=0)",
+        lambda ip, f, c: nbtrain.start(n=1, timeout=0, force=True),
+        ["--timeout 0", "positive"],
+    ),
+    (
+        "start again without force",
+        lambda ip, f, c: nbtrain.start(n=1),
+        ["already running", "--force"],
+    ),
     ("run on rank 3", lambda ip, f, c: c.run(len, [], ranks=3), ["outside the world of 1"]),
     ("diagnose ranks='x'", lambda ip, f, c: c.diagnose(ranks="x"), ["'x'"]),
-    ("finetune(dict)", lambda ip, f, c: nbtrain.finetune({"model": "x"}), ["needs an nbtrain.SFTConfig", "dict"]),
+    (
+        "finetune(dict)",
+        lambda ip, f, c: nbtrain.finetune({"model": "x"}),
+        ["needs an nbtrain.SFTConfig", "dict"],
+    ),
     # SFTConfig
     ("model folder missing", _sft_path("model", "nope"), ["model folder", "does not exist"]),
     ("model empty", _sft(model=""), ["model is required"]),
@@ -129,7 +157,11 @@ CASES = [
     ("rows without text", _finetune_path("data", "notext.jsonl"), ["notext.jsonl"]),
     ("empty data", _finetune_path("data", "empty.jsonl"), ["empty.jsonl"]),
     ("output_dir is a file", _finetune_path("output_dir", "afile"), ["is a file"]),
-    ("resume latest, nothing there", _finetune(resume="latest"), ["resume='latest'", "no complete checkpoint"]),
+    (
+        "resume latest, nothing there",
+        _finetune(resume="latest"),
+        ["resume='latest'", "no complete checkpoint"],
+    ),
 ]
 
 

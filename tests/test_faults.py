@@ -5,8 +5,6 @@ Every number a test asserts (detection time, metrics steps, adapter values) is m
 
 from __future__ import annotations
 
-import _thread
-import json
 import os
 import signal
 import threading

@@ -168,7 +168,9 @@ def test_rank0_killed_during_checkpoint_save(setup):
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"]
     assert load_checkpoint(out / "checkpoint-2")["state"]["global_step"] == 2
     cluster.restart()
-    cluster.execute("import torch\ntry:\n    torch.save = _save\nexcept NameError:\n    pass", live=False)
+    cluster.execute(
+        "import torch\ntry:\n    torch.save = _save\nexcept NameError:\n    pass", live=False
+    )
     result = _resume(cluster, model, out)
     assert result.global_step == STEPS
     assert _steps(out) == list(range(1, STEPS + 1))

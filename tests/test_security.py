@@ -37,7 +37,10 @@ def _listening(pid: int) -> list[tuple[int, str, int]]:
 
 def test_everything_listens_on_loopback_only(cluster):
     # the process group must exist and have run a collective: the store and gloo pairs are up
-    assert cluster.run(lambda: __import__("torch.distributed").distributed.get_world_size()) == [2, 2]
+    assert cluster.run(lambda: __import__("torch.distributed").distributed.get_world_size()) == [
+        2,
+        2,
+    ]
     controller = cluster.ipp_cluster.controller.pid
     sockets = {"controller": _listening(controller)}
     for r in cluster.ranks:
@@ -47,9 +50,15 @@ def test_everything_listens_on_loopback_only(cluster):
     wide = {who: s for who, s in sockets.items() if any(ip not in LOOPBACK for _, ip, _ in s)}
     assert wide == {}, f"listening beyond loopback: {wide}"
     # torch's TCPStore would listen on every interface: a local cluster uses a file store instead
-    env = cluster.run(lambda: {k: __import__("os").environ.get(k) for k in ("NBTRAIN_STORE_FILE", "GLOO_SOCKET_IFNAME")})
+    env = cluster.run(
+        lambda: {
+            k: __import__("os").environ.get(k) for k in ("NBTRAIN_STORE_FILE", "GLOO_SOCKET_IFNAME")
+        }
+    )
     assert env[0]["GLOO_SOCKET_IFNAME"] == "lo"
-    assert env[0]["NBTRAIN_STORE_FILE"].startswith(str(Path(cluster.ipp_cluster.profile_dir) / "security"))
+    assert env[0]["NBTRAIN_STORE_FILE"].startswith(
+        str(Path(cluster.ipp_cluster.profile_dir) / "security")
+    )
 
 
 def test_connection_files_private_and_messages_signed(cluster):
@@ -66,6 +75,9 @@ def test_connection_files_private_and_messages_signed(cluster):
         info = json.loads((sec / f"ipcontroller-{cluster.cluster_id}-{kind}.json").read_text())
         assert len(info["key"]) >= 32 and info["signature_scheme"] == "hmac-sha256"
     # the client signs every message with that key (HMAC-SHA256)
-    assert cluster.client.session.key == json.loads(
-        (sec / f"ipcontroller-{cluster.cluster_id}-client.json").read_text()
-    )["key"].encode()
+    assert (
+        cluster.client.session.key
+        == json.loads((sec / f"ipcontroller-{cluster.cluster_id}-client.json").read_text())[
+            "key"
+        ].encode()
+    )

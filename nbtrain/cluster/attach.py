@@ -29,7 +29,9 @@ class Attached:
     cluster: Any
     run: dict[str, Any] | None
 
-    def follow(self, timeout: float | None = None, live: bool = True, poll: float = 0.5) -> list[dict[str, Any]]:
+    def follow(
+        self, timeout: float | None = None, live: bool = True, poll: float = 0.5
+    ) -> list[dict[str, Any]]:
         """Tail the running job's metrics.jsonl (into the live display in a notebook) until it ends."""
         if self.run is None:
             return []
@@ -142,14 +144,17 @@ def attach(
     run = running_job(cluster)
     print(
         f"nbtrain: attached to cluster {cluster.cluster_id}: {cluster.world_size} rank(s), backend "
-        f"{cluster.backend}" + (f"; rank(s) {missing} are gone: run %nbtrain restart" if missing else "")
+        f"{cluster.backend}"
+        + (f"; rank(s) {missing} are gone: run %nbtrain restart" if missing else "")
     )
     print(cluster.table())
     result = Attached(cluster, run)
     if run is None:
         print("nbtrain: no job is running on it.")
     else:
-        print(f"nbtrain: job {run['name']!r} is running (step {run.get('step')}/{run.get('total_steps')}), output in {run['output_dir']}")
+        print(
+            f"nbtrain: job {run['name']!r} is running (step {run.get('step')}/{run.get('total_steps')}), output in {run['output_dir']}"
+        )
         if follow and live:
             try:
                 result.follow(live=True)
@@ -173,7 +178,9 @@ def follow_run(
             from nbtrain.display.live import LiveDisplay
 
             display = LiveDisplay()
-            display.feed({"kind": "begin", "total_steps": run.get("total_steps"), "name": run.get("name")})
+            display.feed(
+                {"kind": "begin", "total_steps": run.get("total_steps"), "name": run.get("name")}
+            )
     rows: list[dict[str, Any]] = []
     pos = 0
     buf = ""
@@ -199,7 +206,10 @@ def follow_run(
                 if display is not None:
                     display.feed({"kind": "row", "row": row})
                 else:
-                    print(f"step {row.get('step')}/{run.get('total_steps')} | loss {row.get('loss', float('nan')):.4f}", flush=True)
+                    print(
+                        f"step {row.get('step')}/{run.get('total_steps')} | loss {row.get('loss', float('nan')):.4f}",
+                        flush=True,
+                    )
             if display is not None:
                 display.maybe_render()
             if state != "running" and not chunk:

@@ -222,7 +222,8 @@ def _filter_tail(lines: Sequence[str], n: int = TAIL_LINES) -> list[str]:
     current = [k for k, line in enumerate(dump) if line.startswith("Current thread")]
     if current:
         dump = dump[:1] + dump[current[0] :]
-    head, frames = [], []
+    head: list[str] = []
+    frames: list[str] = []
     for line in dump:
         if line.lstrip().startswith("File "):
             if len(frames) < 6:
@@ -234,7 +235,9 @@ def _filter_tail(lines: Sequence[str], n: int = TAIL_LINES) -> list[str]:
     return before + head + frames
 
 
-def _log_tail(cluster: Cluster, rank: int, survivors: Sequence[int]) -> tuple[list[str], str | None]:
+def _log_tail(
+    cluster: Cluster, rank: int, survivors: Sequence[int]
+) -> tuple[list[str], str | None]:
     from nbtrain.engine.faults import tail_file
 
     info = cluster.ranks[rank]
@@ -275,7 +278,8 @@ def describe_death(
         same_host_alive = [
             r
             for r in survivors
-            if cluster.ranks[r].host == info.host and cluster.ranks[r].engine_id in cluster.client.ids
+            if cluster.ranks[r].host == info.host
+            and cluster.ranks[r].engine_id in cluster.client.ids
         ]
         if same_host_alive:
             how = (
@@ -369,7 +373,9 @@ def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
         end_engines(cluster, stuck)
     run._drain()
     run._finish_display()
-    parts = [f"{len(dead)} of {len(run.which)} rank(s) died while the cell ran (noticed after {detected:.1f} s)."]
+    parts = [
+        f"{len(dead)} of {len(run.which)} rank(s) died while the cell ran (noticed after {detected:.1f} s)."
+    ]
     parts.extend(d.describe() for d in deaths)
     for i, r in enumerate(run.which):
         fut = ar._children[i]
@@ -512,7 +518,9 @@ class Diagnosis:
     stacks: dict[int, dict[str, Any]]
     waiting: dict[int, str]  #: rank -> "all_reduce at <cell>:5" for ranks blocked in a collective
     other: dict[int, str]  #: rank -> what it does instead ("time.sleep at <cell>:7", "idle", ...)
-    behind: list[int]  #: ranks that have not entered the collective others wait in (flight recorder)
+    behind: list[
+        int
+    ]  #: ranks that have not entered the collective others wait in (flight recorder)
     text: str
     took: float = 0.0
 
@@ -578,7 +586,9 @@ def _seqs(stacks: dict[int, dict[str, Any]]) -> dict[int, tuple[int, str]]:
     return out
 
 
-def diagnose(cluster: Cluster, ranks: Any = None, timeout: float = 8.0, pending: Sequence[int] | None = None) -> Diagnosis:
+def diagnose(
+    cluster: Cluster, ranks: Any = None, timeout: float = 8.0, pending: Sequence[int] | None = None
+) -> Diagnosis:
     """Every rank's Python stacks (all threads), and which ranks wait in a collective and which do not."""
     from nbtrain.cluster.core import _describe_ranks
     from nbtrain.cluster.ranges import parse_ranks
@@ -589,7 +599,12 @@ def diagnose(cluster: Cluster, ranks: Any = None, timeout: float = 8.0, pending:
     stacks = cluster.stacks(alive, timeout=timeout, all_threads=True)
     for r in which:
         if r not in stacks:
-            stacks[r] = {"host": cluster.ranks[r].host, "pid": cluster.ranks[r].pid, "threads": [], "error": "dead (ended or died earlier); run %nbtrain restart"}
+            stacks[r] = {
+                "host": cluster.ranks[r].host,
+                "pid": cluster.ranks[r].pid,
+                "threads": [],
+                "error": "dead (ended or died earlier); run %nbtrain restart",
+            }
     waiting: dict[int, str] = {}
     other: dict[int, str] = {}
     for r in sorted(stacks):
@@ -612,7 +627,10 @@ def diagnose(cluster: Cluster, ranks: Any = None, timeout: float = 8.0, pending:
         else:
             summary.append(f"flight recorder: every rank's last collective is #{top} ({op}).")
     if waiting:
-        summary.insert(0, f"waiting in a collective: {'; '.join(f'rank {r}: {w}' for r, w in sorted(waiting.items()))}")
+        summary.insert(
+            0,
+            f"waiting in a collective: {'; '.join(f'rank {r}: {w}' for r, w in sorted(waiting.items()))}",
+        )
     if other:
         summary.insert(
             1 if waiting else 0,
@@ -629,4 +647,6 @@ def diagnose(cluster: Cluster, ranks: Any = None, timeout: float = 8.0, pending:
     if pending is None:
         pending = [r for r in which if r in waiting or not other.get(r, "").startswith("idle")]
     text = "\n".join(summary) + "\n\n" + format_stacks(cluster, stacks, pending=pending)
-    return Diagnosis(stacks=stacks, waiting=waiting, other=other, behind=behind, text=text, took=took)
+    return Diagnosis(
+        stacks=stacks, waiting=waiting, other=other, behind=behind, text=text, took=took
+    )

@@ -85,17 +85,18 @@ def collectives(last: int = 8) -> dict[str, Any]:
 
         if not dist.is_initialized():
             return {"available": False, "entries": []}
-        dump = pickle.loads(c10d._dump_fr_trace())
-    except Exception as e:  # an old torch, or no recorder: the stacks alone still tell a lot
-        return {"available": False, "entries": [], "error": repr(e)}
+        dump = pickle.loads(c10d._dump_fr_trace())  # type: ignore[attr-defined]
+    except Exception as err:  # an old torch, or no recorder: the stacks alone still tell a lot
+        return {"available": False, "entries": [], "error": repr(err)}
     entries = []
-    for e in dump.get("entries", [])[-last:]:
+    for entry in dump.get("entries", [])[-last:]:
+        pg = entry.get("process_group")
         entries.append(
             {
-                "seq": e.get("collective_seq_id"),
-                "op": str(e.get("profiling_name", "")),
-                "state": e.get("state"),
-                "pg": str(e.get("process_group", ("", ""))[0]) if e.get("process_group") else "",
+                "seq": entry.get("collective_seq_id"),
+                "op": str(entry.get("profiling_name", "")),
+                "state": entry.get("state"),
+                "pg": str(pg[0]) if pg else "",
             }
         )
     return {"available": True, "entries": entries}
