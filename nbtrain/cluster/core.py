@@ -697,6 +697,7 @@ def _start_local(options: StartOptions, quiet: bool = True) -> Cluster:
     cluster_id = f"nbtrain-{uuid.uuid4().hex[:8]}"
     ipp_cluster = ipp.Cluster(
         n=options.n,
+        engine_launcher_class="local",
         profile=options.profile,
         cluster_id=cluster_id,
         controller_ip="127.0.0.1",
@@ -708,6 +709,12 @@ def _start_local(options: StartOptions, quiet: bool = True) -> Cluster:
         # stop is serial and slow enough that a restarting kernel gets killed halfway through it
         shutdown_atexit=False,
     )
+    # engines import torch while they wait for the controller (nbtrain.engine.boot)
+    ipp_cluster.config.LocalEngineSetLauncher.engine_cmd = [
+        sys.executable,
+        "-m",
+        "nbtrain.engine.boot",
+    ]
     client = None
     pids: list[int] = []
     step = "starting the controller"

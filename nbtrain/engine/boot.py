@@ -1,0 +1,28 @@
+"""Engine entry point: `python -m nbtrain.engine.boot` = ipyparallel's engine, with torch warming up.
+
+An engine spends its first second importing ipyparallel and waiting for the controller's connection
+file; importing torch (the largest part of bringing a rank up) in a thread meanwhile means the process
+group is ready that much sooner. The import lock makes a later `import torch` simply wait for it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+def _warm() -> None:
+    try:
+        import torch.distributed  # noqa: F401
+    except Exception:  # a broken torch shows itself, with its own message, when the rank is set up
+        pass
+
+
+def main() -> None:
+    threading.Thread(target=_warm, name="nbtrain-warm-torch", daemon=True).start()
+    from ipyparallel.engine.app import main as engine_main
+
+    engine_main()
+
+
+if __name__ == "__main__":
+    main()
