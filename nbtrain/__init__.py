@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Cluster",
+    "ClusterPicker",
     "DistributedCellError",
     "SFTConfig",
     "TrainResult",
@@ -34,6 +35,7 @@ __all__ = [
 # name -> module that defines it; resolved on first access (PEP 562)
 _LAZY = {
     "Cluster": "nbtrain.cluster.core",
+    "ClusterPicker": "nbtrain.display.picker",
     "DistributedCellError": "nbtrain.errors",
     "connect": "nbtrain.cluster.launchers",
     "current_cluster": "nbtrain.cluster.core",
@@ -48,6 +50,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from nbtrain.cluster.core import Cluster, current_cluster, start
     from nbtrain.cluster.launchers import connect
+    from nbtrain.display.picker import ClusterPicker
     from nbtrain.engine.metrics import log
     from nbtrain.engine.rank import is_rank_zero
     from nbtrain.errors import DistributedCellError

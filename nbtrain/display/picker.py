@@ -1,0 +1,515 @@
+"""`nbtrain.ClusterPicker()`: start, inspect, probe and stop a cluster from a widget.
+
+In [1]: nbtrain.ClusterPicker()
+
+The widget is thin: the settings (`PickerSettings`), their validation (`validate`), the call into the
+Python API (`start_cluster`, the same `nbtrain.start` / `nbtrain.connect` the magics call) and the
+tables (`topology_html`, `versions_html`) are plain functions, testable without a browser. The last
+settings are saved per user in ``$NBTRAIN_HOME/picker.json`` (default
+``~/.local/share/nbtrain/picker.json``) and restored the next time.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from nbtrain.errors import NbtrainError
+
+log = logging.getLogger("nbtrain")
+
+# widget value -> label; slurm is shown but cannot be picked yet
+LAUNCHERS = {
+    "local": "this machine",
+    "ssh": "SSH hosts",
+    "connect": "existing cluster",
+    "slurm": "Slurm",
+}
+UNSUPPORTED = {"slurm": "not yet supported"}
+BACKENDS = ("auto", "gloo", "nccl")
+AUTO = "auto"
+
+
+@dataclass
+class PickerSettings:
+    """What the picker starts; the same settings as `%nbtrain start` / `%nbtrain connect`."""
+
+    launcher: str = "local"  # local, ssh, connect (an existing ipyparallel cluster); slurm: not yet
+    n: int = 1  # engines on this machine (launcher local)
+    hosts: str = ""  # HOST[:ENGINES],... (launcher ssh), e.g. node1:2,node2:2
+    backend: str = "auto"  # auto (NCCL where every rank has a GPU, else gloo), gloo or nccl
+    iface: str = AUTO  # NCCL/gloo interface on every node, or auto (the one reaching rank 0)
+    ip: str = ""  # the controller's listen address, which the hosts reach (empty: automatic)
+    port: int | None = None  # rendezvous port (MASTER_PORT) on rank 0's host (None: a free one)
+    profile: str = ""  # IPython profile of an existing cluster (launcher connect)
+    cluster_id: str = ""  # ipyparallel cluster id of an existing cluster (launcher connect)
+    timeout: float = 120.0  # seconds to get every engine and the process group
+    allow_version_mismatch: bool = False  # start although torch/NCCL/nbtrain differ across nodes
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PickerSettings:
+        """Settings from saved JSON; unknown keys (from another nbtrain version) are ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# -- remembered settings ---------------------------------------------------------------------------
+
+
+def settings_path() -> Path:
+    """Where the picker's last settings live: $NBTRAIN_HOME/picker.json, else ~/.local/share/nbtrain."""
+    home = os.environ.get("NBTRAIN_HOME")
+    if home:
+        base = Path(home)
+    else:
+        data = os.environ.get("XDG_DATA_HOME") or os.path.join(
+            os.path.expanduser("~"), ".local", "share"
+        )
+        base = Path(data) / "nbtrain"
+    return base / "picker.json"
+
+
+def save_settings(settings: PickerSettings, path: Path | None = None) -> Path:
+    """Write the settings as JSON (atomically: a crash never leaves half a file)."""
+    path = path or settings_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(asdict(settings), indent=2))
+    tmp.replace(path)
+    return path
+
+
+def load_settings(path: Path | None = None) -> PickerSettings:
+    """The last saved settings, or the defaults when there are none (or the file is unreadable)."""
+    path = path or settings_path()
+    try:
+        return PickerSettings.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return PickerSettings()
+    except (OSError, ValueError, TypeError) as e:
+        log.warning("nbtrain: ignoring unreadable picker settings %s: %s", path, e)
+        return PickerSettings()
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+
+def validate(s: PickerSettings) -> dict[str, str]:
+    """Field name -> what is wrong with it (empty when the settings can start a cluster).
+
+    The checks are the API's own (`net.parse_hosts`, the port range), run before anything starts.
+    """
+    from nbtrain.cluster import net
+
+    errors: dict[str, str] = {}
+    if s.launcher in UNSUPPORTED:
+        errors["launcher"] = (
+            f"{LAUNCHERS[s.launcher]} is {UNSUPPORTED[s.launcher]}: start the cluster with "
+            "`ipcluster start` and ipyparallel's Slurm launchers, then pick 'existing cluster'."
+        )
+    elif s.launcher not in LAUNCHERS:
+        errors["launcher"] = (
+            f"unknown launcher {s.launcher!r}; choose one of {', '.join(LAUNCHERS)}."
+        )
+    if s.backend not in BACKENDS:
+        errors["backend"] = f"unknown backend {s.backend!r}; choose one of {', '.join(BACKENDS)}."
+    if s.timeout <= 0:
+        errors["timeout"] = f"timeout {s.timeout:g} must be a positive number of seconds."
+    if s.launcher == "local":
+        if isinstance(s.n, bool) or not isinstance(s.n, int) or s.n < 1:
+            errors["n"] = f"engines {s.n!r}: start at least one engine on this machine."
+    if s.launcher == "ssh":
+        try:
+            net.parse_hosts(s.hosts)
+        except NbtrainError as e:
+            errors["hosts"] = str(e)
+    if s.launcher in ("ssh", "connect") and s.port is not None and not 0 < int(s.port) < 65536:
+        errors["port"] = (
+            f"port {s.port} is not a TCP port; give one from 1 to 65535, or leave it empty."
+        )
+    return errors
+
+
+# -- the call into the API -------------------------------------------------------------------------
+
+
+def api_call(s: PickerSettings, force: bool = False) -> tuple[str, dict[str, Any]]:
+    """Which API function the settings call ('start' or 'connect') and its keyword arguments.
+
+    The same calls `%nbtrain start [--launcher ssh ...]` and `%nbtrain connect` make.
+    """
+    iface = None if s.iface in ("", AUTO) else s.iface
+    if s.launcher == "local":
+        return "start", {"n": s.n, "backend": s.backend, "timeout": s.timeout, "force": force}
+    if s.launcher == "ssh":
+        return "start", {
+            "launcher": "ssh",
+            "hosts": s.hosts,
+            "ip": s.ip or None,
+            "iface": iface,
+            "port": s.port,
+            "allow_version_mismatch": s.allow_version_mismatch,
+            "backend": s.backend,
+            "timeout": s.timeout,
+            "force": force,
+        }
+    return "connect", {
+        "cluster_id": s.cluster_id or None,
+        "profile": s.profile or None,
+        "iface": iface,
+        "port": s.port,
+        "backend": s.backend,
+        "timeout": s.timeout,
+        "allow_version_mismatch": s.allow_version_mismatch,
+        "force": force,
+    }
+
+
+def start_cluster(s: PickerSettings, force: bool = False) -> Any:
+    """Validate the settings, then start (or connect to) the cluster; raise ConfigError if invalid."""
+    from nbtrain.errors import ConfigError
+
+    errors = validate(s)
+    if errors:
+        msg = " ".join(errors.values())
+        raise ConfigError(msg)
+    name, kwargs = api_call(s, force=force)
+    if name == "start":
+        from nbtrain.cluster.core import start
+
+        return start(**kwargs)
+    from nbtrain.cluster.launchers import connect
+
+    return connect(**kwargs)
+
+
+def error_text(e: BaseException) -> str:
+    """The message a user reads: nbtrain's own message, or the exception's type and message."""
+    if isinstance(e, NbtrainError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+# -- tables ----------------------------------------------------------------------------------------
+
+
+def topology_html(cluster: Any) -> str:
+    """Rank -> host, local rank, device, address, interface, as an HTML table."""
+    head = ("rank", "host", "local rank", "device", "address", "interface")
+    rows = [
+        (r.rank, r.host, r.local_rank, r.device, r.address, r.interface or "-")
+        for r in cluster.ranks
+    ]
+    out = ['<table class="nbtrain-topology"><thead><tr>']
+    out += [f"<th>{h}</th>" for h in head]
+    out.append("</tr></thead><tbody>")
+    for row in rows:
+        out.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def versions_html(cluster: Any) -> str:
+    """The preflight version table (odd versions highlighted), or '' where the cluster has none.
+
+    Clusters started over SSH or attached with connect ran preflight; local ones did not (one node).
+    """
+    from nbtrain.cluster import preflight
+
+    result = getattr(cluster, "preflight", None)
+    if result is None:
+        return ""
+    return preflight.format_html(result)
+
+
+def interface_choices() -> list[str]:
+    """'auto' and this machine's interfaces that are up (loopback last)."""
+    from nbtrain.cluster import net
+
+    return [AUTO, *(i.name for i in net.interfaces())]
+
+
+# -- the widget ------------------------------------------------------------------------------------
+
+
+class ClusterPicker:
+    """A widget to pick a launcher and hosts, start the cluster, see its topology, probe and stop it.
+
+    In [1]: picker = nbtrain.ClusterPicker()     # shows itself; the settings are last time's
+
+    `picker.cluster` is the started `nbtrain.Cluster` (also `nbtrain.current_cluster()`, so
+    `%%distributed` cells run on it).
+    """
+
+    def __init__(
+        self,
+        settings: PickerSettings | None = None,
+        *,
+        remember: bool = True,
+        background: bool = True,
+        probe_max_bytes: int = 16 * 2**20,
+    ) -> None:
+        import ipywidgets as w
+
+        self.remember = remember
+        self.background = background  # start/probe in a thread so the elapsed time ticks
+        self.probe_max_bytes = probe_max_bytes
+        self.cluster: Any = None
+        self._worker: threading.Thread | None = None
+        s = (
+            settings
+            if settings is not None
+            else (load_settings() if remember else PickerSettings())
+        )
+        style = {"description_width": "150px"}
+
+        usable = [k for k in LAUNCHERS if k not in UNSUPPORTED]
+        self.launcher = w.ToggleButtons(
+            options=[(LAUNCHERS[k], k) for k in usable],
+            value=s.launcher if s.launcher in usable else "local",
+            description="Launcher",
+            style=style,
+        )
+        # ToggleButtons cannot disable one option: the unsupported launchers are disabled buttons
+        self.unsupported = [
+            w.Button(description=LAUNCHERS[k], disabled=True, tooltip=why)
+            for k, why in UNSUPPORTED.items()
+        ]
+        self.n = w.BoundedIntText(
+            value=max(1, int(s.n)), min=1, max=1024, description="Engines", style=style
+        )
+        self.hosts = w.Text(
+            value=s.hosts,
+            placeholder="node1:2,node2:2",
+            description="Hosts:engines",
+            style=style,
+        )
+        self.profile = w.Text(
+            value=s.profile, placeholder="default", description="Profile", style=style
+        )
+        self.cluster_id = w.Text(
+            value=s.cluster_id, placeholder="(newest)", description="Cluster id", style=style
+        )
+        self.backend = w.Dropdown(
+            options=list(BACKENDS),
+            value=s.backend if s.backend in BACKENDS else "auto",
+            description="Backend",
+            style=style,
+        )
+        ifaces = interface_choices()
+        if s.iface not in ifaces:
+            ifaces.append(s.iface)  # a saved interface of the nodes, not of this machine
+        self.iface = w.Dropdown(options=ifaces, value=s.iface, description="Interface", style=style)
+        self.ip = w.Text(
+            value=s.ip,
+            placeholder="auto (routes to the hosts)",
+            description="Controller address",
+            style=style,
+        )
+        self.port = w.Text(
+            value="" if s.port is None else str(s.port),
+            placeholder="auto (a free port)",
+            description="Rendezvous port",
+            style=style,
+        )
+        self.timeout = w.BoundedFloatText(
+            value=s.timeout, min=1, max=3600, description="Timeout (s)", style=style
+        )
+        self.allow_mismatch = w.Checkbox(
+            value=s.allow_version_mismatch, description="Allow version mismatch", indent=False
+        )
+        self.start_button = w.Button(description="Start", button_style="primary", icon="play")
+        self.probe_button = w.Button(description="Probe", icon="tachometer", disabled=True)
+        self.stop_button = w.Button(
+            description="Stop", button_style="danger", icon="stop", disabled=True
+        )
+        self.status = w.HTML()
+        self.error = w.HTML()
+        self.topology = w.HTML()
+        self.versions = w.HTML()
+        self.probe_out = w.HTML()
+
+        self._ssh_box = w.VBox([self.hosts, self.ip])
+        self._local_box = w.VBox([self.n])
+        self._connect_box = w.VBox([self.profile, self.cluster_id])
+        self._shared_remote = w.VBox([self.iface, self.port, self.allow_mismatch])
+        self.widget = w.VBox(
+            [
+                w.HBox([self.launcher, *self.unsupported]),
+                self._local_box,
+                self._ssh_box,
+                self._connect_box,
+                self.backend,
+                self._shared_remote,
+                self.timeout,
+                w.HBox([self.start_button, self.probe_button, self.stop_button]),
+                self.status,
+                self.error,
+                self.topology,
+                self.versions,
+                self.probe_out,
+            ]
+        )
+        self.launcher.observe(self._on_launcher, names="value")
+        self.hosts.observe(self._on_hosts, names="value")
+        self.start_button.on_click(self._on_start)
+        self.probe_button.on_click(self._on_probe)
+        self.stop_button.on_click(self._on_stop)
+        self._on_launcher()
+
+    # -- display -----------------------------------------------------------------------------------
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    # -- settings ----------------------------------------------------------------------------------
+    def settings(self) -> PickerSettings:
+        """The settings the widgets show now."""
+        port_text = self.port.value.strip()
+        try:
+            port: Any = int(port_text) if port_text else None
+        except ValueError:
+            port = port_text  # validate() names it
+        return PickerSettings(
+            launcher=self.launcher.value,
+            n=int(self.n.value),
+            hosts=self.hosts.value.strip(),
+            backend=self.backend.value,
+            iface=self.iface.value,
+            ip=self.ip.value.strip(),
+            port=port,
+            profile=self.profile.value.strip(),
+            cluster_id=self.cluster_id.value.strip(),
+            timeout=float(self.timeout.value),
+            allow_version_mismatch=bool(self.allow_mismatch.value),
+        )
+
+    def _show_error(self, text: str) -> None:
+        self.error.value = (
+            f'<pre style="color:#842029;white-space:pre-wrap">{html.escape(text)}</pre>'
+            if text
+            else ""
+        )
+
+    def _on_launcher(self, *_: Any) -> None:
+        which = self.launcher.value
+        self._local_box.layout.display = "" if which == "local" else "none"
+        self._ssh_box.layout.display = "" if which == "ssh" else "none"
+        self._connect_box.layout.display = "" if which == "connect" else "none"
+        self._shared_remote.layout.display = "none" if which == "local" else ""
+        self._on_hosts()
+
+    def _on_hosts(self, *_: Any) -> None:
+        # validate as the user types: the message shows under the fields, nothing starts
+        if self.launcher.value == "ssh" and self.hosts.value.strip():
+            self._show_error(validate(self.settings()).get("hosts", ""))
+        else:
+            self._show_error("")
+
+    # -- buttons -----------------------------------------------------------------------------------
+    def _run(self, work: Any) -> None:
+        if self.background:
+            self._worker = threading.Thread(target=work, name="nbtrain-picker", daemon=True)
+            self._worker.start()
+        else:
+            work()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the running start or probe has finished (for scripts and tests)."""
+        if self._worker is not None:
+            self._worker.join(timeout)
+
+    def _on_start(self, _: Any = None) -> None:
+        s = self.settings()
+        errors = validate(s)
+        if errors:
+            self._show_error("\n".join(errors.values()))
+            return
+        self._show_error("")
+        if self.remember:
+            try:
+                save_settings(s)
+            except OSError as e:
+                log.warning("nbtrain: could not save picker settings: %s", e)
+        self.start_button.disabled = True
+        self.probe_button.disabled = True
+        self.stop_button.disabled = True
+        self.topology.value = self.versions.value = self.probe_out.value = ""
+        what = "connecting" if s.launcher == "connect" else "starting"
+        t0 = time.monotonic()
+        done = threading.Event()
+
+        def tick() -> None:
+            while not done.wait(1.0):
+                self.status.value = f"{what}... {time.monotonic() - t0:.0f} s"
+
+        def work() -> None:
+            ticker = threading.Thread(target=tick, daemon=True)
+            ticker.start()
+            try:
+                # force: the picker replaces the cluster it started (the button says Start, not Add)
+                cluster = start_cluster(s, force=self.cluster is not None)
+            except Exception as e:
+                done.set()
+                self.status.value = f"failed after {time.monotonic() - t0:.1f} s"
+                self._show_error(error_text(e))
+                self.start_button.disabled = False
+                self.stop_button.disabled = self.cluster is None or self.cluster.stopped
+                self.probe_button.disabled = self.stop_button.disabled
+                return
+            done.set()
+            self.cluster = cluster
+            self.status.value = html.escape(
+                f"ready: {cluster.world_size} rank(s) on {len(cluster.hosts)} host(s), backend "
+                f"{cluster.backend}, in {time.monotonic() - t0:.1f} s"
+            )
+            self.topology.value = topology_html(cluster)
+            self.versions.value = versions_html(cluster)
+            self.start_button.disabled = False
+            self.probe_button.disabled = False
+            self.stop_button.disabled = False
+
+        self.status.value = f"{what}... 0 s"
+        self._run(work)
+
+    def _on_probe(self, _: Any = None) -> None:
+        cluster = self.cluster
+        if cluster is None or cluster.stopped:
+            self._show_error("no cluster is running; press Start first.")
+            return
+        self.probe_button.disabled = True
+        self.probe_out.value = "probing..."
+
+        def work() -> None:
+            try:
+                result = cluster.probe(max_bytes=self.probe_max_bytes)
+                self.probe_out.value = f"<pre>{html.escape(str(result))}</pre>"
+                self._show_error("")
+            except Exception as e:
+                self.probe_out.value = ""
+                self._show_error(error_text(e))
+            finally:
+                self.probe_button.disabled = False
+
+        self._run(work)
+
+    def _on_stop(self, _: Any = None) -> None:
+        self.wait()
+        cluster = self.cluster
+        if cluster is None:
+            return
+        try:
+            cluster.stop()
+        except Exception as e:
+            self._show_error(error_text(e))
+            return
+        self.status.value = "stopped"
+        self.topology.value = self.versions.value = self.probe_out.value = ""
+        self.probe_button.disabled = True
+        self.stop_button.disabled = True

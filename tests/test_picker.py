@@ -1,0 +1,203 @@
+"""nbtrain.ClusterPicker: settings, validation, and the widget driven like a user (real local engines)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+import nbtrain
+from nbtrain.display import picker as pk
+from nbtrain.errors import ConfigError
+from tests.conftest import cluster_processes, wait_gone
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBTRAIN_HOME", str(tmp_path))
+    return tmp_path
+
+
+# -- settings --------------------------------------------------------------------------------------
+
+
+def test_settings_round_trip(home):
+    assert pk.settings_path() == home / "picker.json"
+    assert pk.load_settings() == pk.PickerSettings()  # nothing saved yet: the defaults
+    s = pk.PickerSettings(
+        launcher="ssh",
+        hosts="node1:2,node2:1",
+        backend="gloo",
+        iface="eth0",
+        ip="10.0.0.5",
+        port=29555,
+        timeout=30.0,
+        allow_version_mismatch=True,
+    )
+    path = pk.save_settings(s)
+    assert path == home / "picker.json"
+    assert json.loads(path.read_text())["hosts"] == "node1:2,node2:1"
+    assert pk.load_settings() == s
+
+
+def test_settings_default_path_without_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("NBTRAIN_HOME", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert pk.settings_path() == tmp_path / "nbtrain" / "picker.json"
+
+
+def test_unreadable_or_foreign_settings_fall_back(home):
+    (home / "picker.json").write_text("{not json")
+    assert pk.load_settings() == pk.PickerSettings()
+    # a key from another nbtrain version is ignored, the rest kept
+    (home / "picker.json").write_text(json.dumps({"n": 3, "from_the_future": 1}))
+    assert pk.load_settings() == pk.PickerSettings(n=3)
+
+
+def test_widget_restores_saved_settings(home):
+    pk.save_settings(pk.PickerSettings(launcher="ssh", hosts="a:1,b:2", port=29600, backend="gloo"))
+    p = pk.ClusterPicker()
+    assert p.launcher.value == "ssh"
+    assert p.hosts.value == "a:1,b:2"
+    assert p.port.value == "29600"
+    assert p.backend.value == "gloo"
+    assert p.settings() == pk.load_settings()
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+
+def test_validation_messages():
+    assert pk.validate(pk.PickerSettings()) == {}
+    assert pk.validate(pk.PickerSettings(launcher="ssh", hosts="node1:2,node2:2")) == {}
+    errs = pk.validate(pk.PickerSettings(launcher="ssh", hosts="node1:2,,node2"))
+    assert "entry 2 is empty" in errs["hosts"]
+    errs = pk.validate(pk.PickerSettings(launcher="ssh", hosts="node1:2,node1:1"))
+    assert "listed twice" in errs["hosts"]
+    errs = pk.validate(pk.PickerSettings(launcher="ssh", hosts=""))
+    assert "--hosts is empty" in errs["hosts"]
+    errs = pk.validate(pk.PickerSettings(launcher="ssh", hosts="n1", port=70000))
+    assert "70000 is not a TCP port" in errs["port"]
+    errs = pk.validate(pk.PickerSettings(launcher="slurm"))
+    assert "not yet supported" in errs["launcher"]
+    errs = pk.validate(pk.PickerSettings(n=0))
+    assert "at least one engine" in errs["n"]
+    # hosts are only checked for the SSH launcher
+    assert pk.validate(pk.PickerSettings(launcher="local", hosts=",,")) == {}
+
+
+def test_api_call_matches_the_magics():
+    name, kw = pk.api_call(pk.PickerSettings(n=2, backend="gloo", timeout=30))
+    assert (name, kw) == ("start", {"n": 2, "backend": "gloo", "timeout": 30, "force": False})
+    name, kw = pk.api_call(
+        pk.PickerSettings(launcher="ssh", hosts="n1:2", iface="auto", port=29500)
+    )
+    assert name == "start"
+    assert kw["launcher"] == "ssh" and kw["hosts"] == "n1:2"
+    assert kw["iface"] is None and kw["ip"] is None and kw["port"] == 29500
+    name, kw = pk.api_call(pk.PickerSettings(launcher="connect", profile="mpi", iface="eth1"))
+    assert name == "connect"
+    assert kw["profile"] == "mpi" and kw["cluster_id"] is None and kw["iface"] == "eth1"
+
+
+def test_start_cluster_refuses_invalid_settings_before_starting():
+    with pytest.raises(ConfigError, match="entry 2 is empty"):
+        pk.start_cluster(pk.PickerSettings(launcher="ssh", hosts="a,,b"))
+    assert nbtrain.current_cluster() is None
+
+
+def test_widget_shows_hosts_error_inline(home):
+    p = pk.ClusterPicker(remember=False)
+    p.launcher.value = "ssh"
+    p.hosts.value = "node1:two"
+    assert "node1:two" in p.error.value and "Traceback" not in p.error.value
+    p.hosts.value = "node1:2"
+    assert p.error.value == ""
+    # Start with bad settings shows the message and starts nothing
+    p.hosts.value = "a,,b"
+    p.start_button.click()
+    assert "entry 2 is empty" in p.error.value
+    assert p.cluster is None and not p.start_button.disabled
+
+
+def test_slurm_is_shown_but_disabled(home):
+    p = pk.ClusterPicker(remember=False)
+    (slurm,) = p.unsupported
+    assert slurm.description == "Slurm" and slurm.disabled
+    assert slurm.tooltip == "not yet supported"
+    assert "slurm" not in [v for _, v in p.launcher.options]
+
+
+def test_interface_choices_are_this_machines():
+    from nbtrain.cluster import net
+
+    choices = pk.interface_choices()
+    assert choices[0] == "auto"
+    assert set(choices[1:]) == {i.name for i in net.interfaces()}
+
+
+# -- the widget on a real cluster ------------------------------------------------------------------
+
+
+def test_picker_starts_probes_and_stops_a_local_cluster(home):
+    assert nbtrain.current_cluster() is None
+    p = pk.ClusterPicker(probe_max_bytes=1024)
+    p.launcher.value = "local"
+    p.n.value = 1
+    p.backend.value = "gloo"
+    p.timeout.value = 90
+    p.start_button.click()
+    # the button stays disabled while the cluster starts; the status shows the elapsed seconds
+    assert p.start_button.disabled
+    assert p.status.value.startswith("starting...") and p.status.value.endswith(" s")
+    p.wait(100)
+    assert p.error.value == "", p.error.value
+    cluster = p.cluster
+    assert cluster is not None and nbtrain.current_cluster() is cluster
+    try:
+        assert cluster.world_size == 1
+        assert "ready: 1 rank(s)" in p.status.value
+        assert not p.start_button.disabled and not p.stop_button.disabled
+        r0 = cluster.ranks[0]
+        assert "<td>0</td>" in p.topology.value
+        assert (
+            f"<td>{r0.host}</td>" in p.topology.value
+            and f"<td>{r0.device}</td>" in p.topology.value
+        )
+        # the settings that started it were remembered
+        assert pk.load_settings() == p.settings()
+
+        p.probe_button.click()
+        p.wait(60)
+        assert p.error.value == "", p.error.value
+        assert "all_reduce across 1 rank(s), backend gloo" in p.probe_out.value
+        assert "1 KiB" in p.probe_out.value
+    finally:
+        pids = list(cluster._pids)
+        cid = cluster.cluster_id
+        p.stop_button.click()
+    assert cluster.stopped and nbtrain.current_cluster() is None
+    assert p.status.value == "stopped" and p.topology.value == ""
+    assert p.stop_button.disabled and p.probe_button.disabled
+    assert wait_gone(pids) == []
+    deadline = time.monotonic() + 10
+    while cluster_processes(cid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster_processes(cid) == []
+
+
+def test_failed_start_shows_the_message_not_a_traceback(home):
+    p = pk.ClusterPicker(remember=False)
+    p.launcher.value = "connect"
+    p.profile.value = "nbtrain-picker-no-such-profile"
+    p.timeout.value = 5
+    p.start_button.click()
+    p.wait(30)
+    assert p.cluster is None and nbtrain.current_cluster() is None
+    assert "nbtrain-picker-no-such-profile" in p.error.value, p.error.value
+    assert "Traceback" not in p.error.value
+    assert p.status.value.startswith("failed after")
+    assert not p.start_button.disabled and p.stop_button.disabled
