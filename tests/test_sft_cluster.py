@@ -37,7 +37,9 @@ def test_two_engines_equal_one_process_with_double_batch(tmp_path):
     cluster = nbtrain.start(n=2, force=True)
     try:
         cluster.push({"cfg_kwargs": _cfg(model, tmp_path / "two", 2)})
-        cluster.execute("import nbtrain\nresult = nbtrain.finetune(nbtrain.SFTConfig(**cfg_kwargs))")
+        cluster.execute(
+            "import nbtrain\nresult = nbtrain.finetune(nbtrain.SFTConfig(**cfg_kwargs))"
+        )
         results = cluster.pull("result")
     finally:
         cluster.stop()
