@@ -52,6 +52,8 @@ class PickerSettings:
     cluster_id: str = ""  # ipyparallel cluster id of an existing cluster (launcher connect)
     timeout: float = 120.0  # seconds to get every engine and the process group
     allow_version_mismatch: bool = False  # start although torch/NCCL/nbtrain differ across nodes
+    python: str = ""  # the Python with nbtrain on every host (empty: this kernel's path), --python
+    ssh_args: str = ""  # extra ssh arguments, e.g. "-F ~/.ssh/cluster", --ssh-args
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PickerSettings:
@@ -159,6 +161,9 @@ def api_call(s: PickerSettings, force: bool = False) -> tuple[str, dict[str, Any
             "backend": s.backend,
             "timeout": s.timeout,
             "force": force,
+            # only when given, as the magic does: LaunchOptions' defaults stay the defaults
+            **({"remote_python": s.python} if s.python else {}),
+            **({"ssh_args": s.ssh_args} if s.ssh_args else {}),
         }
     return "connect", {
         "cluster_id": s.cluster_id or None,
@@ -319,6 +324,18 @@ class ClusterPicker:
             description="Rendezvous port",
             style=style,
         )
+        self.python = w.Text(
+            value=s.python,
+            placeholder="this kernel's Python path",
+            description="Python on hosts",
+            style=style,
+        )
+        self.ssh_args = w.Text(
+            value=s.ssh_args,
+            placeholder="e.g. -F ~/.ssh/cluster",
+            description="ssh arguments",
+            style=style,
+        )
         self.timeout = w.BoundedFloatText(
             value=s.timeout, min=1, max=3600, description="Timeout (s)", style=style
         )
@@ -336,7 +353,7 @@ class ClusterPicker:
         self.versions = w.HTML()
         self.probe_out = w.HTML()
 
-        self._ssh_box = w.VBox([self.hosts, self.ip])
+        self._ssh_box = w.VBox([self.hosts, self.ip, self.python, self.ssh_args])
         self._local_box = w.VBox([self.n])
         self._connect_box = w.VBox([self.profile, self.cluster_id])
         self._shared_remote = w.VBox([self.iface, self.port, self.allow_mismatch])
@@ -388,6 +405,8 @@ class ClusterPicker:
             cluster_id=self.cluster_id.value.strip(),
             timeout=float(self.timeout.value),
             allow_version_mismatch=bool(self.allow_mismatch.value),
+            python=self.python.value.strip(),
+            ssh_args=self.ssh_args.value.strip(),
         )
 
     def _show_error(self, text: str) -> None:
