@@ -98,6 +98,11 @@ def test_api_call_matches_the_magics():
     assert name == "start"
     assert kw["launcher"] == "ssh" and kw["hosts"] == "n1:2"
     assert kw["iface"] is None and kw["ip"] is None and kw["port"] == 29500
+    assert "remote_python" not in kw and "ssh_args" not in kw  # LaunchOptions' defaults apply
+    _, kw = pk.api_call(
+        pk.PickerSettings(launcher="ssh", hosts="n1", python="/opt/py/bin/python", ssh_args="-F c")
+    )
+    assert kw["remote_python"] == "/opt/py/bin/python" and kw["ssh_args"] == "-F c"
     name, kw = pk.api_call(pk.PickerSettings(launcher="connect", profile="mpi", iface="eth1"))
     assert name == "connect"
     assert kw["profile"] == "mpi" and kw["cluster_id"] is None and kw["iface"] == "eth1"
