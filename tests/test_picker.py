@@ -109,9 +109,10 @@ def test_api_call_matches_the_magics():
 
 
 def test_start_cluster_refuses_invalid_settings_before_starting():
+    before = nbtrain.current_cluster()
     with pytest.raises(ConfigError, match="entry 2 is empty"):
         pk.start_cluster(pk.PickerSettings(launcher="ssh", hosts="a,,b"))
-    assert nbtrain.current_cluster() is None
+    assert nbtrain.current_cluster() is before
 
 
 def test_widget_shows_hosts_error_inline(home):
@@ -148,7 +149,8 @@ def test_interface_choices_are_this_machines():
 
 
 def test_picker_starts_probes_and_stops_a_local_cluster(home):
-    assert nbtrain.current_cluster() is None
+    # the picker, like %nbtrain start without --force, refuses to replace a cluster it did not start
+    assert nbtrain.current_cluster() is None, "a cluster from an earlier test is still running"
     p = pk.ClusterPicker(probe_max_bytes=1024)
     p.launcher.value = "local"
     p.n.value = 1
@@ -195,13 +197,14 @@ def test_picker_starts_probes_and_stops_a_local_cluster(home):
 
 
 def test_failed_start_shows_the_message_not_a_traceback(home):
+    before = nbtrain.current_cluster()
     p = pk.ClusterPicker(remember=False)
     p.launcher.value = "connect"
     p.profile.value = "nbtrain-picker-no-such-profile"
     p.timeout.value = 5
     p.start_button.click()
     p.wait(30)
-    assert p.cluster is None and nbtrain.current_cluster() is None
+    assert p.cluster is None and nbtrain.current_cluster() is before
     assert "nbtrain-picker-no-such-profile" in p.error.value, p.error.value
     assert "Traceback" not in p.error.value
     assert p.status.value.startswith("failed after")
