@@ -26,6 +26,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check nbtrain tests benchmarks
 	$(PY) -m ruff format --check nbtrain tests benchmarks
+	$(PY) -m mypy nbtrain
 
 # the docs, with warnings as errors (mkdocs.yml sets strict)
 docs: $(STAMP)

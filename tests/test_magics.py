@@ -109,6 +109,12 @@ def test_torchrun_environment_and_names(ip, started):
     assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
     assert len({e["MASTER_PORT"] for e in envs}) == 1
     assert envs[0]["MASTER_PORT"] != "29500" or True  # a free port, whatever it is
+    # one share of the cores per rank, and torch's pool agrees although engines import torch early
+    threads = cluster.run(
+        lambda: (__import__("torch").get_num_threads(), __import__("os").environ["OMP_NUM_THREADS"])
+    )
+    share = max(1, (__import__("os").cpu_count() or 1) // 2)
+    assert threads == [(share, str(share))] * 2
     out = run_cell(ip, "print(rank, local_rank, world_size, str(device))", "--output all")
     assert "[rank 0] 0 0 2 cpu" in out
     assert "[rank 1] 1 1 2 cpu" in out

@@ -199,6 +199,8 @@ def test_resume_latest_equals_uninterrupted(tiny, tmp_path):
     torch.testing.assert_close(_adapter(resumed.adapter_dir), _adapter(full.adapter_dir))
     steps = [json.loads(x)["step"] for x in (crashed / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]  # rows after the checkpoint were dropped, then redone
+    # the cut-short save's leftover was swept by the next save
+    assert not list(crashed.glob(".tmp-*"))
 
     # a checkpoint path works too, and without dropout restored RNG would not matter: check it does
     again = finetune(

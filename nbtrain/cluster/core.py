@@ -575,7 +575,7 @@ def _terminate(pids: Sequence[int], grace: float) -> None:
 def _descendants(pids: Sequence[int]) -> list[int]:
     import psutil
 
-    out = []
+    out: list[int] = []
     for pid in pids:
         try:
             out.extend(p.pid for p in psutil.Process(pid).children(recursive=True))
@@ -671,7 +671,7 @@ def start(
     if launch_options is not None:
         from nbtrain.cluster.launchers import start_ssh
 
-        cluster = start_ssh(options, launch_options, quiet=quiet)
+        cluster: Cluster = start_ssh(options, launch_options, quiet=quiet)
     else:
         cluster = _start_local(options, quiet=quiet)
     _current = cluster
@@ -681,6 +681,18 @@ def start(
 async def start_async(**kwargs: Any) -> Cluster:
     """The awaitable twin of `start` (runs it in a worker thread)."""
     return await asyncio.to_thread(start, **kwargs)
+
+
+def engine_environment(options: StartOptions) -> dict[str, str]:
+    """What every local engine gets in its environment at launch, before anything imports torch.
+
+    The user's `env` first; then, as torchrun does, one share of the cores per rank
+    (OMP_NUM_THREADS), since several ranks that each use every core thrash the CPU.
+    """
+    env = dict(options.extra_env)
+    if "OMP_NUM_THREADS" not in env and "OMP_NUM_THREADS" not in os.environ and options.n > 1:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // options.n))
+    return env
 
 
 def _start_local(options: StartOptions, quiet: bool = True) -> Cluster:
@@ -709,12 +721,14 @@ def _start_local(options: StartOptions, quiet: bool = True) -> Cluster:
         # stop is serial and slow enough that a restarting kernel gets killed halfway through it
         shutdown_atexit=False,
     )
-    # engines import torch while they wait for the controller (nbtrain.engine.boot)
+    # engines import torch while they wait for the controller (nbtrain.engine.boot), so the thread
+    # settings torch reads at import must be in their environment from the start
     ipp_cluster.config.LocalEngineSetLauncher.engine_cmd = [
         sys.executable,
         "-m",
         "nbtrain.engine.boot",
     ]
+    ipp_cluster.config.LocalEngineSetLauncher.environment = engine_environment(options)
     client = None
     pids: list[int] = []
     step = "starting the controller"
@@ -819,8 +833,8 @@ def _init_group(
             continue
         try:
             info = ar.get()
-        except Exception as e:
-            failures.append((r, e))
+        except Exception as err:
+            failures.append((r, err))
             continue
         r.device = info["device"]
         backends.add(info["backend"])

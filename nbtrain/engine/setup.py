@@ -84,8 +84,8 @@ def _install_torchrun_shims() -> None:
         return _REAL["destroy"](group)
 
     for module in (dist, c10d):
-        module.init_process_group = init_process_group  # type: ignore[assignment]
-        module.destroy_process_group = destroy_process_group  # type: ignore[assignment]
+        setattr(module, "init_process_group", init_process_group)  # noqa: B010
+        setattr(module, "destroy_process_group", destroy_process_group)  # noqa: B010
 
 
 def _real(name: str) -> Any:
@@ -156,9 +156,11 @@ def init_rank(env: dict[str, str], backend: str, timeout_s: float) -> dict[str, 
     local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
     if local_world > 1 and "OMP_NUM_THREADS" not in os.environ:
         # as torchrun does: several ranks per host each using every core thrash the CPU
-        threads = max(1, (os.cpu_count() or 1) // local_world)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local_world))
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        # torch may have been imported before the variable was set (nbtrain.engine.boot warms it up
+        # early; remote launchers set the environment late): make its thread pool agree, always
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
     if has_cuda:
         torch.cuda.set_device(local_rank)
@@ -207,7 +209,7 @@ def check_group() -> dict[str, Any]:
     seq = None
     try:
         pg = dist.distributed_c10d._get_default_group()
-        seq = int(pg._get_sequence_number_for_group())
+        seq = int(pg._get_sequence_number_for_group())  # type: ignore[attr-defined]
     except Exception:  # older torch, or a backend that does not count
         seq = None
     return {"initialized": True, "seq": seq}
@@ -264,7 +266,7 @@ def format_stacks(all_threads: bool = True) -> dict[str, Any]:
                 "stack": "".join(traceback.format_list(shown)),
             }
         )
-    out.sort(key=lambda t: (not t["main"], -t["user_frames"]))
+    out.sort(key=lambda t: (not t["main"], -int(t["user_frames"])))  # type: ignore[call-overload]
     from nbtrain.engine.faults import collectives
 
     return {

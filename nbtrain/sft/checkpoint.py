@@ -45,8 +45,11 @@ def write_atomic_dir(final: Path, fill: Callable[[Path], None]) -> Path:
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = parent / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    # a save killed midway leaves its temp folder behind; only rank 0 of one run writes here, so any
+    # other temp folder is such a leftover
+    for stale in parent.glob(".tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     try:
         fill(tmp)
