@@ -78,14 +78,7 @@ test('a run being written advances its step, and stop ends it', async ({
   fs.rmSync(out, { recursive: true, force: true });
   const writer: ChildProcess = spawn(
     process.env.PYTHON!,
-    [
-      path.join(repo, 'tests', 'ui', 'fake_run_writer.py'),
-      out,
-      '--steps',
-      '1000',
-      '--interval',
-      '0.25'
-    ],
+    [path.join(repo, 'tests', 'ui', 'run_writer.py'), out, '--steps', '100000'],
     {
       env: { ...process.env, NBTRAIN_HOME: path.join(uiDir, 'home') },
       stdio: ['ignore', 'pipe', 'inherit']
@@ -110,7 +103,7 @@ test('a run being written advances its step, and stop ends it', async ({
     // the status bar follows the newest running run
     const status = page.locator('.nbtrain-Status');
     await expect(status).toHaveText(
-      /^step \d+\/1000 · loss \d+\.\d+ · 3\.\dk tok\/s$/
+      /^step \d+\/100000 · loss \d+\.\d+ · [\d.]+k? tok\/s$/
     );
 
     await row.locator('.nbtrain-Item-name').click();
@@ -118,7 +111,7 @@ test('a run being written advances its step, and stop ends it', async ({
     await expect(panel).toHaveAttribute('data-state', 'running');
     await expect(panel).toBeVisible();
     const step = panel.locator('.nbtrain-RunPanel-step');
-    await expect(step).toHaveText(/^\d+\/1000$/);
+    await expect(step).toHaveText(/^\d+\/100000$/);
     const first = stepOf(await step.textContent());
     // the panel polls every second: within a few seconds the step has moved on
     await expect
@@ -154,10 +147,13 @@ test('a run being written advances its step, and stop ends it', async ({
     await expect(row).toHaveAttribute('data-state', 'stopped');
     await expect(status).toBeHidden();
     expect(await exited).toBe(0);
-    // the writer checkpointed at the step boundary where it saw the stop flag
+    // finetune checkpointed at the step boundary where it saw the stop flag, and exported the adapter
     expect(fs.readdirSync(out).some(f => f.startsWith('checkpoint-'))).toBe(
       true
     );
+    expect(
+      fs.existsSync(path.join(out, 'adapter', 'adapter_config.json'))
+    ).toBe(true);
     const final = stepOf(await step.textContent());
     await page.waitForTimeout(2500);
     expect(stepOf(await step.textContent())).toBe(final);
