@@ -6,17 +6,10 @@ import argparse
 from typing import Any
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
-    return value
-
-
 def add_fault_commands(sub: Any) -> None:
+    # magics.build_parser calls this once _positive_float exists, so the import finds it
+    from nbtrain.magics import _positive_float as _seconds
+
     p = sub.add_parser(
         "restart",
         help="replace dead or wedged engines and re-create the process group (their variables are lost)",
