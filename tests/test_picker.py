@@ -145,6 +145,108 @@ def test_interface_choices_are_this_machines():
     assert set(choices[1:]) == {i.name for i in net.interfaces()}
 
 
+# -- the nodes' interfaces ------------------------------------------------------------------------
+
+NODES = {
+    "node1": {
+        "data0": ["10.9.0.1", "fe80::1"],
+        "eth0": ["192.168.1.11"],
+        "lo": ["127.0.0.1", "::1"],
+        "mgmt0": ["172.16.0.11"],
+        "v6only": ["fd00::11"],
+    },
+    "node2": {
+        "data0": ["10.9.0.2"],
+        "eth0": ["192.168.1.12"],
+        "lo": ["127.0.0.1", "::1"],
+        "v6only": ["fd00::12"],
+        "ib0": [],
+    },
+}
+
+
+def test_node_interface_options_common_first_then_who_lacks_what():
+    opts = pk.node_interface_options(NODES)
+    assert opts == [
+        ("auto", "auto"),
+        ("data0", "data0"),
+        ("eth0", "eth0"),
+        ("mgmt0 (not on node2)", "mgmt0"),
+    ]
+    # one node: its loopback is a choice (last, in the node's order); a second node's lack of an
+    # IPv4 address is named
+    assert [v for _, v in pk.node_interface_options({"node1": NODES["node1"]})] == [
+        "auto",
+        "data0",
+        "eth0",
+        "lo",
+        "mgmt0",
+    ]
+    # ... unless the other hosts just did not answer: loopback still connects nothing
+    assert "lo" not in [
+        v for _, v in pk.node_interface_options({"node1": NODES["node1"]}, n_hosts=2)
+    ]
+    odd = {"a": {"eth1": ["10.0.0.1"]}, "b": {"eth1": ["fd00::2"]}}
+    assert pk.node_interface_options(odd)[1] == ("eth1 (no IPv4 address on b)", "eth1")
+    # a saved choice the nodes do not have stays, and says so
+    assert pk.node_interface_options(NODES, "ib9")[-1] == ("ib9 (not on node1, node2)", "ib9")
+    assert pk.node_interface_options({}, "ib9")[-1] == ("ib9 (not found on the nodes)", "ib9")
+
+
+def test_node_interfaces_html_lists_every_node_and_what_is_missing():
+    text = pk.node_interfaces_html(NODES, "Check hosts")
+    assert "<td>node1</td><td>data0 (10.9.0.1), eth0 (192.168.1.11), lo (127.0.0.1), " in text
+    assert "mgmt0: not on node2" in text
+    assert "fe80" not in text and "ib0" not in text
+    assert pk.node_interfaces_html({}, "x") == ""
+
+
+def test_interfaces_from_preflight_reports_one_per_host():
+    from types import SimpleNamespace as NS
+
+    ranks = [NS(host="node1"), NS(host="node2"), NS(host="node2")]
+    reports = [
+        {"interfaces": {"eth0": {"addresses": ["10.0.0.1"], "up": True}}},
+        {"interfaces": {"eth0": {"addresses": ["10.0.0.2"], "up": True}}},
+        {"interfaces": {"other": {"addresses": ["10.0.0.3"], "up": True}}},  # same host: ignored
+    ]
+    assert pk.interfaces_from_reports(ranks, reports) == {
+        "node1": {"eth0": ["10.0.0.1"]},
+        "node2": {"eth0": ["10.0.0.2"]},
+    }
+
+
+def test_ssh_dropdown_offers_auto_and_the_saved_choice_until_hosts_are_checked(home):
+    from nbtrain.cluster import net
+
+    pk.save_settings(pk.PickerSettings(launcher="ssh", hosts="a:1,b:1", iface="ib0"))
+    p = pk.ClusterPicker()
+    # this machine's interfaces say nothing about the hosts': not offered for SSH hosts
+    assert [v for _, v in p.iface.options] == ["auto", "ib0"] and p.iface.value == "ib0"
+    assert "Check hosts" in p.iface_info.value
+    # this machine, or an existing cluster before it is connected: this machine's interfaces
+    p.launcher.value = "connect"
+    assert {v for _, v in p.iface.options} == {"auto", "ib0", *(i.name for i in net.interfaces())}
+    assert p.iface.value == "ib0"
+
+
+def test_check_hosts_names_the_host_it_cannot_reach(home):
+    p = pk.ClusterPicker(remember=False)
+    p.launcher.value = "ssh"
+    p.hosts.value = "nbtrain-no-such-host.invalid:1"
+    p.check_button.click()
+    p.wait(60)
+    assert "nbtrain-no-such-host.invalid" in p.error.value, p.error.value
+    assert "cannot resolve host" in p.error.value and "Traceback" not in p.error.value
+    assert p.status.value.startswith("checked 0 of 1 host(s)")
+    assert not p.check_button.disabled and not p.start_button.disabled
+    assert p.node_interfaces() is None and [v for _, v in p.iface.options] == ["auto"]
+    # invalid hosts are refused before anything logs in
+    p.hosts.value = "a,,b"
+    p.check_button.click()
+    assert "entry 2 is empty" in p.error.value
+
+
 # -- the widget on a real cluster ------------------------------------------------------------------
 
 

@@ -241,6 +241,141 @@ def interface_choices() -> list[str]:
     return [AUTO, *(i.name for i in net.interfaces())]
 
 
+# -- the nodes' interfaces -------------------------------------------------------------------------
+
+# host (as in --hosts) -> interface name -> its addresses (IPv4 first), as the hosts report them
+NodeInterfaces = dict[str, dict[str, list[str]]]
+
+
+def check_node_interfaces(
+    s: PickerSettings, timeout: float = 30.0
+) -> tuple[NodeInterfaces, dict[str, str]]:
+    """Log in to every SSH host (in parallel) and ask for its interfaces; nothing is started.
+
+    Returns (host -> interfaces, host -> error message). Each host is asked on its own, so one host
+    that cannot be reached does not hide the interfaces of the others, and every failing host is
+    named. The login and the question are `launchers.check_hosts`, the check `nbtrain.start` makes.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nbtrain.cluster import launchers, net
+
+    specs = net.parse_hosts(s.hosts)
+    extra: dict[str, Any] = {}
+    if s.python:
+        extra["remote_python"] = s.python
+    if s.ssh_args:
+        extra["ssh_args"] = s.ssh_args
+
+    def one(spec: net.HostSpec) -> dict[str, list[str]]:
+        # one host per LaunchOptions: an unknown host name fails here, naming that host only
+        lo = launchers.LaunchOptions(launcher="ssh", hosts=[spec], **extra)
+        return launchers.check_hosts(lo, timeout)[spec.host].interfaces
+
+    found: NodeInterfaces = {}
+    errors: dict[str, str] = {}
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = {spec.host: pool.submit(one, spec) for spec in specs}
+        for host, fut in futures.items():
+            try:
+                found[host] = {n: list(a) for n, a in fut.result().items()}
+            except Exception as e:
+                errors[host] = error_text(e)
+    return found, errors
+
+
+def interfaces_from_reports(ranks: Any, reports: Any) -> NodeInterfaces:
+    """Host -> interfaces from the preflight reports of a started cluster (one report per rank)."""
+    found: NodeInterfaces = {}
+    for r, report in zip(ranks, reports or ()):
+        if r.host in found or not isinstance(report, dict):
+            continue
+        nics = report.get("interfaces") or {}
+        found[r.host] = {n: list(v.get("addresses", [])) for n, v in nics.items()}
+    return found
+
+
+def _ipv4(addresses: list[str]) -> list[str]:
+    return [a for a in addresses if ":" not in a]
+
+
+def _is_loopback(name: str, addresses: list[str]) -> bool:
+    import ipaddress
+
+    if name == "lo":
+        return True
+    try:
+        return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+    except ValueError:
+        return False
+
+
+def _missing_text(name: str, nodes: NodeInterfaces) -> str:
+    """'' when every node has `name` with an IPv4 address, else which node lacks what."""
+    absent = [h for h, nics in nodes.items() if name not in nics]
+    no_v4 = [h for h, nics in nodes.items() if name in nics and not _ipv4(nics[name])]
+    parts = []
+    if absent:
+        parts.append("not on " + ", ".join(absent))
+    if no_v4:
+        parts.append("no IPv4 address on " + ", ".join(no_v4))
+    return "; ".join(parts)
+
+
+def node_interface_options(
+    nodes: NodeInterfaces, current: str = AUTO, n_hosts: int | None = None
+) -> list[tuple[str, str]]:
+    """The Interface dropdown's (label, value) pairs for the nodes' interfaces.
+
+    'auto' first, then the interfaces every node has (with an IPv4 address: the process group
+    needs one), then those some node lacks, labelled with the node. Loopback is left out when there
+    is more than one node (`n_hosts`: the hosts of the cluster, default those in `nodes`; it does
+    not connect them), and so are interfaces with no IPv4 address on any node. A `current` choice
+    that is not among them stays, labelled as such.
+    """
+    several = (len(nodes) if n_hosts is None else n_hosts) > 1
+    names: list[str] = []
+    for nics in nodes.values():
+        for name, addresses in nics.items():
+            if name in names or not _ipv4(addresses):
+                continue
+            if several and _is_loopback(name, addresses):
+                continue
+            names.append(name)
+    common = [n for n in names if not _missing_text(n, nodes)]
+    partial = [n for n in names if n not in common]
+    options = [(AUTO, AUTO)]
+    options += [(n, n) for n in common]
+    options += [(f"{n} ({_missing_text(n, nodes)})", n) for n in partial]
+    if current not in (AUTO, *names):
+        why = _missing_text(current, nodes) if nodes else ""
+        options.append((f"{current} ({why or 'not found on the nodes'})", current))
+    return options
+
+
+def node_interfaces_html(nodes: NodeInterfaces, source: str, n_hosts: int | None = None) -> str:
+    """Each node's interfaces and addresses, and which interface some node lacks, as HTML."""
+    if not nodes:
+        return ""
+    out = [f'<div class="nbtrain-node-ifaces"><small>interfaces of the nodes ({source}):</small>']
+    out.append("<table><thead><tr><th>node</th><th>interfaces</th></tr></thead><tbody>")
+    for host, nics in nodes.items():
+        listed = ", ".join(f"{n} ({', '.join(_ipv4(a))})" for n, a in nics.items() if _ipv4(a))
+        out.append(
+            f"<tr><td>{html.escape(host)}</td><td>{html.escape(listed or 'none with IPv4')}</td></tr>"
+        )
+    out.append("</tbody></table>")
+    lacking = [
+        (n, _missing_text(n, nodes))
+        for _, n in node_interface_options(nodes, n_hosts=n_hosts)
+        if n != AUTO and _missing_text(n, nodes)
+    ]
+    for name, why in lacking:
+        out.append(f"<div><small>{html.escape(name)}: {html.escape(why)}</small></div>")
+    out.append("</div>")
+    return "".join(out)
+
+
 # -- the widget ------------------------------------------------------------------------------------
 
 
@@ -308,10 +443,15 @@ class ClusterPicker:
             description="Backend",
             style=style,
         )
-        ifaces = interface_choices()
-        if s.iface not in ifaces:
-            ifaces.append(s.iface)  # a saved interface of the nodes, not of this machine
-        self.iface = w.Dropdown(options=ifaces, value=s.iface, description="Interface", style=style)
+        # filled by _refresh_ifaces: the nodes' interfaces once known (Check hosts, or preflight
+        # after a start), until then this machine's (or, for SSH hosts, 'auto' and the saved one)
+        self.iface = w.Dropdown(options=[AUTO], value=AUTO, description="Interface", style=style)
+        self._saved_iface = s.iface or AUTO
+        self.iface_info = w.HTML()
+        # the nodes' interfaces and what they belong to: (launcher, hosts or profile/cluster id)
+        self._nodes: NodeInterfaces | None = None
+        self._nodes_key: tuple[str, ...] | None = None
+        self._nodes_hosts = 0  # hosts asked (some may not have answered)
         self.ip = w.Text(
             value=s.ip,
             placeholder="auto (routes to the hosts)",
@@ -342,6 +482,11 @@ class ClusterPicker:
         self.allow_mismatch = w.Checkbox(
             value=s.allow_version_mismatch, description="Allow version mismatch", indent=False
         )
+        self.check_button = w.Button(
+            description="Check hosts",
+            icon="search",
+            tooltip="log in to the hosts over SSH and list their network interfaces",
+        )
         self.start_button = w.Button(description="Start", button_style="primary", icon="play")
         self.probe_button = w.Button(description="Probe", icon="tachometer", disabled=True)
         self.stop_button = w.Button(
@@ -353,10 +498,10 @@ class ClusterPicker:
         self.versions = w.HTML()
         self.probe_out = w.HTML()
 
-        self._ssh_box = w.VBox([self.hosts, self.ip, self.python, self.ssh_args])
+        self._ssh_box = w.VBox([self.hosts, self.ip, self.python, self.ssh_args, self.check_button])
         self._local_box = w.VBox([self.n])
         self._connect_box = w.VBox([self.profile, self.cluster_id])
-        self._shared_remote = w.VBox([self.iface, self.port, self.allow_mismatch])
+        self._shared_remote = w.VBox([self.iface, self.iface_info, self.port, self.allow_mismatch])
         self.widget = w.VBox(
             [
                 w.HBox([self.launcher, *self.unsupported]),
@@ -376,6 +521,10 @@ class ClusterPicker:
         )
         self.launcher.observe(self._on_launcher, names="value")
         self.hosts.observe(self._on_hosts, names="value")
+        # the nodes' interfaces belong to these hosts (or this existing cluster): refill on change
+        self.profile.observe(self._on_hosts, names="value")
+        self.cluster_id.observe(self._on_hosts, names="value")
+        self.check_button.on_click(self._on_check)
         self.start_button.on_click(self._on_start)
         self.probe_button.on_click(self._on_probe)
         self.stop_button.on_click(self._on_stop)
@@ -430,6 +579,84 @@ class ClusterPicker:
             self._show_error(validate(self.settings()).get("hosts", ""))
         else:
             self._show_error("")
+        self._refresh_ifaces()
+
+    # -- the interfaces of the nodes ---------------------------------------------------------------
+    def _nodes_key_now(self) -> tuple[str, ...]:
+        which = self.launcher.value
+        if which == "ssh":
+            return (which, self.hosts.value.strip())
+        if which == "connect":
+            return (which, self.profile.value.strip(), self.cluster_id.value.strip())
+        return (which,)
+
+    def _refresh_ifaces(self) -> None:
+        """Fill the Interface dropdown for what the form shows now, keeping the choice."""
+        current = self.iface.value if self.iface.value != AUTO else self._saved_iface
+        self._saved_iface = AUTO  # the saved choice counts once, at the first fill
+        if self._nodes is not None and self._nodes_key == self._nodes_key_now():
+            options = node_interface_options(self._nodes, current, self._nodes_hosts)
+        elif self.launcher.value == "ssh":
+            # this machine's interfaces say nothing about the hosts': ask them (Check hosts)
+            options = [(AUTO, AUTO)] + ([(current, current)] if current != AUTO else [])
+            self.iface_info.value = (
+                "<small>Check hosts lists the interfaces of the hosts; auto uses the one that "
+                "routes to rank 0.</small>"
+            )
+        else:
+            names = interface_choices()
+            options = [(n, n) for n in names]
+            if current not in names:
+                options.append((current, current))  # a saved interface of the nodes
+            self.iface_info.value = ""
+        self.iface.options = options
+        self.iface.value = current if current in [v for _, v in options] else AUTO
+
+    def _set_nodes(
+        self, nodes: NodeInterfaces, key: tuple[str, ...], source: str, n_hosts: int
+    ) -> None:
+        self._nodes, self._nodes_key, self._nodes_hosts = nodes, key, n_hosts
+        self._refresh_ifaces()
+        if key == self._nodes_key_now():
+            self.iface_info.value = node_interfaces_html(nodes, source, n_hosts)
+
+    def node_interfaces(self) -> NodeInterfaces | None:
+        """Host -> interface -> addresses, from Check hosts or the last start; None if not known."""
+        return self._nodes
+
+    def _on_check(self, _: Any = None) -> None:
+        s = self.settings()
+        if s.launcher != "ssh":
+            return
+        problem = validate(s).get("hosts")
+        if problem:
+            self._show_error(problem)
+            return
+        key = self._nodes_key_now()
+        self.check_button.disabled = True
+        self.start_button.disabled = True
+        self._show_error("")
+        self.status.value = "checking the hosts..."
+        t0 = time.monotonic()
+
+        def work() -> None:
+            try:
+                nodes, errors = check_node_interfaces(s, timeout=min(30.0, s.timeout))
+            except Exception as e:  # the settings themselves (validated above; belt and braces)
+                nodes, errors = {}, {"hosts": error_text(e)}
+            try:
+                if nodes:
+                    self._set_nodes(nodes, key, "Check hosts", len(nodes) + len(errors))
+                self._show_error("\n".join(errors.values()))
+                self.status.value = html.escape(
+                    f"checked {len(nodes)} of {len(nodes) + len(errors)} host(s) in "
+                    f"{time.monotonic() - t0:.1f} s"
+                )
+            finally:
+                self.check_button.disabled = False
+                self.start_button.disabled = False
+
+        self._run(work)
 
     # -- buttons -----------------------------------------------------------------------------------
     def _run(self, work: Any) -> None:
@@ -457,10 +684,12 @@ class ClusterPicker:
             except OSError as e:
                 log.warning("nbtrain: could not save picker settings: %s", e)
         self.start_button.disabled = True
+        self.check_button.disabled = True
         self.probe_button.disabled = True
         self.stop_button.disabled = True
         self.topology.value = self.versions.value = self.probe_out.value = ""
         what = "connecting" if s.launcher == "connect" else "starting"
+        key = self._nodes_key_now()
         t0 = time.monotonic()
         done = threading.Event()
 
@@ -478,7 +707,7 @@ class ClusterPicker:
                 done.set()
                 self.status.value = f"failed after {time.monotonic() - t0:.1f} s"
                 self._show_error(error_text(e))
-                self.start_button.disabled = False
+                self.start_button.disabled = self.check_button.disabled = False
                 self.stop_button.disabled = self.cluster is None or self.cluster.stopped
                 self.probe_button.disabled = self.stop_button.disabled
                 return
@@ -490,7 +719,12 @@ class ClusterPicker:
             )
             self.topology.value = topology_html(cluster)
             self.versions.value = versions_html(cluster)
-            self.start_button.disabled = False
+            # preflight saw every node's interfaces: the dropdown offers those from now on
+            reports = getattr(cluster, "preflight_reports", None)
+            if reports:
+                nodes = interfaces_from_reports(cluster.ranks, reports)
+                self._set_nodes(nodes, key, "preflight of the running cluster", len(nodes))
+            self.start_button.disabled = self.check_button.disabled = False
             self.probe_button.disabled = False
             self.stop_button.disabled = False
 
