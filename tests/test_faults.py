@@ -96,8 +96,13 @@ def test_rank_death_fails_cell_fast_and_restart_recovers(cluster, name, code, ki
     if name == "exit3":
         assert err.deaths[0].exit_code == 3
         assert "leaving with 3" in text  # rank 1's stderr, although only rank 0's output is shown
-    # rank 0 was not left blocked in its all_reduce
-    assert "Interrupted the other ranks (rank 0 on" in text or "Ended rank 0 on" in text
+    # rank 0 was not left blocked in its all_reduce: interrupted or ended by nbtrain, or its gloo
+    # call failed on its own when the peer's socket closed (then its error is in the message)
+    assert (
+        "Interrupted the other ranks (rank 0 on" in text
+        or "Ended rank 0 on" in text
+        or f"rank 0 on {host} failed first" in text
+    ), text
     status = cluster.status()  # does not hang
     assert len(status) == 2
     # a cell on the broken cluster says what to do instead of hanging
