@@ -81,6 +81,27 @@ def quantile(xs: list[float], q: float) -> float | None:
     return s[k]
 
 
+def median_ci(xs: list[float], conf: float = 0.9) -> tuple[float, float] | None:
+    """Distribution-free confidence interval of the median (order statistics, binomial tails).
+
+    With n paired ratios, the interval [x(k), x(n-k+1)] covers the true median with probability at
+    least `conf`; nothing is assumed about how the VM's noise is distributed.
+    """
+    from math import comb
+
+    n = len(xs)
+    s = sorted(xs)
+    tail = (1 - conf) / 2
+    k, cum = 0, 0.0
+    # the largest k with P(Binomial(n, 1/2) < k) <= tail
+    while k < n and cum + comb(n, k) / 2**n <= tail:
+        cum += comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return None  # too few rounds for this confidence
+    return s[k - 1], s[n - k]
+
+
 def summary(xs: list[float]) -> dict[str, Any]:
     return {
         "n": len(xs),
@@ -160,3 +181,104 @@ def last_json_line(text: str) -> dict[str, Any]:
                 continue
     msg = f"no JSON report in the child's output:\n{text[-2000:]}"
     raise RuntimeError(msg)
+
+
+class CpuMeter:
+    """CPU seconds used by process trees while the ranks train, split into rank and launcher shares.
+
+    Wall-clock tokens/s on a shared 2-core VM swings by up to 2x between runs; CPU time does not:
+    what the launcher side (torchrun's agent; nbtrain's controller, nanny, watchdog and the kernel
+    that draws the live display) burns while the ranks train is taken from the ranks' two cores, so
+    its share bounds the launcher's cost whatever the noise. A thread samples every tree each
+    `every` seconds with psutil's per-thread times, and counts the rows of the run's metrics.jsonl:
+    the report covers the samples from the one where `from_rows` rows were written to the one where
+    the last row was, the same window the tokens/s figure covers (start-up and imports left out).
+    """
+
+    def __init__(self, roots: list[int], metrics: Path, ranks: int = 2, every: float = 0.2) -> None:
+        import threading
+
+        self.roots, self.metrics, self.ranks, self.every = roots, metrics, ranks, every
+        # (time, rows written, {(pid, tid): (cmd, main|thread, cpu seconds)})
+        self.series: list[tuple[float, int, dict[tuple[int, int], tuple[str, str, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _rows(self) -> int:
+        try:
+            return self.metrics.read_bytes().count(b"\n")
+        except OSError:
+            return 0
+
+    def _sample(self) -> None:
+        import psutil
+
+        seen: dict[tuple[int, int], tuple[str, str, float]] = {}
+        procs = []
+        for pid in self.roots:
+            try:
+                p = psutil.Process(pid)
+                procs += [p, *p.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+        for p in procs:
+            try:
+                cmd = " ".join(p.cmdline())
+                for t in p.threads():
+                    kind = "main" if t.id == p.pid else "thread"
+                    seen[(p.pid, t.id)] = (cmd, kind, t.user_time + t.system_time)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        self.series.append((time.perf_counter(), self._rows(), seen))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def __enter__(self) -> CpuMeter:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def report(self, from_rows: int) -> dict[str, Any]:
+        """CPU seconds and shares over the training window: rank main threads, rank side threads, the rest."""
+        final = self.series[-1][1]
+        first = next(i for i, s in enumerate(self.series) if s[1] >= min(from_rows, final))
+        last = next(i for i, s in enumerate(self.series) if s[1] >= final)
+        if last <= first:
+            return {"window_s": 0.0, "outside_ranks_share_of_machine": None}
+        t0, _, start = self.series[first]
+        t1 = self.series[last][0]
+        end: dict[tuple[int, int], tuple[str, str, float]] = {}
+        for _, _, snap in self.series[first : last + 1]:
+            end.update(snap)  # a process that exited keeps its last sample
+        used: dict[int, dict[str, float]] = {}
+        cmds: dict[int, str] = {}
+        for key, (cmd, kind, t) in end.items():
+            d = t - (start[key][2] if key in start else 0.0)
+            if d <= 0:
+                continue
+            used.setdefault(key[0], {"main": 0.0, "thread": 0.0})[kind] += d
+            cmds[key[0]] = cmd
+        # the ranks are the processes that trained: the busiest main threads
+        ranks = sorted(used, key=lambda p: used[p]["main"], reverse=True)[: self.ranks]
+        outside = {p: used[p]["main"] + used[p]["thread"] for p in used if p not in ranks}
+        total_out = sum(outside.values())
+        window = t1 - t0
+        top = sorted(outside.items(), key=lambda kv: kv[1], reverse=True)[:4]
+        return {
+            "window_s": round(window, 2),
+            "rank_main_cpu_s": round(sum(used[p]["main"] for p in ranks), 3),
+            "rank_side_threads_cpu_s": round(sum(used[p]["thread"] for p in ranks), 3),
+            "outside_ranks_cpu_s": round(total_out, 3),
+            # the share of the machine's capacity (all its cores) the launcher side took
+            "outside_ranks_share_of_machine": round(
+                total_out / (window * (os.cpu_count() or 1)), 4
+            ),
+            "outside_top": [(cmds[p][-70:], round(s, 3)) for p, s in top],
+        }

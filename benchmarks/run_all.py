@@ -31,6 +31,8 @@ def _fmt(x: Any, unit: str = "") -> str:
             return f"{x:.2f} s"
         if unit == "ms":
             return f"{x:.2f} ms"
+        if unit == "%":
+            return f"{x:.2f}%"
         if unit == "tok/s":
             return f"{x:,.0f} tok/s"
         return f"{x:.3f}"
