@@ -72,3 +72,43 @@ def test_public_names_import_cheaply():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+RANK_WORKER = """
+import os, sys
+import torch.distributed as dist
+from nbtrain.sft.tiny import make_tiny_model
+store = dist.FileStore(sys.argv[1], 2)
+dist.init_process_group("gloo", store=store, rank=int(sys.argv[2]), world_size=2)
+rank = dist.get_rank()
+make_tiny_model(os.path.join(sys.argv[3], f"own-{rank}"))   # as on nodes with their own disks
+make_tiny_model(os.path.join(sys.argv[3], "shared"))        # as two ranks of one host, at once
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_tiny_model_is_written_on_every_rank_of_a_process_group(tmp_path):
+    # transformers' save_pretrained writes weights on global rank 0 only inside a process group; a
+    # rank of another node would then have no model to fine-tune
+    from transformers import AutoModelForCausalLM
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_WORKER, str(tmp_path / "store"), str(r), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out
+    for name in ("own-0", "own-1", "shared"):
+        assert (tmp_path / name / "model.safetensors").is_file(), sorted(
+            x.name for x in (tmp_path / name).iterdir()
+        )
+        AutoModelForCausalLM.from_pretrained(tmp_path / name)
+    # no half-written folders left beside them
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["own-0", "own-1", "shared", "store"]

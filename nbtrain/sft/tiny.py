@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -119,10 +121,29 @@ def make_tiny_model(
         # the tied output head stays frozen under LoRA, and with the usual 0.02 init its logits could
         # never leave near-uniform; a wider embedding lets LoRA drive the loss down visibly
         torch.nn.init.normal_(model.get_input_embeddings().weight, std=embed_std)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    # Inside a process group transformers writes weights on global rank 0 only, which would leave
+    # every other node of a cluster without a model: every caller here wants its own copy.
+    model.should_save_on_this_rank = lambda is_main_process: True
+    out = Path(path)
+    if out.is_dir() and any(out.iterdir()):
+        # an existing folder (perhaps the user's, with other files): write into it, as before
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a new folder is written whole beside it, then renamed: ranks of one host may call this on
+    # the same path at once (the same seed gives the same model), and no reader sees half a model
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise  # not a twin that landed first: a real failure
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
