@@ -121,20 +121,34 @@ export function linePath(
     .join('');
 }
 
-/** A short label for an axis value: `2e-4`, `1.5k`, `0.93`. */
-export function formatTick(value: number): string {
+/** A short label for an axis value: `2e-4`, `1.5k`, `0.93`; `extra` adds significant digits. */
+export function formatTick(value: number, extra = 0): string {
   const abs = Math.abs(value);
   if (value === 0) {
     return '0';
   }
   if (abs >= 1e4) {
-    return `${Number((value / 1e3).toPrecision(3))}k`;
+    return `${Number((value / 1e3).toPrecision(3 + extra))}k`;
   }
   if (abs < 1e-2) {
     // 1.5e-4 stays 1.5e-4: one digit would label two ticks alike
-    return Number(value.toPrecision(2)).toExponential();
+    return Number(value.toPrecision(2 + extra)).toExponential();
   }
-  return `${Number(value.toPrecision(3))}`;
+  return `${Number(value.toPrecision(3 + extra))}`;
+}
+
+/**
+ * Labels for one axis: as short as formatTick's, with just enough more digits that no two ticks
+ * read alike (a learning rate from 4.90e-3 to 5.05e-3 would otherwise label every tick `5e-3`).
+ */
+export function formatTicks(ticks: number[]): string[] {
+  for (let extra = 0; extra <= 6; extra++) {
+    const labels = ticks.map(t => formatTick(t, extra));
+    if (new Set(labels).size === labels.length) {
+      return labels;
+    }
+  }
+  return ticks.map(t => String(t));
 }
 
 const SVG_NS = 'http://www.w3.org/2000/svg';
@@ -194,7 +208,8 @@ export class LineChart {
       transform: `translate(${MARGIN.left},${MARGIN.top})`
     });
     const yTicks = niceTicks(box.y0, box.y1, 4);
-    for (const t of yTicks) {
+    const yLabels = formatTicks(yTicks);
+    for (const [i, t] of yTicks.entries()) {
       const y = h - ((t - box.y0) / (box.y1 - box.y0)) * h;
       plot.appendChild(
         this._el('line', {
@@ -211,10 +226,12 @@ export class LineChart {
         'text-anchor': 'end',
         class: 'nbtrain-Chart-tick'
       });
-      label.textContent = formatTick(t);
+      label.textContent = yLabels[i];
       plot.appendChild(label);
     }
-    for (const t of niceTicks(box.x0, box.x1, 5)) {
+    const xTicks = niceTicks(box.x0, box.x1, 5);
+    const xLabels = formatTicks(xTicks);
+    for (const [i, t] of xTicks.entries()) {
       const x = ((t - box.x0) / (box.x1 - box.x0)) * w;
       const label = this._el('text', {
         x,
@@ -222,7 +239,7 @@ export class LineChart {
         'text-anchor': 'middle',
         class: 'nbtrain-Chart-tick'
       });
-      label.textContent = formatTick(t);
+      label.textContent = xLabels[i];
       plot.appendChild(label);
     }
     for (const s of shown) {

@@ -4,6 +4,7 @@ import {
   downsample,
   extent,
   formatTick,
+  formatTicks,
   linePath,
   niceTicks
 } from '../src/charts';
@@ -59,6 +60,16 @@ describe('axes', () => {
     expect(formatTick(1.5e-4)).toBe('1.5e-4');
     expect(formatTick(32000)).toBe('32k');
     expect(formatTick(0.9312)).toBe('0.931');
+  });
+
+  it('gives a narrow range of ticks distinct labels', () => {
+    const ticks = niceTicks(0.0049, 0.00506, 4);
+    const labels = formatTicks(ticks);
+    expect(new Set(labels).size).toBe(ticks.length);
+    expect(labels).toContain('5e-3');
+    expect(labels).toContain('4.95e-3');
+    // a wide range keeps the short labels
+    expect(formatTicks([0, 1e-4, 2e-4])).toEqual(['0', '1e-4', '2e-4']);
   });
 });
 
