@@ -1,6 +1,8 @@
 #!/bin/sh
 # Install what the simulated-node test bed (tests/multinode/testbed.py) needs on Debian/Ubuntu:
-# sshd and ssh for real SSH logins, iproute2 for namespaces/veth/bridge, util-linux for unshare/nsenter.
+# sshd and ssh for real SSH logins, iproute2 for namespaces/veth/bridge, util-linux for unshare/nsenter;
+# and for the launcher tests, Slurm and munge (scripts/slurm-testbed.sh starts them on this machine)
+# and Open MPI's mpiexec.
 # Idempotent and quiet: does nothing when everything is present. Needs root.
 set -eu
 
@@ -11,6 +13,11 @@ command -v ssh >/dev/null 2>&1 || need="$need openssh-client"
 command -v unshare >/dev/null 2>&1 || need="$need util-linux"
 command -v nsenter >/dev/null 2>&1 || need="$need util-linux"
 command -v ssh-keygen >/dev/null 2>&1 || need="$need openssh-client"
+[ -x /usr/sbin/slurmctld ] || need="$need slurmctld"
+[ -x /usr/sbin/slurmd ] || need="$need slurmd"
+command -v sbatch >/dev/null 2>&1 || need="$need slurm-client"
+[ -x /usr/sbin/munged ] || need="$need munge"
+command -v mpiexec >/dev/null 2>&1 || need="$need openmpi-bin"
 
 if [ -z "$need" ]; then
     exit 0
@@ -20,7 +27,7 @@ if [ "$(id -u)" != 0 ]; then
     exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
-# the test bed runs its own sshd per node; keep the package from starting a system one
+# the test beds run their own sshd per node and their own munged/slurmctld/slurmd
 log=$(mktemp)
 # shellcheck disable=SC2086
 if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends $need; } >"$log" 2>&1; then
