@@ -55,23 +55,50 @@ def _engine_count(text: str) -> int:
     return int(value)
 
 
+def _whole(text: str, least: int, flag: str, example: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if value != value or value != int(value) or value < least:
+        at_least = "at least 1" if least else "0 or more"
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number {at_least} (e.g. {flag} {example})"
+        )
+    return int(value)
+
+
+def _nodes(text: str) -> int:
+    return _whole(text, 1, "--nodes", "2")
+
+
+def _gpus(text: str) -> int:
+    return _whole(text, 0, "--gpus-per-node", "4")
+
+
+def _per_node(text: str) -> int:
+    return _whole(text, 1, "--engines-per-node", "2")
+
+
 def _add_multinode_start_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("multi-node (--launcher ssh)")
+    g = p.add_argument_group("multi-node (--launcher ssh, slurm or mpi)")
     g.add_argument(
         "--launcher",
         choices=("local", "ssh", "slurm", "mpi"),
         default="local",
-        help="local: engines on this machine; ssh: on --hosts (slurm, mpi: not yet)",
+        help="local: engines on this machine; ssh: on --hosts; slurm: as one sbatch job; "
+        "mpi: with mpiexec -n N",
     )
     g.add_argument(
         "--hosts",
         default=None,
-        help="HOST[:ENGINES],... e.g. node1:2,node2:2 (default engines: the host's GPU count, 1 on CPU)",
+        help="ssh, mpi: HOST[:ENGINES],... e.g. node1:2,node2:2 (ssh default engines: the host's "
+        "GPU count, 1 on CPU; mpi: 1)",
     )
     g.add_argument(
         "--ip",
         default=None,
-        help="controller listen address (default: the one routing to the hosts)",
+        help="controller listen address (default: the one routing to the hosts or Slurm nodes)",
     )
     g.add_argument(
         "--iface",
@@ -91,7 +118,35 @@ def _add_multinode_start_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Python with nbtrain on every host (default: this kernel's interpreter path)",
     )
-    g.add_argument("--ssh-args", default=None, help='extra ssh arguments, e.g. "-F ~/.ssh/cluster"')
+    g.add_argument(
+        "--ssh-args", default=None, help='ssh: extra ssh arguments, e.g. "-F ~/.ssh/cluster"'
+    )
+    s = p.add_argument_group("slurm (--launcher slurm)")
+    s.add_argument("--nodes", type=_nodes, default=None, help="nodes to allocate (default 1)")
+    s.add_argument(
+        "--gpus-per-node",
+        type=_gpus,
+        default=None,
+        help="GPUs per node (sbatch --gpus-per-node); one engine per GPU",
+    )
+    s.add_argument(
+        "--engines-per-node",
+        type=_per_node,
+        default=None,
+        help="engines per node (default: --gpus-per-node, or 1 on CPU nodes)",
+    )
+    s.add_argument("--partition", default=None, help="partition (default: the cluster's default)")
+    s.add_argument("--account", default=None, help="account to charge the job to")
+    s.add_argument("--time", default=None, help="time limit: 90 (minutes), 02:00:00, 1-12:00:00")
+    s.add_argument(
+        "--slurm-args",
+        default=None,
+        help='more sbatch options, e.g. "--qos=high --constraint=a100"',
+    )
+    m = p.add_argument_group("mpi (--launcher mpi)")
+    m.add_argument(
+        "--mpi-args", default=None, help='more mpiexec arguments, e.g. "--oversubscribe"'
+    )
 
 
 def _add_multinode_commands(sub: Any) -> None:
@@ -121,7 +176,8 @@ def build_parser() -> _Parser:
         "-n",
         type=_engine_count,
         default=None,
-        help="engines (ranks) to start on this machine (default: its GPU count, or 1 on CPU)",
+        help="engines (ranks) to start on this machine (default: its GPU count, or 1 on CPU); "
+        "with --launcher mpi: mpiexec -n",
     )
     p.add_argument(
         "--backend",
@@ -195,25 +251,30 @@ class NbtrainMagics(Magics):
     def _cmd_start_remote(self, args: argparse.Namespace) -> None:
         from nbtrain.cluster.core import start
 
-        if args.n is not None:
-            msg = (
-                f"-n is for local engines; with --launcher {args.launcher} give the engines per "
-                "host in --hosts (node1:2,node2:2)."
-            )
-            raise ConfigError(msg)
         launch: dict[str, Any] = {
-            "hosts": args.hosts,
             "ip": args.ip,
             "iface": args.iface,
             "port": args.port,
             "allow_version_mismatch": args.allow_version_mismatch,
         }
-        if args.python:
-            launch["remote_python"] = args.python
-        if args.ssh_args:
-            launch["ssh_args"] = args.ssh_args
+        # only what was given: a setting of another launcher is an error, naming it
+        given = {
+            "hosts": args.hosts,
+            "remote_python": args.python,
+            "ssh_args": args.ssh_args,
+            "nodes": args.nodes,
+            "gpus_per_node": args.gpus_per_node,
+            "engines_per_node": args.engines_per_node,
+            "partition": args.partition,
+            "account": args.account,
+            "time": args.time,
+            "slurm_args": args.slurm_args,
+            "mpi_args": args.mpi_args,
+        }
+        launch.update({k: v for k, v in given.items() if v is not None})
         t0 = time.monotonic()
         cluster = start(
+            n=args.n,
             launcher=args.launcher,
             backend=args.backend,
             timeout=args.timeout,
@@ -358,6 +419,8 @@ NbtrainMagics.nbtrain.__doc__ = f"""Start, inspect and stop the nbtrain cluster.
 
     %nbtrain start -n 2          # local engines; prints the rank table when the group is ready
     %nbtrain start --launcher ssh --hosts node1:2,node2:2   # engines on other hosts over SSH
+    %nbtrain start --launcher slurm --nodes 2 --gpus-per-node 4 --partition gpu --time 02:00:00
+    %nbtrain start --launcher mpi -n 8                      # engines started by mpiexec
     %nbtrain connect --profile P # attach to an ipyparallel cluster started any way
     %nbtrain probe               # all-reduce bandwidth and latency across the ranks
     %nbtrain status              # rank, host, local rank, device, pid, busy/idle

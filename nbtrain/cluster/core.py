@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -103,11 +103,15 @@ def _free_local_port() -> int:
 
 
 def assign_ranks(
-    hellos: dict[int, dict[str, Any]], host_order: Sequence[str] = ()
+    hellos: dict[int, dict[str, Any]],
+    host_order: Sequence[str] = (),
+    engine_order: Mapping[int, Any] | None = None,
 ) -> list[RankInfo]:
-    """Node-major ranks, contiguous per host: hosts in `host_order` (then first seen), engines by id."""
+    """Node-major ranks, contiguous per host: hosts in `host_order` (then first seen), engines on a
+    host by `engine_order[engine_id]` (the launcher's task id), else by engine id."""
     by_host: dict[str, list[int]] = {}
-    for eid in sorted(hellos):
+    key = engine_order.__getitem__ if engine_order is not None else None
+    for eid in sorted(hellos, key=key):
         by_host.setdefault(hellos[eid]["host"], []).append(eid)
     order = [h for h in host_order if h in by_host] + [h for h in by_host if h not in host_order]
     ranks: list[RankInfo] = []
@@ -612,7 +616,7 @@ def require_cluster() -> Cluster:
 
 
 def start(
-    n: int = 1,
+    n: int | None = None,
     backend: str = "auto",
     timeout: float = 120.0,
     force: bool = False,
@@ -628,17 +632,20 @@ def start(
     In [2]: cluster.run(lambda: __import__("os").environ["WORLD_SIZE"])
     Out[2]: ['2', '2']
 
-    With `launcher="ssh"`, engines start on other hosts instead (settings in
-    `nbtrain.cluster.launchers.LaunchOptions`: hosts, ip, iface, port, allow_version_mismatch, ...):
+    `n` defaults to 1. With `launcher="ssh"`, `"slurm"` or `"mpi"`, engines start elsewhere instead
+    (settings in `nbtrain.cluster.launchers.LaunchOptions`: hosts, nodes, gpus_per_node, partition,
+    account, time, ip, iface, port, allow_version_mismatch, ...):
 
     In [3]: nbtrain.start(launcher="ssh", hosts="node1:2,node2:2", force=True)
+    In [4]: nbtrain.start(launcher="slurm", nodes=2, gpus_per_node=4, partition="gpu", time="02:00:00")
+    In [5]: nbtrain.start(launcher="mpi", n=8)
 
     Either every engine and the process group are ready within `timeout` seconds, or this raises
     and leaves no process behind.
     """
     global _current
     options = StartOptions(
-        n=n,
+        n=1 if n is None else n,
         backend=backend,
         timeout=timeout,
         force=force,
@@ -649,6 +656,8 @@ def start(
     if launcher != "local" or launch:
         from nbtrain.cluster.launchers import parse_launch
 
+        if n is not None:
+            launch["n"] = options.n  # mpi's rank count; an error for the other launchers
         launch_options = parse_launch(launcher, launch)
     elif options.backend == "nccl" and local_gpu_count() < 1:
         msg = "--backend nccl needs CUDA GPUs, and this machine has none. Use --backend gloo (or auto)."
@@ -669,9 +678,9 @@ def start(
             raise ClusterError(msg)
         existing.stop()
     if launch_options is not None:
-        from nbtrain.cluster.launchers import start_ssh
+        from nbtrain.cluster.launchers import start_remote
 
-        cluster: Cluster = start_ssh(options, launch_options, quiet=quiet)
+        cluster: Cluster = start_remote(options, launch_options, quiet=quiet)
     else:
         cluster = _start_local(options, quiet=quiet)
     _current = cluster

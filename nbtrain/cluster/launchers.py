@@ -1,13 +1,16 @@
-"""Multi-node clusters: engines on other hosts over SSH, or an ipyparallel cluster started elsewhere.
+"""Multi-node clusters: engines over SSH, as a Slurm job or under mpiexec, or started elsewhere.
 
 In [1]: cluster = nbtrain.start(launcher="ssh", hosts="node1:2,node2:2")   # %nbtrain start --launcher ssh ...
 nbtrain: controller listens on 10.0.0.5 (eth0; routes to node1, node2)
-In [2]: cluster = nbtrain.connect(profile="default")                        # %nbtrain connect --profile default
+In [2]: cluster = nbtrain.start(launcher="slurm", nodes=2, gpus_per_node=4)  # one sbatch job
+In [3]: cluster = nbtrain.start(launcher="mpi", n=8)                         # one mpiexec
+In [4]: cluster = nbtrain.connect(profile="default")                        # %nbtrain connect --profile default
 
-The controller runs here, on the address that routes to the hosts; engines start through ipyparallel's
-own SSH engine launcher. Before the process group forms, every engine reports its versions
-(preflight) and the client picks, per node, the interface that reaches rank 0, sets
-NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME to it and MASTER_ADDR to rank 0's address on it.
+The controller runs here, on the address that routes to the hosts; engines start through
+ipyparallel's own engine launchers (SSH, Slurm, MPI), one `EngineLaunch` per launcher. The rest is
+shared: before the process group forms, every engine reports its versions (preflight) and the client
+picks, per node, the interface that reaches rank 0, sets NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME to it
+and MASTER_ADDR to rank 0's address on it.
 """
 
 from __future__ import annotations
@@ -50,12 +53,38 @@ LAUNCH_HOST_ENV = "NBTRAIN_LAUNCH_HOST"
 
 # -- settings --------------------------------------------------------------------------------------
 
+# the settings each launcher takes besides the shared ones (ip, iface, port, allow_version_mismatch,
+# remote_python); giving another launcher's setting is an error, not silently ignored
+_ONLY = {
+    "hosts": ("ssh", "mpi"),
+    "ssh_args": ("ssh",),
+    "host_env": ("ssh",),
+    "nodes": ("slurm",),
+    "gpus_per_node": ("slurm",),
+    "engines_per_node": ("slurm",),
+    "partition": ("slurm",),
+    "account": ("slurm",),
+    "time": ("slurm",),
+    "slurm_args": ("slurm",),
+    "n": ("local", "mpi"),
+    "mpi_args": ("mpi",),
+}
+_FLAG_HINT = {
+    "ssh": "give the engines per host in --hosts (node1:2,node2:2)",
+    "slurm": "give --nodes and --gpus-per-node (or --engines-per-node)",
+    "mpi": "give the ranks with -n (and --hosts for several hosts)",
+}
+
+
+def _flag(name: str) -> str:
+    return "-n" if name == "n" else "--" + name.replace("_", "-")
+
 
 @dataclass
 class LaunchOptions:
-    """Settings of a multi-node start (`%nbtrain start --launcher ssh ...`), validated on entry."""
+    """Settings of a multi-node start (`%nbtrain start --launcher ssh|slurm|mpi ...`), validated on entry."""
 
-    launcher: str = "ssh"  # ssh (slurm and mpi: not yet)
+    launcher: str = "ssh"  # ssh, slurm or mpi
     hosts: Any = (
         None  # "node1:2,node2:2" or a list of net.HostSpec; engines default to the GPU count
     )
@@ -68,31 +97,47 @@ class LaunchOptions:
     ssh_args: list[str] = field(default_factory=list)  # extra ssh arguments, e.g. ["-F", "cfg"]
     remote_python: str = sys.executable  # the Python on every host that has nbtrain installed
     host_env: dict[str, dict[str, str]] = field(default_factory=dict)  # env for one host's engines
+    nodes: int | None = None  # slurm: nodes to allocate (default 1)
+    gpus_per_node: int | None = None  # slurm: GPUs per node (--gpus-per-node); one engine per GPU
+    engines_per_node: int | None = None  # slurm: engines per node (default: gpus_per_node, else 1)
+    partition: str | None = None  # slurm: partition (default: the cluster's default partition)
+    account: str | None = None  # slurm: account to charge
+    time: str | None = None  # slurm: time limit, e.g. 02:00:00 or 1-00:00:00
+    slurm_args: list[str] = field(default_factory=list)  # slurm: more sbatch options, one per line
+    n: int | None = None  # mpi: ranks (mpiexec -n; default: the slots in --hosts, else 1)
+    mpi_args: list[str] = field(default_factory=list)  # mpi: more mpiexec arguments
 
     def __post_init__(self) -> None:
-        if self.launcher in ("slurm", "mpi"):
-            msg = (
-                f"--launcher {self.launcher} is not yet supported. Start the cluster yourself "
-                f"(e.g. `ipcluster start --engines={self.launcher.upper()}`) and attach to it with "
-                "%nbtrain connect, or use --launcher ssh --hosts ..."
-            )
-            raise ConfigError(msg)
         if self.launcher == "local":
             msg = (
-                "hosts, ip, iface, port and the other multi-node settings need launcher='ssh' "
-                "(%nbtrain start --launcher ssh --hosts ...)."
+                "hosts, ip, iface, port and the other multi-node settings need launcher='ssh', "
+                "'slurm' or 'mpi' (%nbtrain start --launcher ssh --hosts ...)."
             )
             raise ConfigError(msg)
-        if self.launcher != "ssh":
+        if self.launcher not in LAUNCHERS:
             msg = f"unknown launcher {self.launcher!r}; choose one of {', '.join(LAUNCHERS)}."
             raise ConfigError(msg)
-        if self.hosts is None:
+        defaults = LaunchOptions.__dataclass_fields__
+        for name, launchers in _ONLY.items():
+            value = getattr(self, name)
+            default = defaults[name].default
+            if self.launcher not in launchers and value not in (None, [], {}, "", default):
+                which = " or ".join(f"--launcher {x}" for x in launchers)
+                msg = (
+                    f"{_flag(name)} is a setting of {which}, not of --launcher {self.launcher}; "
+                    f"with --launcher {self.launcher}, {_FLAG_HINT[self.launcher]}."
+                )
+                raise ConfigError(msg)
+        for name in ("ssh_args", "slurm_args", "mpi_args"):
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, shlex.split(getattr(self, name)))
+        if self.launcher == "ssh" and self.hosts is None:
             msg = "--launcher ssh needs --hosts, e.g. --hosts node1:2,node2:2"
             raise ConfigError(msg)
         if isinstance(self.hosts, str):
             self.hosts = net.parse_hosts(self.hosts)
         else:
-            self.hosts = list(self.hosts)
+            self.hosts = list(self.hosts or [])
         if self.port is not None and not 0 < int(self.port) < 65536:
             msg = (
                 f"--port {self.port} is not a TCP port; give one from 1 to 65535, or leave it out."
@@ -110,8 +155,14 @@ class LaunchOptions:
                 )
                 msg = f"--ip {self.ip} is not an address of this machine; its addresses: {mine}."
                 raise ConfigError(msg)
-        if isinstance(self.ssh_args, str):
-            self.ssh_args = shlex.split(self.ssh_args)
+        if self.launcher == "slurm":
+            from nbtrain.cluster import slurm
+
+            slurm.validate(self)
+        elif self.launcher == "mpi":
+            from nbtrain.cluster import mpi
+
+            mpi.validate(self)
         for h in self.hosts:
             net.resolve(h.host)  # an unknown host fails here, naming it, before anything starts
         known = {h.host for h in self.hosts}
@@ -297,7 +348,7 @@ def engine_counts(lo: LaunchOptions, checks: dict[str, HostCheck], backend: str)
 
 
 class RemoteCluster(Cluster):
-    """A cluster whose engines run on other hosts (SSH) or were started elsewhere (connect)."""
+    """A cluster whose engines run on other hosts (SSH, Slurm, MPI) or were started elsewhere."""
 
     def __init__(
         self,
@@ -314,10 +365,14 @@ class RemoteCluster(Cluster):
         local_pids: Sequence[int] = (),
         engine_pids: dict[str, list[int]] | None = None,
         preflight_reports: list[dict[str, Any]] | None = None,
+        engine_launch: EngineLaunch | None = None,
     ) -> None:
         super().__init__(client, ipp_cluster, ranks, backend, options, pids=local_pids)
         self.engine_pids = engine_pids or {}  # --hosts entry -> pids of its engines (on that host)
         self.launch = launch
+        if engine_launch is None and launch is not None:
+            engine_launch = engine_launch_for(launch)
+        self.engine_launch = engine_launch  # how the engines were started, and how they stop
         self.listen = listen
         self.preflight = preflight
         self.notes = list(notes)
@@ -353,15 +408,18 @@ class RemoteCluster(Cluster):
             # connected, not started: leave the engines to whoever started them
             _leave(self.client, self.ranks)
             return
-        _teardown_remote(
-            self.ipp_cluster, self.client, self.launch, self.engine_pids, remove_logs=True
-        )
+        assert self.engine_launch is not None
+        self.engine_launch.teardown(self.ipp_cluster, self.client, self.engine_pids, True)
 
     def restart_ranks(self, ranks: Sequence[int], timeout: float | None = None) -> None:
+        hint = (
+            self.engine_launch.restart_hint()
+            if self.engine_launch
+            else "%nbtrain start --force with the same --hosts"
+        )
         msg = (
             f"{_describe_ranks(self.ranks, list(ranks))} did not stop, and nbtrain cannot yet replace "
-            "single engines on other hosts. Restart the cluster: %nbtrain start --force with the "
-            "same --hosts."
+            f"single engines on other hosts. Restart the cluster: {hint}."
         )
         raise ClusterError(msg)
 
@@ -508,11 +566,154 @@ def _teardown_remote(
     _kill_tree(local)
 
 
-# -- starting over SSH -----------------------------------------------------------------------------
+# -- how engines get started: one class per launcher, the rest of a start is shared ---------------
 
 
-def start_ssh(options: StartOptions, lo: LaunchOptions, quiet: bool = True) -> RemoteCluster:
-    """Start a controller here and engines on `lo.hosts` over SSH; form the process group."""
+class EngineLaunch:
+    """One launcher's part of a multi-node start: where the controller listens, the checks before
+    anything starts, ipyparallel's engine set launcher and its settings, watching the engines come
+    up, and stopping them. Hello, preflight, network plan, rendezvous and group are shared.
+    """
+
+    what = "engines"  # "over SSH", "as Slurm job", ... for messages
+
+    def __init__(self, lo: LaunchOptions) -> None:
+        self.lo = lo
+        self.total = 0
+
+    def listen(self) -> net.ListenChoice:
+        """The controller's listen address: one every engine can reach (never loopback for a
+        remote host)."""
+        raise NotImplementedError
+
+    def prepare(self, options: StartOptions, remaining: Callable[[], float], say: Any) -> int:
+        """Checks that can fail before anything starts; returns the number of engines."""
+        raise NotImplementedError
+
+    def launcher_class(self) -> Any:
+        """ipyparallel's engine set launcher (a class, or its entry point name)."""
+        raise NotImplementedError
+
+    def configure(self, ipp_cluster: Any, options: StartOptions) -> None:
+        """Settings of the engine set launcher, in the ipyparallel cluster's config."""
+
+    def watch(self, ipp_cluster: Any, say: Any, force: bool = False) -> None:
+        """Called about every second while engines register: raise when they never will."""
+
+    def raise_missing(
+        self, client: Any, ipp_cluster: Any, listen: net.ListenChoice, timeout: float
+    ) -> None:
+        """--timeout passed before every engine registered: say what is missing, and why."""
+        msg = (
+            f"not every engine registered within --timeout {timeout:g} s ({len(client.ids)} of "
+            f"{self.total}). Engines could not reach the controller at {listen.address}: pass --ip "
+            "with an address they reach, or give a longer --timeout. Nothing was left running."
+        )
+        raise ClusterError(msg)
+
+    def host_order(self) -> list[str]:
+        """Launch labels (NBTRAIN_LAUNCH_HOST) in rank order; empty: order by the launcher's task ids."""
+        return []
+
+    def teardown(
+        self, ipp_cluster: Any, client: Any, engine_pids: dict[str, list[int]], remove_logs: bool
+    ) -> None:
+        """Stop every engine and the controller; nothing is left running."""
+        raise NotImplementedError
+
+    def restart_hint(self) -> str:
+        return f"%nbtrain start --force --launcher {self.lo.launcher} with the same settings"
+
+
+class SSHLaunch(EngineLaunch):
+    """Engines on `--hosts` through ipyparallel's SSH engine launcher (started in parallel)."""
+
+    what = "over SSH"
+
+    def listen(self) -> net.ListenChoice:
+        names = [s.host for s in self.lo.hosts]
+        if self.lo.ip:
+            for h in names:
+                net.resolve(h)
+            return net.ListenChoice(self.lo.ip, net.interface_of(self.lo.ip), "given with --ip")
+        return net.listen_address(names)
+
+    def prepare(self, options: StartOptions, remaining: Callable[[], float], say: Any) -> int:
+        lo, specs = self.lo, self.lo.hosts
+        checks = check_hosts(lo, remaining())
+        # what can be told from the host checks fails here, before any engine starts; the same
+        # checks run again on the engines (authoritative: an engine's environment may differ)
+        for spec in specs:
+            if lo.iface:
+                net.require_interface(lo.iface, spec.host, checks[spec.host].interfaces)
+        if lo.port is not None and checks[specs[0].host].port_in_use:
+            msg = (
+                f"port {lo.port} is already in use on {specs[0].host} (rank 0's host, where the "
+                "rendezvous listens); pass a free port with --port, or leave --port out to pick a "
+                "free one. Nothing was started."
+            )
+            raise ConfigError(msg)
+        self.counts = engine_counts(lo, checks, options.backend)
+        self.total = sum(self.counts.values())
+        say(
+            "starting engines over SSH: "
+            + ", ".join(f"{self.counts[s.host]} on {s.host}" for s in specs)
+        )
+        return self.total
+
+    def launcher_class(self) -> Any:
+        return _ssh_engine_set_class()
+
+    def configure(self, ipp_cluster: Any, options: StartOptions) -> None:
+        lo = self.lo
+        cfg = ipp_cluster.config.SSHEngineSetLauncher
+        cfg.engines = {
+            s.location: {
+                "n": self.counts[s.host],
+                "environment": {LAUNCH_HOST_ENV: s.host, **lo.host_env.get(s.host, {})},
+            }
+            for s in lo.hosts
+        }
+        ssh_base = _ssh_base(lo, min(30, options.timeout))
+        cfg.ssh_args = ssh_base[1:]
+        cfg.scp_args = [a for a in ssh_base[1:]]
+        cfg.remote_python = lo.remote_python
+
+    def raise_missing(
+        self, client: Any, ipp_cluster: Any, listen: net.ListenChoice, timeout: float
+    ) -> None:
+        _raise_missing_engines(client, self.counts, listen, timeout)
+
+    def host_order(self) -> list[str]:
+        return [s.host for s in self.lo.hosts]
+
+    def teardown(
+        self, ipp_cluster: Any, client: Any, engine_pids: dict[str, list[int]], remove_logs: bool
+    ) -> None:
+        _teardown_remote(ipp_cluster, client, self.lo, engine_pids, remove_logs=remove_logs)
+
+    def restart_hint(self) -> str:
+        return "%nbtrain start --force with the same --hosts"
+
+
+def engine_launch_for(lo: LaunchOptions) -> EngineLaunch:
+    """The EngineLaunch for `lo.launcher`."""
+    if lo.launcher == "slurm":
+        from nbtrain.cluster.slurm import SlurmLaunch
+
+        return SlurmLaunch(lo)
+    if lo.launcher == "mpi":
+        from nbtrain.cluster.mpi import MPILaunch
+
+        return MPILaunch(lo)
+    return SSHLaunch(lo)
+
+
+# -- starting: shared by every launcher -----------------------------------------------------------
+
+
+def start_remote(options: StartOptions, lo: LaunchOptions, quiet: bool = True) -> RemoteCluster:
+    """Start a controller here and engines with `lo.launcher` (ssh, slurm, mpi); form the group."""
     import ipyparallel as ipp
 
     from nbtrain.cluster import registry
@@ -529,38 +730,16 @@ def start_ssh(options: StartOptions, lo: LaunchOptions, quiet: bool = True) -> R
             print(f"nbtrain: {text}", flush=True)
 
     notes: list[str] = []
-    specs: list[net.HostSpec] = lo.hosts
-    names = [s.host for s in specs]
+    launch = engine_launch_for(lo)
     # where the controller listens: before anything starts, so a bad host name fails at once
-    if lo.ip:
-        listen = net.ListenChoice(lo.ip, net.interface_of(lo.ip), "given with --ip")
-        for h in names:
-            net.resolve(h)
-    else:
-        listen = net.listen_address(names)
+    listen = launch.listen()
     say(
         f"controller listens on {listen.address} ({listen.interface or 'unknown interface'}; "
         f"{listen.reason})"
     )
-    checks = check_hosts(lo, remaining())
-    # what can be told from the host checks fails here, before any engine starts; the same checks
-    # run again on the engines (authoritative: an engine's environment may differ from a login's)
-    for spec in specs:
-        if lo.iface:
-            net.require_interface(lo.iface, spec.host, checks[spec.host].interfaces)
-    if lo.port is not None and checks[specs[0].host].port_in_use:
-        msg = (
-            f"port {lo.port} is already in use on {specs[0].host} (rank 0's host, where the "
-            "rendezvous listens); pass a free port with --port, or leave --port out to pick a free "
-            "one. Nothing was started."
-        )
-        raise ConfigError(msg)
-    counts = engine_counts(lo, checks, options.backend)
-    total = sum(counts.values())
+    total = launch.prepare(options, remaining, say)
     options.n = total
-    say("starting engines over SSH: " + ", ".join(f"{counts[s.host]} on {s.host}" for s in specs))
 
-    launcher_cls = _ssh_engine_set_class()
     cluster_id = f"nbtrain-{uuid.uuid4().hex[:8]}"
     ipp_cluster = ipp.Cluster(
         n=total,
@@ -568,39 +747,38 @@ def start_ssh(options: StartOptions, lo: LaunchOptions, quiet: bool = True) -> R
         cluster_id=cluster_id,
         controller_ip=listen.address,
         controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"],
-        engine_launcher_class=launcher_cls,
+        engine_launcher_class=launch.launcher_class(),
         log_level=logging.ERROR,
         shutdown_atexit=True,
     )
-    cfg = ipp_cluster.config.SSHEngineSetLauncher
-    cfg.engines = {
-        s.location: {
-            "n": counts[s.host],
-            "environment": {LAUNCH_HOST_ENV: s.host, **lo.host_env.get(s.host, {})},
-        }
-        for s in specs
-    }
-    ssh_base = _ssh_base(lo, min(30, options.timeout))
-    cfg.ssh_args = ssh_base[1:]
-    cfg.scp_args = [a for a in ssh_base[1:]]
-    cfg.remote_python = lo.remote_python
+    launch.configure(ipp_cluster, options)
 
     client = None
     engine_pids: dict[str, list[int]] = {}
     step = "starting the controller"
     try:
         ipp_cluster.start_controller_sync()
-        step = f"starting {total} engine(s) over SSH"
+        step = f"starting {total} engine(s) {launch.what}"
         ipp_cluster.start_engines_sync(total)
         step = "connecting to the controller"
         client = ipp_cluster.connect_client_sync()
         step = f"waiting for {total} engine(s) to register"
-        try:
-            client.wait_for_engines(total, timeout=remaining(), interactive=False)
-        except TimeoutError:
-            _raise_missing_engines(client, counts, listen, options.timeout)
+        while True:
+            try:
+                client.wait_for_engines(total, timeout=min(1.0, remaining()), interactive=False)
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    launch.raise_missing(client, ipp_cluster, listen, options.timeout)
+                    raise
+                launch.watch(ipp_cluster, say)
+            except Exception:
+                # ipyparallel noticed the engine set end ("Engine set stopped"): the launcher's
+                # own account of why (mpiexec's message, the job's output) is the one to show
+                launch.watch(ipp_cluster, say, force=True)
+                raise
         step = "saying hello to the engines"
-        ranks, engine_pids = _hello(client, specs, remaining)
+        ranks, engine_pids = _hello(client, launch.host_order(), remaining)
         step = "running preflight on every engine"
         result = _preflight(client, ranks, lo.allow_version_mismatch, remaining, say)
         step = "choosing the network interface of every node"
@@ -616,7 +794,7 @@ def start_ssh(options: StartOptions, lo: LaunchOptions, quiet: bool = True) -> R
         step = "joining the process group"
         backend = _init_group(client, ranks, options, remaining, master_addr=master_addr, port=port)
     except BaseException as e:
-        _teardown_remote(ipp_cluster, client, lo, engine_pids)
+        launch.teardown(ipp_cluster, client, engine_pids, False)
         if isinstance(e, (NbtrainError, KeyboardInterrupt)):
             raise
         msg = f"starting the cluster failed while {step}: {type(e).__name__}: {e}. Nothing was left running."
@@ -633,6 +811,7 @@ def start_ssh(options: StartOptions, lo: LaunchOptions, quiet: bool = True) -> R
         notes=notes,
         engine_pids=engine_pids,
         preflight_reports=result.reports_by_rank,
+        engine_launch=launch,
     )
     registry.write(cluster)
     return cluster
@@ -665,28 +844,46 @@ def _raise_missing_engines(
 
 
 def _hello(
-    client: Any, specs: Sequence[net.HostSpec], remaining: Callable[[], float]
+    client: Any, host_order: Sequence[str], remaining: Callable[[], float]
 ) -> tuple[list[RankInfo], dict[str, list[int]]]:
-    """Ranks in --hosts order, and each --hosts entry's engine pids (engine and its nanny)."""
+    """Node-major ranks, and each launch label's engine pids (engine and its nanny).
+
+    Hosts follow `host_order` (the --hosts entries) where given; otherwise, as for Slurm and MPI,
+    the order of the launcher's task ids (SLURM_PROCID, the MPI rank): a host's place is that of
+    its lowest task, and engines on a host follow their tasks. The ranks are nbtrain's own,
+    contiguous per host, whatever order the launcher numbered its tasks in.
+    """
     from nbtrain.engine import network, setup
 
     dv = client[:]
     ar_hello = dv.apply_async(setup.hello)
-    ar_host = dv.apply_async(network.launch_host)
+    ar_slot = dv.apply_async(network.launch_slot)
     hellos = {eid: h for eid, h in zip(dv.targets, ar_hello.get(timeout=remaining()))}
-    labels = {eid: lab for eid, lab in zip(dv.targets, ar_host.get(timeout=remaining()))}
-    # rank order follows --hosts; the host name is what the node calls itself
+    slots = {eid: s for eid, s in zip(dv.targets, ar_slot.get(timeout=remaining()))}
+    labels = {eid: s.get("label") for eid, s in slots.items()}
+    # the host name is what the node calls itself
     order: list[str] = []
-    for spec in specs:
-        for eid in sorted(hellos):
-            if labels.get(eid) == spec.host and hellos[eid]["host"] not in order:
+    engine_order: dict[int, Any] | None = None
+    if host_order:
+        for label in host_order:
+            for eid in sorted(hellos):
+                if labels.get(eid) == label and hellos[eid]["host"] not in order:
+                    order.append(hellos[eid]["host"])
+    else:
+        inf = float("inf")
+        engine_order = {
+            eid: (slots[eid].get("task") if slots[eid].get("task") is not None else inf, eid)
+            for eid in hellos
+        }
+        for eid in sorted(hellos, key=lambda e: engine_order[e] if engine_order else e):
+            if hellos[eid]["host"] not in order:
                 order.append(hellos[eid]["host"])
     pids: dict[str, list[int]] = {}
     for eid, h in hellos.items():
         pids.setdefault(labels.get(eid) or h["host"], []).extend(
             [int(h["pid"]), *h.get("children", [])]
         )
-    return assign_ranks(hellos, order), pids
+    return assign_ranks(hellos, order, engine_order), pids
 
 
 @dataclass

@@ -33,3 +33,21 @@ def set_env(env: dict[str, str]) -> None:
 def launch_host() -> str | None:
     """The `--hosts` entry this engine was started for over SSH (set by nbtrain's launcher)."""
     return os.environ.get("NBTRAIN_LAUNCH_HOST")
+
+
+# the launcher's own number for this process: Slurm's task id, or the MPI rank (Open MPI, MPICH and
+# Intel MPI, PMIx); nbtrain orders hosts and a host's engines by it, and numbers ranks itself
+_TASK_VARS = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+
+
+def launch_slot() -> dict[str, Any]:
+    """Where the launcher put this engine: its label (the --hosts entry over SSH, the Slurm node
+    name) and its task id (Slurm task or MPI rank), None where the launcher sets none."""
+    task = None
+    for name in _TASK_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            task = int(value)
+            break
+    label = os.environ.get("NBTRAIN_LAUNCH_HOST") or os.environ.get("SLURMD_NODENAME") or None
+    return {"label": label, "task": task}

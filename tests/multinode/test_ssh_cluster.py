@@ -283,7 +283,9 @@ def test_magic_start_with_bad_hosts_starts_nothing(ip, testbed: Testbed) -> None
     for hosts, message in cases:
         with pytest.raises((ConfigError, ClusterError), match=message):
             ip.run_line_magic("nbtrain", f"start --launcher ssh --hosts {hosts} {ssh}")
-    with pytest.raises(ConfigError, match="not yet supported"):
+    with pytest.raises(
+        ConfigError, match="--hosts is a setting of --launcher ssh or --launcher mpi"
+    ):
         ip.run_line_magic("nbtrain", "start --launcher slurm --hosts nbt-node1")
     assert _local_ipp_pids() - before == set()
 

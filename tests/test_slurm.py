@@ -1,0 +1,407 @@
+"""`%nbtrain start --launcher slurm`: the batch script and the settings (always), and real clusters on
+a real single-machine Slurm (munged, slurmctld and slurmd started by scripts/slurm-testbed.sh).
+
+The real-Slurm tests are marked `slurm` and skip, saying why, only where that Slurm cannot be
+started (not root, slurm-wlm not installed, or the daemons fail here).
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import re
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import nbtrain
+from nbtrain.cluster import core, slurm
+from nbtrain.cluster.launchers import LaunchOptions, parse_launch
+from nbtrain.errors import ClusterError, ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+TESTBED = REPO / "scripts" / "slurm-testbed.sh"
+
+
+def _kids() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _cluster_pids(cluster_id: str) -> list[str]:
+    """Processes of one cluster anywhere on this machine (Slurm's are not our children)."""
+    found = []
+    for p in psutil.process_iter(["pid", "name", "status"]):
+        try:
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if p.environ().get("IPP_CLUSTER_ID") == cluster_id:
+                found.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
+        except psutil.Error:
+            continue
+    return found
+
+
+# -- the batch script ------------------------------------------------------------------------------
+
+
+def test_batch_script_has_every_directive_and_the_engine_command():
+    lo = LaunchOptions(
+        launcher="slurm",
+        nodes=2,
+        gpus_per_node=4,
+        partition="gpu",
+        account="proj-7",
+        time="02:00:00",
+        slurm_args="--qos=high --constraint=a100",
+        remote_python="/opt/env/bin/python",
+    )
+    script = slurm.batch_script(lo)
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/sh"
+    for directive in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=4",  # one engine per GPU
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj-7",
+        "#SBATCH --time=02:00:00",
+        "#SBATCH --qos=high",
+        "#SBATCH --constraint=a100",
+        "#SBATCH --export=ALL",
+        "#SBATCH --output={output_file}",
+        "#SBATCH --job-name=nbtrain-{cluster_id}",
+    ):
+        assert directive in lines, directive
+    # sbatch reads #SBATCH lines only before the first command
+    last_directive = max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
+    assert lines[last_directive + 1] == "srun --kill-on-bad-exit=0 {program_and_args}"
+
+
+def test_batch_script_rendered_by_ipyparallel(tmp_path):
+    """The template as ipyparallel's own Slurm launcher fills it in: the engine command is
+    nbtrain's engine entry point with the Python given, and the job name carries the cluster id."""
+    lo = LaunchOptions(
+        launcher="slurm", nodes=3, engines_per_node=2, time="90", remote_python="/opt/py"
+    )
+    es = slurm.SlurmEngineSet(
+        profile_dir=str(tmp_path),
+        cluster_id="nbtrain-abc",
+        batch_template=slurm.batch_script(lo),
+        batch_file_name=str(tmp_path / "job.sbatch"),
+        engine_cmd=["/opt/py", "-m", "nbtrain.engine.boot"],
+    )
+    es.write_batch_script(6)
+    text = (tmp_path / "job.sbatch").read_text()
+    assert "#SBATCH --job-name=nbtrain-nbtrain-abc" in text
+    assert "#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=2\n" in text
+    assert "--gpus-per-node" not in text and "--partition" not in text
+    assert "#SBATCH --time=90" in text
+    assert f"#SBATCH --output={es.output_file}" in text
+    assert "srun --kill-on-bad-exit=0 /opt/py -m nbtrain.engine.boot" in text
+    assert os.access(tmp_path / "job.sbatch", os.X_OK)
+
+
+def test_engines_per_node_defaults():
+    assert slurm.engines_per_node(LaunchOptions(launcher="slurm")) == 1  # CPU nodes
+    assert slurm.engines_per_node(LaunchOptions(launcher="slurm", gpus_per_node=8)) == 8
+    lo = LaunchOptions(launcher="slurm", gpus_per_node=8, engines_per_node=2)
+    assert slurm.engines_per_node(lo) == 2
+    assert LaunchOptions(launcher="slurm").nodes == 1
+
+
+@pytest.mark.parametrize(
+    "value", ["90", "30:00", "02:00:00", "1-0", "1-12:00", "2-12:30:00", "UNLIMITED"]
+)
+def test_time_limits_sbatch_takes(value):
+    assert slurm.check_time(value) == value
+
+
+# -- bad input: a ConfigError before anything runs -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(nodes=0), ["--nodes 0", "at least 1"]),
+        (dict(nodes=-2), ["--nodes -2"]),
+        (dict(nodes="two"), ["--nodes 'two'"]),
+        (dict(gpus_per_node=-1), ["--gpus-per-node -1"]),
+        (dict(engines_per_node=0), ["--engines-per-node 0"]),
+        (dict(gpus_per_node=2, engines_per_node=4), ["more than --gpus-per-node 2"]),
+        (dict(time="2h"), ["--time '2h'", "02:00:00"]),
+        (dict(time="99:99"), ["--time '99:99'"]),
+        (dict(time="1:2:3:4"), ["--time '1:2:3:4'"]),
+        (dict(time="1-25:00:00"), ["--time '1-25:00:00'"]),
+        (dict(partition="gpu nodes"), ["--partition 'gpu nodes'", "sinfo -s"]),
+        (dict(account="a\n#SBATCH --x"), ["--account"]),
+        (dict(slurm_args=["qos=high"]), ["--slurm-args 'qos=high'", "--qos=high"]),
+        (dict(hosts="node1:2"), ["--hosts is a setting of --launcher ssh or --launcher mpi"]),
+        (dict(ssh_args="-F x"), ["--ssh-args is a setting of --launcher ssh"]),
+        (dict(mpi_args="--oversubscribe"), ["--mpi-args is a setting of --launcher mpi"]),
+        (dict(n=4), ["-n is a setting of --launcher local or --launcher mpi", "--nodes"]),
+    ],
+)
+def test_bad_slurm_settings_start_nothing(kw, words):
+    before = _kids()
+    with pytest.raises(ConfigError) as e:
+        nbtrain.start(launcher="slurm", **kw)
+    for w in words:
+        assert w in str(e.value)
+    assert core.current_cluster() is None
+    assert _kids() - before == set()
+
+
+@pytest.mark.parametrize(
+    "launcher, kw, words",
+    [
+        ("ssh", dict(hosts="localhost", nodes=2), ["--nodes is a setting of --launcher slurm"]),
+        ("ssh", dict(hosts="localhost", partition="gpu"), ["--partition", "--launcher slurm"]),
+        ("ssh", dict(hosts="localhost", time="10"), ["--time is a setting of --launcher slurm"]),
+        ("mpi", dict(gpus_per_node=4), ["--gpus-per-node is a setting of --launcher slurm"]),
+        ("local", dict(nodes=2), ["need launcher='ssh', 'slurm' or 'mpi'"]),
+        ("pbs", dict(nodes=2), ["unknown launcher 'pbs'"]),
+    ],
+)
+def test_settings_of_another_launcher_are_refused(launcher, kw, words):
+    with pytest.raises(ConfigError) as e:
+        parse_launch(launcher, kw)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_magic_with_another_launchers_option_starts_nothing(ip):
+    before = _kids()
+    with pytest.raises(ConfigError, match="--nodes is a setting of --launcher slurm"):
+        ip.run_line_magic("nbtrain", "start --launcher mpi -n 2 --nodes 2")
+    with pytest.raises(ConfigError, match="-n is a setting of --launcher local or --launcher mpi"):
+        ip.run_line_magic("nbtrain", "start --launcher slurm -n 2")
+    with pytest.raises(ConfigError, match="--nodes.*'0' is not a whole number at least 1"):
+        ip.run_line_magic("nbtrain", "start --launcher slurm --nodes 0")
+    with pytest.raises(ConfigError, match="--time '2 hours' is not a Slurm time limit"):
+        ip.run_line_magic("nbtrain", "start --launcher slurm --time '2 hours'")
+    assert core.current_cluster() is None
+    assert _kids() - before == set()
+
+
+def test_sbatch_missing_names_the_command_and_the_fix(ip, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm commands anywhere
+    before = _kids()
+    with pytest.raises(ConfigError) as e:
+        ip.run_line_magic("nbtrain", "start --launcher slurm --nodes 2")
+    msg = str(e.value)
+    assert "sbatch, squeue, scancel are not on PATH" in msg
+    assert (
+        "login node" in msg and "apt install slurm-client" in msg and "Nothing was started" in msg
+    )
+    assert core.current_cluster() is None
+    assert _kids() - before == set()
+
+
+def test_magic_help_lists_the_slurm_and_mpi_options(ip, capsys):
+    from nbtrain.magics import NbtrainMagics
+
+    doc = NbtrainMagics.nbtrain.__doc__ or ""
+    for option in (
+        "--nodes",
+        "--gpus-per-node",
+        "--engines-per-node",
+        "--partition",
+        "--account",
+        "--time",
+        "--slurm-args",
+        "--mpi-args",
+        "--launcher slurm",
+        "--launcher mpi",
+    ):
+        assert option in doc, option
+    assert "not yet" not in doc
+    ip.run_line_magic("nbtrain", "start --help")
+    out = capsys.readouterr()
+    assert "--gpus-per-node" in out.out + out.err and "mpiexec" in out.out + out.err
+
+
+# -- a real Slurm on this machine ------------------------------------------------------------------
+
+
+def _free_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65000:
+            try:
+                with socket.socket() as s2:
+                    s2.bind(("", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no two free ports in a row")
+
+
+@pytest.fixture(scope="module")
+def slurm_bed(tmp_path_factory):
+    """A single-node Slurm (this host, its CPUs) for this module; taken down at its end."""
+    if os.geteuid() != 0:
+        pytest.skip("a test Slurm needs root (slurmd runs the jobs)")
+    if not Path("/usr/sbin/slurmctld").exists() or not Path("/usr/sbin/munged").exists():
+        pytest.skip(
+            "slurm-wlm and munge are not installed (sh scripts/testbed-deps.sh installs them)"
+        )
+    folder = tmp_path_factory.mktemp("slurm")
+    env = {**os.environ, "NBTRAIN_SLURM_PORT": str(_free_pair())}
+    t0 = time.monotonic()
+    up = subprocess.run(
+        ["sh", str(TESTBED), "up", str(folder)], capture_output=True, text=True, env=env, timeout=60
+    )
+    if up.returncode != 0:
+        pytest.skip(f"the test Slurm did not start here: {up.stderr.strip()[-500:]}")
+    print(f"slurm test bed up in {time.monotonic() - t0:.1f} s")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(folder / "slurm.conf")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["sh", str(TESTBED), "down", str(folder)], env=env, timeout=60)
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+
+
+def _squeue(job_id: str | None = None) -> str:
+    cmd = ["squeue", "-h", "-o", "%i %T %r %j"] + (["-j", job_id] if job_id else [])
+    return subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
+
+
+def _assert_job_gone(job_id: str, cluster_id: str) -> None:
+    assert _squeue(job_id) == ""
+    deadline = time.monotonic() + 10
+    while _cluster_pids(cluster_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _cluster_pids(cluster_id) == []
+
+
+@pytest.mark.slurm
+def test_slurm_cluster_all_reduce_ranks_and_stop(ip, slurm_bed, capsys):
+    """Two engines as one real sbatch job: rank table, torchrun environment, a gloo all_reduce,
+    then stop: the job leaves the queue and no process of the cluster is left."""
+    t0 = time.monotonic()
+    ip.run_line_magic(
+        "nbtrain", "start --launcher slurm --nodes 1 --engines-per-node 2 --time 10 --timeout 90"
+    )
+    started = time.monotonic() - t0
+    out = capsys.readouterr().out
+    cluster = core.require_cluster()
+    m = re.search(r"slurm job (\d+) running on (\S+)", out)
+    assert m, out
+    job_id, node = m.group(1), m.group(2)
+    assert node == socket.gethostname()
+    assert "submitting a Slurm job: 1 node(s) × 2 engine(s), time 10" in out
+    assert "rank  host" in out and cluster.table() in out
+    assert f"{job_id} RUNNING None nbtrain-{cluster.cluster_id}" in _squeue(job_id)
+
+    def who():
+        import os
+
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+        keys += ("GLOO_SOCKET_IFNAME", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID")
+        return t.item(), {k: os.environ.get(k) for k in keys}
+
+    results = cluster.run(who)
+    assert [r[0] for r in results] == [3.0, 3.0]  # 1 + 2 on both ranks
+    for rank, (_, env) in enumerate(results):
+        assert env["RANK"] == env["SLURM_PROCID"] == str(rank)
+        assert env["LOCAL_RANK"] == env["SLURM_LOCALID"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["SLURM_JOB_ID"] == job_id
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert [r.host for r in cluster.ranks] == [node, node]
+    ip.run_cell_magic(
+        "distributed", "", "import torch.distributed as dist\nassert dist.get_world_size() == 2"
+    )
+    t1 = time.monotonic()
+    ip.run_line_magic("nbtrain", "stop")
+    print(f"slurm start {started:.1f} s, stop {time.monotonic() - t1:.1f} s")
+    _assert_job_gone(job_id, cluster.cluster_id)
+    assert not list(
+        Path(cluster.ipp_cluster.profile_dir, "log").glob(f"slurm-{cluster.cluster_id}*")
+    )
+
+
+@pytest.mark.slurm
+def test_pending_job_fails_after_timeout_naming_job_and_reason_and_is_cancelled(slurm_bed, capsys):
+    # two nodes on a one-node cluster: Slurm keeps the job pending (PartitionNodeLimit)
+    before = _kids()
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError) as e:
+        nbtrain.start(launcher="slurm", nodes=2, timeout=6, quiet=False)
+    elapsed = time.monotonic() - t0
+    msg = str(e.value)
+    m = re.search(r"slurm job (\d+) was still pending after --timeout 6 s \(reason: (\w+)\)", msg)
+    assert m, msg
+    assert m.group(2) == "PartitionNodeLimit"
+    assert f"It was cancelled (scancel {m.group(1)})" in msg and "fewer --nodes" in msg
+    assert f"slurm job {m.group(1)} pending (PartitionNodeLimit)" in capsys.readouterr().out
+    assert elapsed < 20
+    assert _squeue(m.group(1)) == ""
+    assert core.current_cluster() is None
+    assert psutil.wait_procs([psutil.Process(p) for p in _kids() - before], timeout=5)[1] == []
+
+
+@pytest.mark.slurm
+def test_interrupt_while_pending_cancels_the_job(slurm_bed):
+    # a down partition: the job waits (PartitionDown) until the start is interrupted
+    timer = threading.Timer(4.0, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            nbtrain.start(launcher="slurm", partition="closed", timeout=60)
+    finally:
+        timer.cancel()
+    assert _squeue() == ""
+    assert core.current_cluster() is None
+
+
+@pytest.mark.slurm
+def test_sbatch_refusal_and_unknown_partition_start_nothing(slurm_bed):
+    with pytest.raises(ConfigError) as e:
+        nbtrain.start(launcher="slurm", partition="nosuch", timeout=20)
+    assert "--partition nosuch: this Slurm cluster has no such partition" in str(e.value)
+    assert "debug, closed" in str(e.value)
+    # GPUs on a partition without GPUs: sbatch's own message, and the fix
+    with pytest.raises(ClusterError) as e:
+        nbtrain.start(launcher="slurm", gpus_per_node=1, timeout=20)
+    msg = str(e.value)
+    assert "sbatch refused: Invalid generic resource (gres) specification" in msg
+    assert "leave --gpus-per-node out on CPU nodes" in msg
+    assert _squeue() == ""
+    assert core.current_cluster() is None
+
+
+@pytest.mark.slurm
+def test_job_that_fails_shows_its_output(slurm_bed):
+    # the engines cannot start on the node: the job ends, and the start says so at once
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError) as e:
+        nbtrain.start(launcher="slurm", remote_python="/nonexistent/python", timeout=60)
+    msg = str(e.value)
+    assert re.search(
+        r"slurm job \d+ (failed|completed|completing|ended) before its engines registered", msg
+    ), msg
+    assert "/nonexistent/python" in msg and "--python" in msg
+    # the output the message names is kept after a failed start
+    log = re.search(r"Its output \((\S+)\)", msg)
+    assert log and Path(log.group(1)).exists()
+    Path(log.group(1)).unlink()
+    assert time.monotonic() - t0 < 30
+    assert _squeue() == ""
