@@ -1,10 +1,10 @@
 """LoRA fine-tuning throughput on 2 local ranks: nbtrain against torchrun, and the live display's overhead.
 
-    .venv/bin/python benchmarks/bench_finetune.py [--reps 4] [--steps 120] [--quick] [--out FILE]
+    .venv/bin/python benchmarks/bench_finetune.py [--reps 12] [--steps 120] [--quick] [--out FILE]
 
 The same run in every variant: `nbtrain.finetune(SFTConfig(...))` on a tiny Llama built by
 `make_tiny_model` (hidden 256, 4 layers: ~50-100 ms a step here), the shipped instruction data, batch
-4 per rank, the same steps and seed, one thread per rank (OMP_NUM_THREADS=1). Interleaved:
+4 per rank, the same steps and seed, one thread per rank (OMP_NUM_THREADS=1). Interleaved, the order rotating each round:
   A  nbtrain, live    a `%%distributed` cell in a real Jupyter kernel (jupyter_client), so the live
                       loss / tokens/s display draws while it trains
   B  torchrun         `torchrun --standalone --nproc_per_node=2 _torchrun_finetune.py`
@@ -166,7 +166,7 @@ def _run_torchrun(cfg: dict[str, Any], warmup_rows: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=4, help="interleaved rounds (default 4)")
+    ap.add_argument("--reps", type=int, default=12, help="interleaved rounds (default 12)")
     ap.add_argument("--steps", type=int, default=120, help="optimizer steps per run (default 120)")
     ap.add_argument(
         "--warmup-rows", type=int, default=2, help="logged rows left out (5 steps each)"
@@ -232,9 +232,11 @@ def main() -> None:
             for name, fn in variants.items():
                 fn(f"warmup-{name}")
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in variants}
+        names = list(variants)
         for i in range(reps):
-            for name, fn in variants.items():
-                r = fn(f"{name}-{i}")
+            # the order rotates round by round, so no variant always follows the same one
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                r = variants[name](f"{name}-{i}")
                 r.update(tokens_per_s(r["output_dir"], args.warmup_rows))
                 runs[name].append(r)
                 print(

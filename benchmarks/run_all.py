@@ -174,6 +174,22 @@ def render_markdown(results: dict[str, Any]) -> str:
             "closer to 1 than that spread is not resolved by this run; re-run on a quiet machine to judge "
             "a target such as 0.97 or 0.99.",
         ]
+        if "outside_ranks_share_of_machine" in f:
+            shares = f["outside_ranks_share_of_machine"]
+            one = f["runs"]["nbtrain_nolive"][0]["cpu"] if f["runs"]["nbtrain_nolive"] else {}
+            lines += [
+                "",
+                "CPU used outside the two ranks while they trained (psutil per-thread times over the "
+                "same steps as tokens/s; median share of the machine's 2 cores): "
+                + ", ".join(f"{name} {100 * v:.2f}%" for name, v in shares.items() if v is not None)
+                + ". On a machine whose cores the ranks fill, that CPU is taken from them, so it bounds "
+                "the launcher's cost whatever the wall-clock noise. Where it went in the first "
+                "--no-live run: "
+                + ", ".join(
+                    f"`{cmd.strip()}` {sec:.2f} s" for cmd, sec in one.get("outside_top", [])
+                )
+                + ".",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -181,6 +197,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run of every benchmark")
     ap.add_argument("--only", nargs="*", choices=BENCHES, default=list(BENCHES))
+    ap.add_argument(
+        "--finetune-reps", type=int, default=None, help="rounds of bench_finetune (its default: 12)"
+    )
     ap.add_argument(
         "--out-dir",
         default=None,
@@ -219,6 +238,8 @@ def main() -> None:
         cmd = [C.python(), str(C.HERE / f"bench_{name}.py"), "--out", str(part)]
         if args.quick:
             cmd.append("--quick")
+        elif name == "finetune" and args.finetune_reps:
+            cmd += ["--reps", str(args.finetune_reps)]
         print(f"== {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)
         if proc.returncode != 0:
