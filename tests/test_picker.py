@@ -12,6 +12,9 @@ from nbtrain.display import picker as pk
 from nbtrain.errors import ConfigError
 from tests.conftest import cluster_processes, wait_gone
 
+# the test Slurm of tests/test_slurm.py (module-scoped; skips, saying why, where it cannot start)
+from tests.test_slurm import _assert_job_gone, _squeue, slurm_bed  # noqa: F401
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -81,8 +84,8 @@ def test_validation_messages():
     assert "--hosts is empty" in errs["hosts"]
     errs = pk.validate(pk.PickerSettings(launcher="ssh", hosts="n1", port=70000))
     assert "70000 is not a TCP port" in errs["port"]
-    errs = pk.validate(pk.PickerSettings(launcher="slurm"))
-    assert "not yet supported" in errs["launcher"]
+    errs = pk.validate(pk.PickerSettings(launcher="ssh", hosts="n1", port="29x"))
+    assert "29x is not a TCP port" in errs["port"]
     errs = pk.validate(pk.PickerSettings(n=0))
     assert "at least one engine" in errs["n"]
     # hosts are only checked for the SSH launcher
@@ -129,12 +132,138 @@ def test_widget_shows_hosts_error_inline(home):
     assert p.cluster is None and not p.start_button.disabled
 
 
-def test_slurm_is_shown_but_disabled(home):
+# -- the Slurm page (no Slurm needed: the settings, the call, the messages) -------------------------
+
+
+def _slurm_page(p: pk.ClusterPicker) -> None:
+    p.launcher.value = "slurm"
+    p.nodes.value = 2
+    p.gpus_per_node.value = "4"
+    p.partition.value = "gpu"
+    p.account.value = "proj"
+    p.time.value = "02:00:00"
+    p.backend.value = "nccl"
+    p.timeout.value = 600
+
+
+def test_slurm_page_builds_the_start_call(home):
     p = pk.ClusterPicker(remember=False)
-    (slurm,) = p.unsupported
-    assert slurm.description == "Slurm" and slurm.disabled
-    assert slurm.tooltip == "not yet supported"
-    assert "slurm" not in [v for _, v in p.launcher.options]
+    assert [v for _, v in p.launcher.options] == ["local", "ssh", "slurm", "connect"]
+    _slurm_page(p)
+    # only what was filled in: sbatch lines, engines per node, python, ip, interface, port are not
+    assert pk.api_call(p.settings()) == (
+        "start",
+        {
+            "launcher": "slurm",
+            "nodes": 2,
+            "gpus_per_node": 4,
+            "partition": "gpu",
+            "account": "proj",
+            "time": "02:00:00",
+            "backend": "nccl",
+            "timeout": 600.0,
+            "force": False,
+        },
+    )
+    p.engines_per_node.value = "2"
+    p.slurm_args.value = "--qos=high\n--constraint=a100"
+    p.python.value = "/opt/env/bin/python"
+    p.port.value = "29555"
+    p.allow_mismatch.value = True
+    _, kw = pk.api_call(p.settings(), force=True)
+    assert kw["engines_per_node"] == 2 and kw["slurm_args"] == "--qos=high\n--constraint=a100"
+    assert kw["remote_python"] == "/opt/env/bin/python" and kw["port"] == 29555
+    assert kw["allow_version_mismatch"] is True and kw["force"] is True
+    assert "iface" not in kw and "ip" not in kw and "hosts" not in kw
+    # the call is one nbtrain.start takes: LaunchOptions reads the sbatch lines as the magic does
+    from nbtrain.cluster import slurm
+    from nbtrain.cluster.launchers import parse_launch
+
+    launch = {k: v for k, v in kw.items() if k not in ("launcher", "backend", "timeout", "force")}
+    script = slurm.batch_script(parse_launch("slurm", launch))
+    assert "#SBATCH --qos=high\n#SBATCH --constraint=a100\n" in script
+    assert "#SBATCH --ntasks-per-node=2\n" in script and "#SBATCH --gpus-per-node=4\n" in script
+
+
+def test_slurm_page_is_remembered_and_restored(home):
+    p = pk.ClusterPicker()
+    _slurm_page(p)
+    p.slurm_args.value = "--qos=high"
+    pk.save_settings(p.settings())
+    q = pk.ClusterPicker()
+    assert q.launcher.value == "slurm"
+    assert (q.nodes.value, q.gpus_per_node.value, q.engines_per_node.value) == (2, "4", "")
+    assert (q.partition.value, q.account.value, q.time.value) == ("gpu", "proj", "02:00:00")
+    assert q.slurm_args.value == "--qos=high" and q.backend.value == "nccl"
+    assert q.settings() == p.settings()
+    # the Slurm fields sit on the Slurm page only
+    assert q._slurm_box.layout.display == "" and q._ssh_box.layout.display == "none"
+    assert q._engines_remote.layout.display == ""
+    q.launcher.value = "ssh"
+    assert q._slurm_box.layout.display == "none" and q._engines_remote.layout.display == ""
+
+
+def test_settings_saved_before_the_slurm_page_still_load(home):
+    # a picker.json as nbtrain wrote it before the Slurm page: no Slurm keys
+    old = {
+        "launcher": "ssh",
+        "n": 1,
+        "hosts": "node1:2,node2:2",
+        "backend": "gloo",
+        "iface": "eth1",
+        "ip": "",
+        "port": 29500,
+        "profile": "",
+        "cluster_id": "",
+        "timeout": 60.0,
+        "allow_version_mismatch": False,
+        "python": "/opt/py/bin/python",
+        "ssh_args": "-F cfg",
+    }
+    (home / "picker.json").write_text(json.dumps(old))
+    s = pk.load_settings()
+    assert s == pk.PickerSettings(**old)
+    assert (s.nodes, s.gpus_per_node, s.time, s.slurm_args) == (1, None, "", "")
+    p = pk.ClusterPicker()
+    assert p.launcher.value == "ssh" and p.hosts.value == "node1:2,node2:2"
+    assert p.iface.value == "eth1" and p.python.value == "/opt/py/bin/python"
+
+
+def test_slurm_bad_time_is_shown_as_typed_and_start_refuses(home):
+    p = pk.ClusterPicker(remember=False)
+    _slurm_page(p)
+    assert p.error.value == "", p.error.value
+    p.time.value = "2h"
+    assert "--time &#x27;2h&#x27; is not a Slurm time limit" in p.error.value
+    assert "02:00:00" in p.error.value and "Traceback" not in p.error.value
+    p.start_button.click()  # refused before anything is submitted
+    assert p.cluster is None and not p.start_button.disabled
+    assert "is not a Slurm time limit" in p.error.value
+    with pytest.raises(ConfigError, match="--time '2h' is not a Slurm time limit"):
+        pk.start_cluster(p.settings())
+    p.time.value = "90"
+    assert p.error.value == ""
+    # the other settings as LaunchOptions checks them, as they are typed
+    p.engines_per_node.value = "8"
+    assert "--engines-per-node 8 is more than --gpus-per-node 4" in p.error.value
+    p.engines_per_node.value = ""
+    p.partition.value = "gpu nodes"
+    assert "--partition &#x27;gpu nodes&#x27; is not a Slurm name" in p.error.value
+    p.partition.value = "gpu"
+    p.nodes.value = 0
+    assert "--nodes 0 is not a whole number at least 1" in p.error.value
+
+
+def test_slurm_page_without_slurm_here_says_so(home, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, squeue, scancel
+    p = pk.ClusterPicker(remember=False)
+    p.launcher.value = "slurm"  # said at once, before Start
+    assert "sbatch, squeue, scancel are not on PATH" in p.error.value
+    assert "login node" in p.error.value
+    p.start_button.click()
+    assert p.cluster is None and "not on PATH" in p.error.value
+    p.launcher.value = "local"
+    assert p.error.value == ""
 
 
 def test_interface_choices_are_this_machines():
@@ -311,3 +440,77 @@ def test_failed_start_shows_the_message_not_a_traceback(home):
     assert "Traceback" not in p.error.value
     assert p.status.value.startswith("failed after")
     assert not p.start_button.disabled and p.stop_button.disabled
+
+
+# -- the Slurm page on a real single-machine Slurm (scripts/slurm-testbed.sh) ----------------------
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_bed")
+def test_picker_starts_a_slurm_job_shows_the_ranks_and_stops_it(home):
+    import re
+    import socket
+
+    assert nbtrain.current_cluster() is None, "a cluster from an earlier test is still running"
+    p = pk.ClusterPicker(probe_max_bytes=1024)
+    p.launcher.value = "slurm"
+    p.nodes.value = 1
+    p.engines_per_node.value = "2"
+    p.time.value = "10"
+    p.backend.value = "gloo"
+    p.timeout.value = 90
+    assert p.error.value == "", p.error.value
+    t0 = time.monotonic()
+    p.start_button.click()
+    assert p.start_button.disabled and p.status.value.startswith("starting...")
+    p.wait(100)
+    started = time.monotonic() - t0
+    assert p.error.value == "", p.error.value
+    cluster = p.cluster
+    assert cluster is not None and nbtrain.current_cluster() is cluster
+    job = next((m for n in cluster.notes if (m := re.match(r"slurm job (\d+) running", n))), None)
+    assert job, cluster.notes
+    job_id = job.group(1)
+    try:
+        assert "ready: 2 rank(s) on 1 host(s), backend gloo" in p.status.value
+        host = socket.gethostname()
+        for rank in (0, 1):
+            assert f"<tr><td>{rank}</td><td>{host}</td><td>{rank}</td><td>cpu</td>" in (
+                p.topology.value
+            ), p.topology.value
+        assert p.topology.value.count("<tr><td>") == 2
+        assert f"{job_id} RUNNING" in _squeue(job_id)
+        # the version table of the nodes (preflight ran on the job's engines)
+        assert "nbtrain" in p.versions.value and "torch" in p.versions.value
+        assert pk.load_settings() == p.settings()  # remembered
+        p.probe_button.click()
+        p.wait(60)
+        assert "all_reduce across 2 rank(s), backend gloo" in p.probe_out.value, p.error.value
+    finally:
+        t1 = time.monotonic()
+        p.stop_button.click()
+    print(f"picker slurm start {started:.1f} s, stop {time.monotonic() - t1:.1f} s")
+    assert cluster.stopped and nbtrain.current_cluster() is None and p.status.value == "stopped"
+    _assert_job_gone(job_id, cluster.cluster_id)
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_bed")
+def test_picker_shows_the_pending_job_then_the_timeout(home):
+    # two nodes on a one-node Slurm: the job stays pending (PartitionNodeLimit) until the timeout
+    p = pk.ClusterPicker(remember=False)
+    p.launcher.value = "slurm"
+    p.nodes.value = 2
+    p.timeout.value = 6
+    seen: list[str] = []
+    p.status.observe(lambda change: seen.append(change["new"]), names="value")
+    p.start_button.click()
+    p.wait(30)
+    pending = [s for s in seen if "pending (PartitionNodeLimit)" in s]
+    assert pending, seen
+    job_id = pending[0].split("slurm job ")[1].split()[0]
+    assert pending[0].startswith("starting... ")
+    assert f"slurm job {job_id} was still pending after --timeout 6 s" in p.error.value
+    assert "Traceback" not in p.error.value and p.status.value.startswith("failed after")
+    assert p.cluster is None and not p.start_button.disabled
+    assert _squeue(job_id) == ""

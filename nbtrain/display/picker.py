@@ -11,12 +11,14 @@ settings are saved per user in ``$NBTRAIN_HOME/picker.json`` (default
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -25,14 +27,13 @@ from nbtrain.errors import NbtrainError
 
 log = logging.getLogger("nbtrain")
 
-# widget value -> label; slurm is shown but cannot be picked yet
+# widget value -> label (MPI is started with %nbtrain start --launcher mpi; the picker has no page)
 LAUNCHERS = {
     "local": "this machine",
     "ssh": "SSH hosts",
-    "connect": "existing cluster",
     "slurm": "Slurm",
+    "connect": "existing cluster",
 }
-UNSUPPORTED = {"slurm": "not yet supported"}
 BACKENDS = ("auto", "gloo", "nccl")
 AUTO = "auto"
 
@@ -41,7 +42,7 @@ AUTO = "auto"
 class PickerSettings:
     """What the picker starts; the same settings as `%nbtrain start` / `%nbtrain connect`."""
 
-    launcher: str = "local"  # local, ssh, connect (an existing ipyparallel cluster); slurm: not yet
+    launcher: str = "local"  # local, ssh, slurm, connect (an existing ipyparallel cluster)
     n: int = 1  # engines on this machine (launcher local)
     hosts: str = ""  # HOST[:ENGINES],... (launcher ssh), e.g. node1:2,node2:2
     backend: str = "auto"  # auto (NCCL where every rank has a GPU, else gloo), gloo or nccl
@@ -54,6 +55,15 @@ class PickerSettings:
     allow_version_mismatch: bool = False  # start although torch/NCCL/nbtrain differ across nodes
     python: str = ""  # the Python with nbtrain on every host (empty: this kernel's path), --python
     ssh_args: str = ""  # extra ssh arguments, e.g. "-F ~/.ssh/cluster", --ssh-args
+    # launcher slurm: the magic's --nodes, --gpus-per-node, ... (None or "": not given, Slurm's or
+    # nbtrain's default applies)
+    nodes: int = 1  # nodes of the job, --nodes
+    gpus_per_node: int | None = None  # GPUs per node, one engine each, --gpus-per-node (None: CPU)
+    engines_per_node: int | None = None  # engines per node, --engines-per-node (None: GPUs, else 1)
+    partition: str = ""  # --partition (empty: the cluster's default partition)
+    account: str = ""  # --account to charge (empty: your default account)
+    time: str = ""  # --time limit, e.g. 02:00:00 (empty: the partition's default)
+    slurm_args: str = ""  # more sbatch options, e.g. "--qos=high" one per line, --slurm-args
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PickerSettings:
@@ -111,12 +121,7 @@ def validate(s: PickerSettings) -> dict[str, str]:
     from nbtrain.cluster import net
 
     errors: dict[str, str] = {}
-    if s.launcher in UNSUPPORTED:
-        errors["launcher"] = (
-            f"{LAUNCHERS[s.launcher]} is {UNSUPPORTED[s.launcher]}: start the cluster with "
-            "`ipcluster start` and ipyparallel's Slurm launchers, then pick 'existing cluster'."
-        )
-    elif s.launcher not in LAUNCHERS:
+    if s.launcher not in LAUNCHERS:
         errors["launcher"] = (
             f"unknown launcher {s.launcher!r}; choose one of {', '.join(LAUNCHERS)}."
         )
@@ -132,10 +137,39 @@ def validate(s: PickerSettings) -> dict[str, str]:
             net.parse_hosts(s.hosts)
         except NbtrainError as e:
             errors["hosts"] = str(e)
-    if s.launcher in ("ssh", "connect") and s.port is not None and not 0 < int(s.port) < 65536:
-        errors["port"] = (
-            f"port {s.port} is not a TCP port; give one from 1 to 65535, or leave it empty."
-        )
+    if s.launcher in ("ssh", "slurm", "connect") and s.port is not None:
+        if isinstance(s.port, bool) or not isinstance(s.port, int) or not 0 < s.port < 65536:
+            errors["port"] = (
+                f"port {s.port} is not a TCP port; give one from 1 to 65535, or leave it empty."
+            )
+    if s.launcher == "slurm":
+        errors.update(validate_slurm(s, skip_port="port" in errors))
+    return errors
+
+
+def validate_slurm(s: PickerSettings, skip_port: bool = False) -> dict[str, str]:
+    """The Slurm page's problems: the time limit (`slurm.check_time`), then the rest as
+    `LaunchOptions(launcher="slurm", ...)` checks them (numbers, names, sbatch lines, --ip, and
+    that sbatch is on PATH). One message for the rest: LaunchOptions stops at the first."""
+    from nbtrain.cluster import slurm
+    from nbtrain.cluster.launchers import LaunchOptions
+    from nbtrain.errors import ConfigError
+
+    errors: dict[str, str] = {}
+    if s.time.strip():
+        try:
+            slurm.check_time(s.time)
+        except ConfigError as e:
+            errors["time"] = str(e)
+    launch = slurm_launch(s)
+    if "time" in errors:
+        launch.pop("time")
+    if skip_port:
+        launch.pop("port", None)
+    try:
+        LaunchOptions(launcher="slurm", **launch)
+    except ConfigError as e:
+        errors["slurm"] = str(e)
     return errors
 
 
@@ -148,6 +182,14 @@ def api_call(s: PickerSettings, force: bool = False) -> tuple[str, dict[str, Any
     The same calls `%nbtrain start [--launcher ssh ...]` and `%nbtrain connect` make.
     """
     iface = None if s.iface in ("", AUTO) else s.iface
+    if s.launcher == "slurm":
+        return "start", {
+            "launcher": "slurm",
+            **slurm_launch(s),
+            "backend": s.backend,
+            "timeout": s.timeout,
+            "force": force,
+        }
     if s.launcher == "local":
         return "start", {"n": s.n, "backend": s.backend, "timeout": s.timeout, "force": force}
     if s.launcher == "ssh":
@@ -177,6 +219,26 @@ def api_call(s: PickerSettings, force: bool = False) -> tuple[str, dict[str, Any
     }
 
 
+def slurm_launch(s: PickerSettings) -> dict[str, Any]:
+    """The Slurm settings as `nbtrain.start(launcher="slurm", ...)` takes them: only those given,
+    so LaunchOptions' defaults (and Slurm's: default partition, account, time) stay the defaults."""
+    given: dict[str, Any] = {
+        "nodes": s.nodes,
+        "gpus_per_node": s.gpus_per_node,
+        "engines_per_node": s.engines_per_node,
+        "partition": s.partition.strip() or None,
+        "account": s.account.strip() or None,
+        "time": s.time.strip() or None,
+        "slurm_args": s.slurm_args.strip() or None,
+        "remote_python": s.python.strip() or None,
+        "ip": s.ip.strip() or None,
+        "iface": None if s.iface in ("", AUTO) else s.iface,
+        "port": s.port,
+        "allow_version_mismatch": s.allow_version_mismatch or None,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def start_cluster(s: PickerSettings, force: bool = False) -> Any:
     """Validate the settings, then start (or connect to) the cluster; raise ConfigError if invalid."""
     from nbtrain.errors import ConfigError
@@ -193,6 +255,22 @@ def start_cluster(s: PickerSettings, force: bool = False) -> Any:
     from nbtrain.cluster.launchers import connect
 
     return connect(**kwargs)
+
+
+def _parse_int(text: str) -> Any:
+    """A whole number from a text field; None when empty; the text itself when not a number (the
+    validation names it, as the magic would)."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _int_text(value: Any) -> str:
+    return "" if value is None else str(value)
 
 
 def error_text(e: BaseException) -> str:
@@ -379,6 +457,40 @@ def node_interfaces_html(nodes: NodeInterfaces, source: str, n_hosts: int | None
 # -- the widget ------------------------------------------------------------------------------------
 
 
+class _Progress(logging.Handler):
+    """The start's progress lines, for the status line next to the elapsed seconds.
+
+    `nbtrain.start` reports each step (the same lines `quiet=False` prints: "slurm job 4711
+    pending (Resources)", "rendezvous at ...") on the "nbtrain" logger; this keeps the last one
+    logged by the thread that runs the start, so another start or cell in the kernel does not
+    show up in this picker. The picker does not pass quiet=False: printing from its worker thread
+    would put the lines under whichever cell runs, not in the form.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.last = ""
+        self._thread: int | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self._thread and record.levelno == logging.INFO:
+            self.last = record.getMessage().removeprefix("nbtrain: ")
+
+    @contextlib.contextmanager
+    def from_this_thread(self) -> Iterator[None]:
+        self._thread = threading.get_ident()
+        old = log.level
+        # INFO must reach the handler; the level goes back afterwards
+        if log.getEffectiveLevel() > logging.INFO:
+            log.setLevel(logging.INFO)
+        log.addHandler(self)
+        try:
+            yield
+        finally:
+            log.removeHandler(self)
+            log.setLevel(old)
+
+
 class ClusterPicker:
     """A widget to pick a launcher and hosts, start the cluster, see its topology, probe and stop it.
 
@@ -410,18 +522,12 @@ class ClusterPicker:
         )
         style = {"description_width": "150px"}
 
-        usable = [k for k in LAUNCHERS if k not in UNSUPPORTED]
         self.launcher = w.ToggleButtons(
-            options=[(LAUNCHERS[k], k) for k in usable],
-            value=s.launcher if s.launcher in usable else "local",
+            options=[(label, k) for k, label in LAUNCHERS.items()],
+            value=s.launcher if s.launcher in LAUNCHERS else "local",
             description="Launcher",
             style=style,
         )
-        # ToggleButtons cannot disable one option: the unsupported launchers are disabled buttons
-        self.unsupported = [
-            w.Button(description=LAUNCHERS[k], disabled=True, tooltip=why)
-            for k, why in UNSUPPORTED.items()
-        ]
         self.n = w.BoundedIntText(
             value=max(1, int(s.n)), min=1, max=1024, description="Engines", style=style
         )
@@ -476,6 +582,42 @@ class ClusterPicker:
             description="ssh arguments",
             style=style,
         )
+        # the Slurm page: what is left empty is not passed (Slurm's or nbtrain's default applies)
+        self.nodes = w.IntText(value=int(s.nodes), description="Nodes", style=style)
+        self.gpus_per_node = w.Text(
+            value=_int_text(s.gpus_per_node),
+            placeholder="none (CPU nodes)",
+            description="GPUs per node",
+            style=style,
+        )
+        self.engines_per_node = w.Text(
+            value=_int_text(s.engines_per_node),
+            placeholder="one per GPU, else 1",
+            description="Engines per node",
+            style=style,
+        )
+        self.partition = w.Text(
+            value=s.partition,
+            placeholder="the default partition",
+            description="Partition",
+            style=style,
+        )
+        self.account = w.Text(
+            value=s.account, placeholder="your default account", description="Account", style=style
+        )
+        self.time = w.Text(
+            value=s.time,
+            placeholder="the partition's default, e.g. 02:00:00",
+            description="Time limit",
+            style=style,
+        )
+        self.slurm_args = w.Textarea(
+            value=s.slurm_args,
+            placeholder="--qos=high\n--constraint=a100",
+            description="Extra sbatch lines",
+            rows=2,
+            style=style,
+        )
         self.timeout = w.BoundedFloatText(
             value=s.timeout, min=1, max=3600, description="Timeout (s)", style=style
         )
@@ -498,15 +640,30 @@ class ClusterPicker:
         self.versions = w.HTML()
         self.probe_out = w.HTML()
 
-        self._ssh_box = w.VBox([self.hosts, self.ip, self.python, self.ssh_args, self.check_button])
+        self._ssh_box = w.VBox([self.hosts, self.ssh_args, self.check_button])
+        self._slurm_box = w.VBox(
+            [
+                self.nodes,
+                self.gpus_per_node,
+                self.engines_per_node,
+                self.partition,
+                self.account,
+                self.time,
+                self.slurm_args,
+            ]
+        )
+        # what SSH hosts and Slurm nodes share: the controller's address here, their Python
+        self._engines_remote = w.VBox([self.ip, self.python])
         self._local_box = w.VBox([self.n])
         self._connect_box = w.VBox([self.profile, self.cluster_id])
         self._shared_remote = w.VBox([self.iface, self.iface_info, self.port, self.allow_mismatch])
         self.widget = w.VBox(
             [
-                w.HBox([self.launcher, *self.unsupported]),
+                self.launcher,
                 self._local_box,
                 self._ssh_box,
+                self._slurm_box,
+                self._engines_remote,
                 self._connect_box,
                 self.backend,
                 self._shared_remote,
@@ -524,6 +681,10 @@ class ClusterPicker:
         # the nodes' interfaces belong to these hosts (or this existing cluster): refill on change
         self.profile.observe(self._on_hosts, names="value")
         self.cluster_id.observe(self._on_hosts, names="value")
+        for field in (self.nodes, self.gpus_per_node, self.engines_per_node, self.partition):
+            field.observe(self._on_slurm, names="value")
+        for field in (self.account, self.time, self.slurm_args, self.ip, self.python):
+            field.observe(self._on_slurm, names="value")
         self.check_button.on_click(self._on_check)
         self.start_button.on_click(self._on_start)
         self.probe_button.on_click(self._on_probe)
@@ -537,11 +698,7 @@ class ClusterPicker:
     # -- settings ----------------------------------------------------------------------------------
     def settings(self) -> PickerSettings:
         """The settings the widgets show now."""
-        port_text = self.port.value.strip()
-        try:
-            port: Any = int(port_text) if port_text else None
-        except ValueError:
-            port = port_text  # validate() names it
+        port: Any = _parse_int(self.port.value)
         return PickerSettings(
             launcher=self.launcher.value,
             n=int(self.n.value),
@@ -556,6 +713,13 @@ class ClusterPicker:
             allow_version_mismatch=bool(self.allow_mismatch.value),
             python=self.python.value.strip(),
             ssh_args=self.ssh_args.value.strip(),
+            nodes=int(self.nodes.value),
+            gpus_per_node=_parse_int(self.gpus_per_node.value),
+            engines_per_node=_parse_int(self.engines_per_node.value),
+            partition=self.partition.value.strip(),
+            account=self.account.value.strip(),
+            time=self.time.value.strip(),
+            slurm_args=self.slurm_args.value.strip(),
         )
 
     def _show_error(self, text: str) -> None:
@@ -569,6 +733,8 @@ class ClusterPicker:
         which = self.launcher.value
         self._local_box.layout.display = "" if which == "local" else "none"
         self._ssh_box.layout.display = "" if which == "ssh" else "none"
+        self._slurm_box.layout.display = "" if which == "slurm" else "none"
+        self._engines_remote.layout.display = "" if which in ("ssh", "slurm") else "none"
         self._connect_box.layout.display = "" if which == "connect" else "none"
         self._shared_remote.layout.display = "none" if which == "local" else ""
         self._on_hosts()
@@ -577,9 +743,16 @@ class ClusterPicker:
         # validate as the user types: the message shows under the fields, nothing starts
         if self.launcher.value == "ssh" and self.hosts.value.strip():
             self._show_error(validate(self.settings()).get("hosts", ""))
+        elif self.launcher.value == "slurm":
+            self._on_slurm()
         else:
             self._show_error("")
         self._refresh_ifaces()
+
+    def _on_slurm(self, *_: Any) -> None:
+        # the Slurm page as the user types: a bad time limit, number or name (or no sbatch here)
+        if self.launcher.value == "slurm":
+            self._show_error("\n".join(validate_slurm(self.settings()).values()))
 
     # -- the interfaces of the nodes ---------------------------------------------------------------
     def _nodes_key_now(self) -> tuple[str, ...]:
@@ -588,6 +761,8 @@ class ClusterPicker:
             return (which, self.hosts.value.strip())
         if which == "connect":
             return (which, self.profile.value.strip(), self.cluster_id.value.strip())
+        if which == "slurm":
+            return (which, self.partition.value.strip())
         return (which,)
 
     def _refresh_ifaces(self) -> None:
@@ -596,12 +771,16 @@ class ClusterPicker:
         self._saved_iface = AUTO  # the saved choice counts once, at the first fill
         if self._nodes is not None and self._nodes_key == self._nodes_key_now():
             options = node_interface_options(self._nodes, current, self._nodes_hosts)
-        elif self.launcher.value == "ssh":
-            # this machine's interfaces say nothing about the hosts': ask them (Check hosts)
+        elif self.launcher.value in ("ssh", "slurm"):
+            # this machine's interfaces say nothing about the hosts': ask them (Check hosts), or,
+            # for Slurm nodes (not known until the job runs), take them from preflight after a start
             options = [(AUTO, AUTO)] + ([(current, current)] if current != AUTO else [])
             self.iface_info.value = (
                 "<small>Check hosts lists the interfaces of the hosts; auto uses the one that "
                 "routes to rank 0.</small>"
+                if self.launcher.value == "ssh"
+                else "<small>The nodes' interfaces are listed here after a start (preflight); "
+                "auto uses the one that routes to rank 0.</small>"
             )
         else:
             names = interface_choices()
@@ -693,16 +872,20 @@ class ClusterPicker:
         t0 = time.monotonic()
         done = threading.Event()
 
+        progress = _Progress()
+
         def tick() -> None:
             while not done.wait(1.0):
-                self.status.value = f"{what}... {time.monotonic() - t0:.0f} s"
+                step = f": {progress.last}" if progress.last else ""
+                self.status.value = html.escape(f"{what}... {time.monotonic() - t0:.0f} s{step}")
 
         def work() -> None:
             ticker = threading.Thread(target=tick, daemon=True)
             ticker.start()
             try:
-                # force: the picker replaces the cluster it started (the button says Start, not Add)
-                cluster = start_cluster(s, force=self.cluster is not None)
+                with progress.from_this_thread():
+                    # force: the picker replaces the cluster it started (the button says Start)
+                    cluster = start_cluster(s, force=self.cluster is not None)
             except Exception as e:
                 done.set()
                 self.status.value = f"failed after {time.monotonic() - t0:.1f} s"
