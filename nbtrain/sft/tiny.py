@@ -9,6 +9,7 @@ real `from_pretrained` path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -126,7 +127,26 @@ def make_tiny_model(
     # Inside a process group transformers writes weights on global rank 0 only, which would leave
     # every other node of a cluster without a model: every caller here wants its own copy.
     model.should_save_on_this_rank = lambda is_main_process: True
-    out = Path(path)
+    with _quiet_saves():
+        return _save(model, tokenizer, Path(path))
+
+
+@contextlib.contextmanager
+def _quiet_saves() -> Iterator[None]:
+    """No "Writing model shards" bar: a one-shard save of a tiny model is instant, and under
+    %%distributed every rank would print one."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def _save(model: Any, tokenizer: Any, out: Path) -> str:
     if out.is_dir() and any(out.iterdir()):
         # an existing folder (perhaps the user's, with other files): write into it, as before
         model.save_pretrained(out)
