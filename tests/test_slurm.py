@@ -23,6 +23,7 @@ import nbtrain
 from nbtrain.cluster import core, slurm
 from nbtrain.cluster.launchers import LaunchOptions, parse_launch
 from nbtrain.errors import ClusterError, ConfigError
+from tests.conftest import cluster_processes, wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
 TESTBED = REPO / "scripts" / "slurm-testbed.sh"
@@ -374,6 +375,7 @@ def test_interrupt_while_pending_cancels_the_job(slurm_bed):
 
 @pytest.mark.slurm
 def test_sbatch_refusal_and_unknown_partition_start_nothing(slurm_bed):
+    before = {p.pid for p in cluster_processes()}
     with pytest.raises(ConfigError) as e:
         nbtrain.start(launcher="slurm", partition="nosuch", timeout=20)
     assert "--partition nosuch: this Slurm cluster has no such partition" in str(e.value)
@@ -386,6 +388,8 @@ def test_sbatch_refusal_and_unknown_partition_start_nothing(slurm_bed):
     assert "leave --gpus-per-node out on CPU nodes" in msg
     assert _squeue() == ""
     assert core.current_cluster() is None
+    # the controller ran when sbatch refused: neither it nor its schedulers may be left
+    assert wait_gone({p.pid for p in cluster_processes()} - before) == []
 
 
 @pytest.mark.slurm

@@ -533,6 +533,7 @@ def _teardown(ipp_cluster: Any, client: Any, pids: Sequence[int]) -> None:
     if ipp_cluster is not None:
         local.extend(_launcher_pids(ipp_cluster))
     local.extend(_descendants(local))
+    groups = _session_groups(local)
     # engines (IPython kernels) sit on SIGTERM for seconds; their state is being discarded anyway
     _terminate(local, grace=0.5)
     if ipp_cluster is not None:
@@ -541,6 +542,31 @@ def _teardown(ipp_cluster: Any, client: Any, pids: Sequence[int]) -> None:
         except Exception as e:
             log.debug("ipyparallel stop_cluster failed: %s", e)
         registry.forget(ipp_cluster)
+    _kill_groups(groups)
+
+
+def _session_groups(pids: Sequence[int]) -> list[int]:
+    """The process groups `pids` lead: ipyparallel starts the controller (and each local engine) in a
+    session of its own, so its group also holds what it spawns, even once orphaned."""
+    mine = os.getpgid(0)
+    groups = []
+    for pid in dict.fromkeys(pids):
+        try:
+            if os.getpgid(pid) == pid != mine:
+                groups.append(pid)
+        except OSError:
+            continue
+    return groups
+
+
+def _kill_groups(groups: Sequence[int]) -> None:
+    """SIGKILL whatever is left in `groups`: a controller stopped while it was still starting has
+    spawned its schedulers after anyone could list its children, and they outlive it."""
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            continue  # the group is empty: everything in it has exited
 
 
 def _running(proc: Any) -> bool:

@@ -39,7 +39,9 @@ from nbtrain.cluster.core import (
     StartOptions,
     _describe_ranks,
     _init_group,
+    _kill_groups,
     _kill_tree,
+    _session_groups,
     assign_ranks,
     format_table,
 )
@@ -555,6 +557,7 @@ def _teardown_remote(
     ctl = getattr(ipp_cluster, "controller", None) if ipp_cluster is not None else None
     if ctl is not None and getattr(ctl, "pid", None):
         local.append(int(ctl.pid))
+    groups = _session_groups(local)
     if ipp_cluster is not None:
         for engine_set in engine_sets:
             engine_set._nbtrain_killed = True
@@ -564,6 +567,7 @@ def _teardown_remote(
             log.debug("ipyparallel stop_cluster failed: %s", e)
         registry.forget(ipp_cluster)
     _kill_tree(local)
+    _kill_groups(groups)
 
 
 # -- how engines get started: one class per launcher, the rest of a start is shared ---------------

@@ -25,7 +25,7 @@ import psutil
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher
 
 from nbtrain.cluster import net
-from nbtrain.cluster.core import _kill_tree
+from nbtrain.cluster.core import _kill_groups, _kill_tree, _session_groups
 from nbtrain.cluster.launchers import EngineLaunch
 from nbtrain.errors import ClusterError, ConfigError
 
@@ -269,6 +269,7 @@ class MPILaunch(EngineLaunch):
         for host, pids in engine_pids.items():
             if host == me or net.is_local(host):
                 local.extend(pids)
+        groups = _session_groups(local)  # the controller's and mpiexec's, with all they spawned
         # the engines here first, all at once: mpiexec then ends by itself instead of sitting out
         # ipyparallel's 5 s between TERM and KILL
         _terminate([p for p in local if p != (ctl.pid if ctl is not None else None)])
@@ -280,6 +281,7 @@ class MPILaunch(EngineLaunch):
             log.debug("ipyparallel stop_cluster failed: %s", e)
         registry.forget(ipp_cluster)
         _kill_tree(local)
+        _kill_groups(groups)
 
 
 def _terminate(pids: list[int], grace: float = 2.0) -> None:

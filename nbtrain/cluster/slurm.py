@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
 
 from nbtrain.cluster import net
-from nbtrain.cluster.core import _kill_tree
+from nbtrain.cluster.core import _kill_groups, _kill_tree, _session_groups
 from nbtrain.errors import ClusterError, ConfigError
 
 if TYPE_CHECKING:
@@ -489,6 +489,7 @@ class SlurmLaunch(EngineLaunch):
         job_id = getattr(es, "job_id", None) or self.job_id
         ctl = getattr(ipp_cluster, "controller", None)
         local = [int(ctl.pid)] if ctl is not None and getattr(ctl, "pid", None) else []
+        groups = _session_groups(local)
         if es is not None:
             es.keep_output = not remove_logs
         try:
@@ -499,6 +500,7 @@ class SlurmLaunch(EngineLaunch):
                 _run(["scancel", str(job_id)])
         registry.forget(ipp_cluster)
         _kill_tree(local)
+        _kill_groups(groups)
         batch_file = getattr(es, "batch_file", None)
         if batch_file:
             try:

@@ -21,6 +21,7 @@ import nbtrain
 from nbtrain.cluster import core
 from nbtrain.cluster.preflight import VersionMismatchError
 from nbtrain.errors import ClusterError, ConfigError
+from tests.conftest import cluster_processes
 
 from .testbed import Testbed
 
@@ -38,15 +39,9 @@ def _ssh_kw(testbed: Testbed, **kw):
 
 
 def _local_ipp_pids() -> set[int]:
-    """ipyparallel processes this test session started here (others may run their own clusters)."""
-    out = set()
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if LOCAL_IPP in " ".join(p.cmdline()):
-                out.add(p.pid)
-        except psutil.Error:
-            pass
-    return out
+    """ipyparallel processes running here, orphans included (a controller's schedulers outlive it
+    when it is killed: they are no longer this session's children, so scan every process)."""
+    return {p.pid for p in cluster_processes() if LOCAL_IPP in " ".join(p.cmdline())}
 
 
 def _node_pids(testbed: Testbed, node) -> set[int]:
