@@ -49,9 +49,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"{'QUICK smoke run, not figures to quote' if results['quick'] else 'full run'}; "
         f"`benchmarks/run_all.py` wrote this file and `results.json` (every run's raw numbers).",
         "",
-        "**The machine was shared with other engineers' jobs while this ran** (2 cores): variants were "
-        "interleaved (A, B, C, A, B, C, ...) so load drifts over all of them alike, and medians are shown, "
-        "but absolute figures are noisier and slower than on an idle machine. Load average (1, 5, 15 min) "
+        "This is a small shared VM (2 cores; its host's load moves under it, so one run's speed can "
+        "swing by 2x): variants were interleaved (A, B, C, A, B, C, ...) so load drifts over all of them "
+        "alike, and medians are shown. Load average (1, 5, 15 min) "
         "at the start and end of each benchmark (on 2 cores, a load above 2 means other jobs were "
         "competing with the benchmark for CPU):",
         "",
