@@ -520,6 +520,41 @@ def _kill_on_hosts(
             list(pool.map(one, todo))
 
 
+def close_client(client: Any) -> None:
+    """Close the client's sockets at once; a client that is already gone is fine."""
+    if client is not None:
+        try:
+            client.close(linger=0)
+        except Exception:
+            pass
+
+
+def controller_pids(ipp_cluster: Any) -> list[int]:
+    """The controller's pid here, if ipyparallel started one."""
+    ctl = getattr(ipp_cluster, "controller", None) if ipp_cluster is not None else None
+    return [int(ctl.pid)] if ctl is not None and getattr(ctl, "pid", None) else []
+
+
+def stop_here(ipp_cluster: Any, local: Sequence[int]) -> bool:
+    """ipyparallel's own stop (engines' launcher, then the controller), then whatever is left of
+    `local` here: their children, and the process groups they lead (the controller's schedulers).
+    False if ipyparallel's stop failed (the caller may have its own way to end the engines)."""
+    from nbtrain.cluster import registry
+
+    groups = _session_groups(local)
+    stopped = True
+    if ipp_cluster is not None:
+        try:
+            ipp_cluster.stop_cluster_sync()
+        except Exception as e:
+            log.debug("ipyparallel stop_cluster failed: %s", e)
+            stopped = False
+        registry.forget(ipp_cluster)
+    _kill_tree(local)
+    _kill_groups(groups)
+    return stopped
+
+
 def _teardown_remote(
     ipp_cluster: Any,
     client: Any,
@@ -532,13 +567,7 @@ def _teardown_remote(
     Remote pids are only ever signalled on their own host (here they may be anyone's). The engines'
     logs on the hosts are kept after a failed start (the error message points at them).
     """
-    from nbtrain.cluster import registry
-
-    if client is not None:
-        try:
-            client.close(linger=0)
-        except Exception:
-            pass
+    close_client(client)
     location_of = {s.host: s.location for s in lo.hosts}
     pids: dict[str, set[int]] = {}
     files: dict[str, set[str]] = {}
@@ -553,21 +582,9 @@ def _teardown_remote(
                 if remove_logs and el.remote_output_file:
                     files.setdefault(el.location, set()).add(el.remote_output_file)
     _kill_on_hosts(lo, pids, files)
-    local: list[int] = []
-    ctl = getattr(ipp_cluster, "controller", None) if ipp_cluster is not None else None
-    if ctl is not None and getattr(ctl, "pid", None):
-        local.append(int(ctl.pid))
-    groups = _session_groups(local)
-    if ipp_cluster is not None:
-        for engine_set in engine_sets:
-            engine_set._nbtrain_killed = True
-        try:
-            ipp_cluster.stop_cluster_sync()
-        except Exception as e:
-            log.debug("ipyparallel stop_cluster failed: %s", e)
-        registry.forget(ipp_cluster)
-    _kill_tree(local)
-    _kill_groups(groups)
+    for engine_set in engine_sets:
+        engine_set._nbtrain_killed = True
+    stop_here(ipp_cluster, controller_pids(ipp_cluster))
 
 
 # -- how engines get started: one class per launcher, the rest of a start is shared ---------------

@@ -25,7 +25,6 @@ import psutil
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher
 
 from nbtrain.cluster import net
-from nbtrain.cluster.core import _kill_groups, _kill_tree, _session_groups
 from nbtrain.cluster.launchers import EngineLaunch
 from nbtrain.errors import ClusterError, ConfigError
 
@@ -251,17 +250,11 @@ class MPILaunch(EngineLaunch):
     def teardown(
         self, ipp_cluster: Any, client: Any, engine_pids: dict[str, list[int]], remove_logs: bool
     ) -> None:
-        from nbtrain.cluster import registry
+        from nbtrain.cluster.core import _descendants, _terminate
+        from nbtrain.cluster.launchers import close_client, controller_pids, stop_here
 
-        if client is not None:
-            try:
-                client.close(linger=0)
-            except Exception:
-                pass
-        local: list[int] = []
-        ctl = getattr(ipp_cluster, "controller", None)
-        if ctl is not None and getattr(ctl, "pid", None):
-            local.append(int(ctl.pid))
+        close_client(client)
+        local = controller_pids(ipp_cluster)
         es = self._engine_set(ipp_cluster)
         if es is not None and getattr(es, "pid", None):
             local.append(int(es.pid))  # mpiexec: ending it ends its ranks, on every host
@@ -269,38 +262,10 @@ class MPILaunch(EngineLaunch):
         for host, pids in engine_pids.items():
             if host == me or net.is_local(host):
                 local.extend(pids)
-        groups = _session_groups(local)  # the controller's and mpiexec's, with all they spawned
         # the engines here first, all at once: mpiexec then ends by itself instead of sitting out
         # ipyparallel's 5 s between TERM and KILL
-        _terminate([p for p in local if p != (ctl.pid if ctl is not None else None)])
+        first = [p for p in local if p not in controller_pids(ipp_cluster)]
+        _terminate(first + _descendants(first), grace=2.0)
         if es is not None:
             es.keep_output = not remove_logs
-        try:
-            ipp_cluster.stop_cluster_sync()
-        except Exception as e:
-            log.debug("ipyparallel stop_cluster failed: %s", e)
-        registry.forget(ipp_cluster)
-        _kill_tree(local)
-        _kill_groups(groups)
-
-
-def _terminate(pids: list[int], grace: float = 2.0) -> None:
-    procs: list[psutil.Process] = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            procs += [p, *p.children(recursive=True)]
-        except psutil.Error:
-            pass
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=2.0)
+        stop_here(ipp_cluster, local)

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
 
 from nbtrain.cluster import net
-from nbtrain.cluster.core import _kill_groups, _kill_tree, _session_groups
 from nbtrain.errors import ClusterError, ConfigError
 
 if TYPE_CHECKING:
@@ -478,29 +477,16 @@ class SlurmLaunch(EngineLaunch):
     def teardown(
         self, ipp_cluster: Any, client: Any, engine_pids: dict[str, list[int]], remove_logs: bool
     ) -> None:
-        from nbtrain.cluster import registry
+        from nbtrain.cluster.launchers import close_client, controller_pids, stop_here
 
-        if client is not None:
-            try:
-                client.close(linger=0)
-            except Exception:
-                pass
+        close_client(client)
         es = self._engine_set(ipp_cluster)
         job_id = getattr(es, "job_id", None) or self.job_id
-        ctl = getattr(ipp_cluster, "controller", None)
-        local = [int(ctl.pid)] if ctl is not None and getattr(ctl, "pid", None) else []
-        groups = _session_groups(local)
         if es is not None:
             es.keep_output = not remove_logs
-        try:
-            ipp_cluster.stop_cluster_sync()  # scancel JOB, then the controller
-        except Exception as e:
-            log.debug("ipyparallel stop_cluster failed: %s", e)
-            if job_id:
-                _run(["scancel", str(job_id)])
-        registry.forget(ipp_cluster)
-        _kill_tree(local)
-        _kill_groups(groups)
+        # ipyparallel's stop runs scancel JOB, then stops the controller
+        if not stop_here(ipp_cluster, controller_pids(ipp_cluster)) and job_id:
+            _run(["scancel", str(job_id)])
         batch_file = getattr(es, "batch_file", None)
         if batch_file:
             try:
