@@ -642,6 +642,12 @@ class EngineLaunch:
         """Stop every engine and the controller; nothing is left running."""
         raise NotImplementedError
 
+    def _engine_set(self, ipp_cluster: Any) -> Any:
+        """ipyparallel's engine set this start launched (one per start), or None before it has."""
+        for es in getattr(ipp_cluster, "engines", {}).values():
+            return es
+        return None
+
     def restart_hint(self) -> str:
         return f"%nbtrain start --force --launcher {self.lo.launcher} with the same settings"
 

@@ -210,11 +210,6 @@ class MPILaunch(EngineLaunch):
         cfg.mpi_args = mpi_args(self.lo, flavour())
         cfg.engine_cmd = [self.lo.remote_python, "-m", "nbtrain.engine.boot"]
 
-    def _engine_set(self, ipp_cluster: Any) -> Any:
-        for es in getattr(ipp_cluster, "engines", {}).values():
-            return es
-        return None
-
     def watch(self, ipp_cluster: Any, say: Any, force: bool = False) -> None:
         es = self._engine_set(ipp_cluster)
         if es is None:

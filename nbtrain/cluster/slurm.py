@@ -399,11 +399,6 @@ class SlurmLaunch(EngineLaunch):
         os.makedirs(os.path.dirname(cfg.batch_file_name), exist_ok=True)
         cfg.engine_cmd = [self.lo.remote_python, "-m", "nbtrain.engine.boot"]
 
-    def _engine_set(self, ipp_cluster: Any) -> Any:
-        for es in getattr(ipp_cluster, "engines", {}).values():
-            return es
-        return None
-
     def watch(self, ipp_cluster: Any, say: Any, force: bool = False) -> None:
         now = time.monotonic()
         if now < self._next_poll and not force:
