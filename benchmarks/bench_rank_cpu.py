@@ -1,0 +1,135 @@
+"""CPU work per rank of the same fine-tune under nbtrain and under torchrun: is an engine any slower?
+
+    .venv/bin/python benchmarks/bench_rank_cpu.py [--reps 6] [--out FILE]
+
+bench_finetune's wall-clock ratio swings with the VM's host; a rank's own CPU time (time.thread_time of
+the thread that trains) does not count stolen time or time spent waiting, so if ranks in ipyparallel
+engines did more work per step (GIL hand-offs to engine threads, a colder heap, ...) it would show here.
+Each round: a fresh 2-engine nbtrain cluster runs `_rank_cpu_worker.py` as a cell, then torchrun runs
+the same file; each does a 20-step warm-up fine-tune, then the measured 120-step one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+from bench_finetune import MODEL, _config, _fresh, tokens_per_s  # noqa: E402
+
+WORKER = C.HERE / "_rank_cpu_worker.py"
+
+
+def _reports(text: str) -> list[dict]:
+    # two ranks writing to one pipe can share a line: find each report, not each line
+    return [json.loads(m) for m in re.findall(r"RANK_CPU (\{[^}]*\})", text)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=6, help="rounds (default 6)")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    C.setup_env()
+    rec = C.Recorder("rank_cpu", False)
+    import nbtrain
+    from nbtrain.sft.tiny import make_tiny_model
+
+    model = make_tiny_model(C.WORK / "ft-model", **MODEL)
+    runs: dict[str, list[dict]] = {"nbtrain": [], "torchrun": []}
+    code = WORKER.read_text()
+    for i in range(args.reps):
+        cfg = _config(model, args.steps, _fresh(C.WORK / "rank-cpu" / f"nbtrain-{i}"))
+        cluster = nbtrain.start(n=2, env={"OMP_NUM_THREADS": "1"})
+        try:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                cluster.execute(
+                    f"import sys\nsys.argv = ['worker', {json.dumps(cfg)!r}]\n{code}",
+                    output="all",
+                    live=False,
+                )
+        finally:
+            cluster.stop()
+        runs["nbtrain"].append(
+            {"ranks": _reports(out.getvalue()), **tokens_per_s(cfg["output_dir"], 2)}
+        )
+        cfg = _config(model, args.steps, _fresh(C.WORK / "rank-cpu" / f"torchrun-{i}"))
+        proc = subprocess.run(
+            [
+                C.bin_path("torchrun"),
+                "--standalone",
+                "--nproc_per_node=2",
+                str(WORKER),
+                json.dumps(cfg),
+            ],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            timeout=600,
+        )
+        if proc.returncode != 0:
+            msg = f"torchrun failed:\n{proc.stderr[-3000:]}"
+            raise RuntimeError(msg)
+        runs["torchrun"].append(
+            {"ranks": _reports(proc.stdout), **tokens_per_s(cfg["output_dir"], 2)}
+        )
+        print(
+            f"round {i + 1}/{args.reps}: "
+            + " | ".join(
+                f"{k} {sum(r['cpu_s'] for r in v[-1]['ranks']) / 2:.2f} s CPU per rank, "
+                f"{v[-1]['tokens_per_s']:.0f} tok/s"
+                for k, v in runs.items()
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def cpu(name: str) -> list[float]:
+        return [sum(r["cpu_s"] for r in run["ranks"]) / len(run["ranks"]) for run in runs[name]]
+
+    paired_cpu = [a / b for a, b in zip(cpu("nbtrain"), cpu("torchrun"))]
+    paired_tok = [
+        a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["nbtrain"], runs["torchrun"])
+    ]
+    rec.data.update(
+        {
+            "reps": args.reps,
+            "steps": args.steps,
+            "runs": runs,
+            "paired_cpu_ratio": paired_cpu,
+            "paired_tokens_ratio": paired_tok,
+        }
+    )
+    rec.metric(
+        f"CPU seconds per rank for {args.steps} warm steps (nbtrain engine / torchrun worker)",
+        C.median(cpu("nbtrain")),
+        C.median(cpu("torchrun")),
+        "torchrun worker",
+        "s",
+        "~1.0: an engine does no extra work per step",
+        note=f"median of paired ratios {C.median(paired_cpu):.3f}",
+    )
+    rec.metric(
+        "the same runs: global tokens/s (nbtrain / torchrun)",
+        C.median([r["tokens_per_s"] for r in runs["nbtrain"]]),
+        C.median([r["tokens_per_s"] for r in runs["torchrun"]]),
+        "torchrun",
+        "tok/s",
+        ">= 0.97",
+        note=f"median of paired ratios {C.median(paired_tok):.3f}",
+    )
+    rec.finish(args.out)
+
+
+if __name__ == "__main__":
+    main()
