@@ -6,7 +6,8 @@ bench_finetune's wall-clock ratio swings with the VM's host; a rank's own CPU ti
 the thread that trains) does not count stolen time or time spent waiting, so if ranks in ipyparallel
 engines did more work per step (GIL hand-offs to engine threads, a colder heap, ...) it would show here.
 Each round: a fresh 2-engine nbtrain cluster runs `_rank_cpu_worker.py` as a cell, then torchrun runs
-the same file; each does a 20-step warm-up fine-tune, then the measured 120-step one.
+the same file; each does a 20-step warm-up fine-tune, then the measured 120-step one. Then torchrun
+runs it with no warm-up (the measured fine-tune is the process's first, as in bench_finetune).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def main() -> None:
     from nbtrain.sft.tiny import make_tiny_model
 
     model = make_tiny_model(C.WORK / "ft-model", **MODEL)
-    runs: dict[str, list[dict]] = {"nbtrain": [], "torchrun": []}
+    runs: dict[str, list[dict]] = {"nbtrain": [], "torchrun": [], "torchrun_cold": []}
     code = WORKER.read_text()
     for i in range(args.reps):
         cfg = _config(model, args.steps, _fresh(C.WORK / "rank-cpu" / f"nbtrain-{i}"))
@@ -81,6 +82,22 @@ def main() -> None:
             msg = f"torchrun failed:\n{proc.stderr[-3000:]}"
             raise RuntimeError(msg)
         runs["torchrun"].append(
+            {"ranks": _reports(proc.stdout), **tokens_per_s(cfg["output_dir"], 2)}
+        )
+        # torchrun with no warm-up: the measured fine-tune is the process's first
+        cfg = _config(model, args.steps, _fresh(C.WORK / "rank-cpu" / f"torchrun-cold-{i}"))
+        proc = subprocess.run(
+            [C.bin_path("torchrun"), "--standalone", "--nproc_per_node=2", str(WORKER)]
+            + [json.dumps(cfg), "cold"],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            timeout=600,
+        )
+        if proc.returncode != 0:
+            msg = f"torchrun (cold) failed:\n{proc.stderr[-3000:]}"
+            raise RuntimeError(msg)
+        runs["torchrun_cold"].append(
             {"ranks": _reports(proc.stdout), **tokens_per_s(cfg["output_dir"], 2)}
         )
         print(
@@ -127,6 +144,20 @@ def main() -> None:
         "tok/s",
         ">= 0.97",
         note=f"median of paired ratios {C.median(paired_tok):.3f}",
+    )
+    paired_warm = [
+        a["tokens_per_s"] / b["tokens_per_s"]
+        for a, b in zip(runs["torchrun"], runs["torchrun_cold"])
+    ]
+    rec.data["paired_tokens_ratio_torchrun_warm_over_cold"] = paired_warm
+    rec.metric(
+        "torchrun alone: tokens/s of a process's second fine-tune / its first",
+        C.median([r["tokens_per_s"] for r in runs["torchrun"]]),
+        C.median([r["tokens_per_s"] for r in runs["torchrun_cold"]]),
+        "torchrun, first fine-tune of the process",
+        "tok/s",
+        "none: what bench_finetune mixes in (warm engines against a cold torchrun)",
+        note=f"median of paired ratios {C.median(paired_warm):.3f}",
     )
     rec.finish(args.out)
 
