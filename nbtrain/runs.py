@@ -21,17 +21,20 @@ from typing import Any
 STATES = ("running", "done", "failed", "stopped")
 
 
-def registry_dir() -> Path:
-    """The folder holding this user's run records (created on first use)."""
+def nbtrain_home() -> Path:
+    """This user's nbtrain folder: $NBTRAIN_HOME, else $XDG_DATA_HOME/nbtrain (~/.local/share/nbtrain)."""
     home = os.environ.get("NBTRAIN_HOME")
     if home:
-        base = Path(home)
-    else:
-        data = os.environ.get("XDG_DATA_HOME") or os.path.join(
-            os.path.expanduser("~"), ".local", "share"
-        )
-        base = Path(data) / "nbtrain"
-    path = base / "runs"
+        return Path(home)
+    data = os.environ.get("XDG_DATA_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "share"
+    )
+    return Path(data) / "nbtrain"
+
+
+def registry_dir() -> Path:
+    """The folder holding this user's run records (created on first use)."""
+    path = nbtrain_home() / "runs"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -15,7 +15,6 @@ import contextlib
 import html
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -77,15 +76,9 @@ class PickerSettings:
 
 def settings_path() -> Path:
     """Where the picker's last settings live: $NBTRAIN_HOME/picker.json, else ~/.local/share/nbtrain."""
-    home = os.environ.get("NBTRAIN_HOME")
-    if home:
-        base = Path(home)
-    else:
-        data = os.environ.get("XDG_DATA_HOME") or os.path.join(
-            os.path.expanduser("~"), ".local", "share"
-        )
-        base = Path(data) / "nbtrain"
-    return base / "picker.json"
+    from nbtrain.runs import nbtrain_home
+
+    return nbtrain_home() / "picker.json"
 
 
 def save_settings(settings: PickerSettings, path: Path | None = None) -> Path:
