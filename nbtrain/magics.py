@@ -55,31 +55,6 @@ def _engine_count(text: str) -> int:
     return int(value)
 
 
-def _whole(text: str, least: int, flag: str, example: str) -> int:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if value != value or value != int(value) or value < least:
-        at_least = "at least 1" if least else "0 or more"
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a whole number {at_least} (e.g. {flag} {example})"
-        )
-    return int(value)
-
-
-def _nodes(text: str) -> int:
-    return _whole(text, 1, "--nodes", "2")
-
-
-def _gpus(text: str) -> int:
-    return _whole(text, 0, "--gpus-per-node", "4")
-
-
-def _per_node(text: str) -> int:
-    return _whole(text, 1, "--engines-per-node", "2")
-
-
 def _add_multinode_start_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-node (--launcher ssh, slurm or mpi)")
     g.add_argument(
@@ -121,17 +96,17 @@ def _add_multinode_start_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ssh-args", default=None, help='ssh: extra ssh arguments, e.g. "-F ~/.ssh/cluster"'
     )
+    # their values are checked where they enter the Python API (nbtrain.cluster.slurm.validate),
+    # so the magic and nbtrain.start(launcher="slurm", ...) say the same thing
     s = p.add_argument_group("slurm (--launcher slurm)")
-    s.add_argument("--nodes", type=_nodes, default=None, help="nodes to allocate (default 1)")
+    s.add_argument("--nodes", default=None, help="nodes to allocate (default 1)")
     s.add_argument(
         "--gpus-per-node",
-        type=_gpus,
         default=None,
         help="GPUs per node (sbatch --gpus-per-node); one engine per GPU",
     )
     s.add_argument(
         "--engines-per-node",
-        type=_per_node,
         default=None,
         help="engines per node (default: --gpus-per-node, or 1 on CPU nodes)",
     )
