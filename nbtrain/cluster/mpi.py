@@ -249,7 +249,8 @@ class MPILaunch(EngineLaunch):
         from nbtrain.cluster.launchers import close_client, controller_pids, stop_here
 
         close_client(client)
-        local = controller_pids(ipp_cluster)
+        ctl = controller_pids(ipp_cluster)
+        local = list(ctl)
         es = self._engine_set(ipp_cluster)
         if es is not None and getattr(es, "pid", None):
             local.append(int(es.pid))  # mpiexec: ending it ends its ranks, on every host
@@ -259,7 +260,7 @@ class MPILaunch(EngineLaunch):
                 local.extend(pids)
         # the engines here first, all at once: mpiexec then ends by itself instead of sitting out
         # ipyparallel's 5 s between TERM and KILL
-        first = [p for p in local if p not in controller_pids(ipp_cluster)]
+        first = [p for p in local if p not in ctl]
         _terminate(first + _descendants(first), grace=2.0)
         if es is not None:
             es.keep_output = not remove_logs
