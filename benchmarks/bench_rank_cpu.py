@@ -34,6 +34,22 @@ def _reports(text: str) -> list[dict]:
     return [json.loads(m) for m in re.findall(r"RANK_CPU (\{[^}]*\})", text)]
 
 
+def _torchrun(cfg: dict, *args: str) -> list[dict]:
+    """The worker under `torchrun --standalone --nproc_per_node=2`; its ranks' reports."""
+    proc = subprocess.run(
+        [C.bin_path("torchrun"), "--standalone", "--nproc_per_node=2", str(WORKER)]
+        + [json.dumps(cfg), *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        msg = f"torchrun {' '.join(args)} failed:\n{proc.stderr[-3000:]}"
+        raise RuntimeError(msg)
+    return _reports(proc.stdout)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=6, help="rounds (default 6)")
@@ -64,42 +80,12 @@ def main() -> None:
         runs["nbtrain"].append(
             {"ranks": _reports(out.getvalue()), **tokens_per_s(cfg["output_dir"], 2)}
         )
-        cfg = _config(model, args.steps, _fresh(C.WORK / "rank-cpu" / f"torchrun-{i}"))
-        proc = subprocess.run(
-            [
-                C.bin_path("torchrun"),
-                "--standalone",
-                "--nproc_per_node=2",
-                str(WORKER),
-                json.dumps(cfg),
-            ],
-            capture_output=True,
-            text=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            timeout=600,
-        )
-        if proc.returncode != 0:
-            msg = f"torchrun failed:\n{proc.stderr[-3000:]}"
-            raise RuntimeError(msg)
-        runs["torchrun"].append(
-            {"ranks": _reports(proc.stdout), **tokens_per_s(cfg["output_dir"], 2)}
-        )
-        # torchrun with no warm-up: the measured fine-tune is the process's first
-        cfg = _config(model, args.steps, _fresh(C.WORK / "rank-cpu" / f"torchrun-cold-{i}"))
-        proc = subprocess.run(
-            [C.bin_path("torchrun"), "--standalone", "--nproc_per_node=2", str(WORKER)]
-            + [json.dumps(cfg), "cold"],
-            capture_output=True,
-            text=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            timeout=600,
-        )
-        if proc.returncode != 0:
-            msg = f"torchrun (cold) failed:\n{proc.stderr[-3000:]}"
-            raise RuntimeError(msg)
-        runs["torchrun_cold"].append(
-            {"ranks": _reports(proc.stdout), **tokens_per_s(cfg["output_dir"], 2)}
-        )
+        for name, extra in (("torchrun", ()), ("torchrun_cold", ("cold",))):
+            # torchrun_cold: no warm-up, the measured fine-tune is the process's first
+            cfg = _config(model, args.steps, _fresh(C.WORK / "rank-cpu" / f"{name}-{i}"))
+            runs[name].append(
+                {"ranks": _torchrun(cfg, *extra), **tokens_per_s(cfg["output_dir"], 2)}
+            )
         print(
             f"round {i + 1}/{args.reps}: "
             + " | ".join(
