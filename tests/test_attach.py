@@ -104,7 +104,8 @@ def test_kernel_death_job_goes_on_and_attach_follows_it(tmp_path, ip):
         pathlib.Path({str(ready)!r}).write_text(cluster.cluster_id)
         time.sleep(600)
     """
-    cluster_id = _doomed_kernel(script, {}, ready)
+    # a 2 s idle limit: the watchdog must see the orphaned job as busy, then the attached kernel
+    cluster_id = _doomed_kernel(script, {"NBTRAIN_IDLE_TIMEOUT": "2"}, ready)
     steps_at_death = len((out / "metrics.jsonl").read_text().splitlines())
     time.sleep(2.0)
     # the job went on without its kernel

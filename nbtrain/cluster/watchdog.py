@@ -110,8 +110,18 @@ def _stop(side: dict[str, Any], path: Path) -> None:
         pass
 
 
+def _close(client: Any) -> None:
+    try:
+        client.close(linger=0)
+    except Exception:
+        pass
+
+
 def watch(path: Path, idle: float) -> None:
     every = max(0.5, min(15.0, idle / 4))
+    # The hub is asked only while no kernel is attached: an ipyparallel Client subscribes to every
+    # engine's output, so one held here for the whole session would take CPU from the ranks on each
+    # message they send (and importing ipyparallel alone costs a quarter of a CPU second)
     client = None
     last_active = time.monotonic()
     while True:
@@ -119,9 +129,17 @@ def watch(path: Path, idle: float) -> None:
         try:
             side = json.loads(path.read_text())
         except FileNotFoundError:
+            if client is not None:
+                _close(client)
             return  # stopped normally
         except (OSError, json.JSONDecodeError):
             continue  # being rewritten
+        if _alive(side.get("client_pid")):
+            if client is not None:
+                _close(client)  # a kernel attached again
+                client = None
+            last_active = time.monotonic()
+            continue
         if client is None:
             try:
                 import ipyparallel as ipp
@@ -131,14 +149,11 @@ def watch(path: Path, idle: float) -> None:
                 )
             except Exception:
                 client = None
-        if _alive(side.get("client_pid")) or client is None or _busy(client):
+        if client is None or _busy(client):
             last_active = time.monotonic()
             continue
         if time.monotonic() - last_active >= idle:
-            try:
-                client.close(linger=0)
-            except Exception:
-                pass
+            _close(client)
             _stop(side, path)
             return
 
