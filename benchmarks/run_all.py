@@ -167,12 +167,14 @@ def render_markdown(results: dict[str, Any]) -> str:
             )
         lines += [
             "",
-            f"Per-round ratios, nbtrain --no-live / torchrun: "
+            "Runs went in cycles of --no-live, live, --no-live, torchrun, so each live and torchrun run "
+            "sits between two --no-live runs and is compared with their geometric mean (a drift of the "
+            "VM's speed that is linear over the cycle cancels). Those sandwiched ratios, "
+            f"nbtrain --no-live / torchrun: "
             f"{', '.join(f'{x:.3f}' for x in f['paired_ratio_nbtrain_over_torchrun'])}; "
             f"live / --no-live: {', '.join(f'{x:.3f}' for x in f['paired_ratio_live_over_nolive'])}. "
-            "Where a variant's max/min is far above 1 the machine's load moved during the run: a ratio "
-            "closer to 1 than that spread is not resolved by this run; re-run on a quiet machine to judge "
-            "a target such as 0.97 or 0.99.",
+            "The tables' ratio is their median, with a distribution-free 90% confidence interval in the "
+            "note. A variant's max/min far above 1 is the machine's speed moving during the run.",
         ]
         if "outside_ranks_share_of_machine" in f:
             shares = f["outside_ranks_share_of_machine"]
@@ -198,7 +200,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run of every benchmark")
     ap.add_argument("--only", nargs="*", choices=BENCHES, default=list(BENCHES))
     ap.add_argument(
-        "--finetune-reps", type=int, default=None, help="rounds of bench_finetune (its default: 12)"
+        "--finetune-reps", type=int, default=None, help="cycles of bench_finetune (its default: 24)"
     )
     ap.add_argument(
         "--out-dir",
