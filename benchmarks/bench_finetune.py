@@ -201,6 +201,23 @@ def sandwich_ratios(
     return out
 
 
+def null_ratios(runs: dict[str, list[dict[str, Any]]], order: list[tuple[str, int]]) -> list[float]:
+    """The method on itself: the middle --no-live run of each cycle against the geometric mean of the
+    --no-live runs that open this cycle and the next (as far apart as a sandwich's neighbours).
+
+    Nothing differs but time, so these ratios scatter around 1 by the noise alone: how wide they spread
+    says how far apart two variants must be before the sandwiched ratios can tell them apart.
+    """
+    out = []
+    for k in range(0, len(order) - len(CYCLE), len(CYCLE)):
+        first, mid, nxt = order[k], order[k + 2], order[k + len(CYCLE)]
+        if not all(v == "nbtrain_nolive" for v, _ in (first, mid, nxt)):
+            continue
+        tps = [runs[v][i]["tokens_per_s"] for v, i in (first, mid, nxt)]
+        out.append(tps[1] / (tps[0] * tps[2]) ** 0.5)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=24, help="cycles of the schedule (default 24)")
@@ -293,6 +310,7 @@ def main() -> None:
     live, tr, nolive = med("nbtrain_live"), med("torchrun"), med("nbtrain_nolive")
     paired_tr = sandwich_ratios(runs, order, "torchrun", invert=True)
     paired_live = sandwich_ratios(runs, order, "nbtrain_live")
+    null = null_ratios(runs, order)
 
     def outside(name: str) -> float | None:
         return C.median(
@@ -328,6 +346,8 @@ def main() -> None:
             "paired_ratio_live_over_nolive": paired_live,
             "paired_ratio_ci90_nbtrain_over_torchrun": C.median_ci(paired_tr),
             "paired_ratio_ci90_live_over_nolive": C.median_ci(paired_live),
+            "null_ratio_nolive_over_nolive": null,
+            "null_ratio_ci90": C.median_ci(null),
             "outside_ranks_share_of_machine": {name: outside(name) for name in runs},
             "live_display_messages_per_run": [
                 r["display_messages"] + r["display_updates"] for r in runs["nbtrain_live"]

@@ -174,7 +174,15 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"{', '.join(f'{x:.3f}' for x in f['paired_ratio_nbtrain_over_torchrun'])}; "
             f"live / --no-live: {', '.join(f'{x:.3f}' for x in f['paired_ratio_live_over_nolive'])}. "
             "The tables' ratio is their median, with a distribution-free 90% confidence interval in the "
-            "note. A variant's max/min far above 1 is the machine's speed moving during the run.",
+            "note. The same method applied to --no-live against itself (the middle --no-live run of a "
+            "cycle against the ones opening this cycle and the next), which only noise can move: "
+            f"{', '.join(f'{x:.3f}' for x in f.get('null_ratio_nolive_over_nolive', []))}"
+            + (
+                f" (median {C.median(f['null_ratio_nolive_over_nolive']):.3f})."
+                if f.get("null_ratio_nolive_over_nolive")
+                else "."
+            )
+            + " A variant's max/min far above 1 is the machine's speed moving during the run.",
         ]
         if "outside_ranks_share_of_machine" in f:
             shares = f["outside_ranks_share_of_machine"]
