@@ -487,7 +487,8 @@ class _Progress(logging.Handler):
 class ClusterPicker:
     """A widget to pick a launcher and hosts, start the cluster, see its topology, probe and stop it.
 
-    In [1]: picker = nbtrain.ClusterPicker()     # shows itself; the settings are last time's
+    In [1]: picker = nbtrain.ClusterPicker()     # the settings are last time's
+    In [2]: picker                               # a cell's last expression shows the form
 
     `picker.cluster` is the started `nbtrain.Cluster` (also `nbtrain.current_cluster()`, so
     `%%distributed` cells run on it).
