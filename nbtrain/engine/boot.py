@@ -17,11 +17,20 @@ def _warm() -> None:
         pass
 
 
+# what tornado's run_sync raises when SIGTERM stops the engine's loop (ipyparallel's handler does)
+_STOPPED = "Event loop stopped before Future completed"
+
+
 def main() -> None:
     threading.Thread(target=_warm, name="nbtrain-warm-torch", daemon=True).start()
     from ipyparallel.engine.app import main as engine_main
 
-    engine_main()
+    try:
+        engine_main()
+    except RuntimeError as e:
+        # a stop (SIGTERM) is the normal end of an engine: no traceback in the notebook server's log
+        if _STOPPED not in str(e):
+            raise
 
 
 if __name__ == "__main__":
