@@ -705,6 +705,9 @@ class SSHLaunch(EngineLaunch):
         cfg.ssh_args = ssh_base[1:]
         cfg.scp_args = [a for a in ssh_base[1:]]
         cfg.remote_python = lo.remote_python
+        # nbtrain's entry point, as local, Slurm and MPI engines have it: torch imports while the
+        # engine registers, and a stop ends the engine without a traceback in its log
+        cfg.engine_cmd = [lo.remote_python, "-m", "nbtrain.engine.boot"]
 
     def raise_missing(
         self, client: Any, ipp_cluster: Any, listen: net.ListenChoice, timeout: float

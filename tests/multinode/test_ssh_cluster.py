@@ -102,9 +102,17 @@ def test_ranks_are_node_major_with_their_own_hosts_addresses_and_interface(
 
         keys = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR")
         keys += ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-        return {"host": socket.gethostname(), **{k: os.environ[k] for k in keys}}
+        with open("/proc/self/cmdline") as f:
+            argv = f.read().split("\0")
+        return {
+            "host": socket.gethostname(),
+            "entry": argv[argv.index("-m") + 1] if "-m" in argv else argv,
+            **{k: os.environ[k] for k in keys},
+        }
 
     got = cluster12.run(env)
+    # the SSH engines run nbtrain's entry point, not ipyparallel's bare engine
+    assert {g["entry"] for g in got} == {"nbtrain.engine.boot"}
     assert [g["host"] for g in got] == [n1.name, n2.name, n2.name]
     assert [g["RANK"] for g in got] == ["0", "1", "2"]
     assert [g["LOCAL_RANK"] for g in got] == ["0", "0", "1"]
