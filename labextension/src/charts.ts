@@ -155,6 +155,16 @@ const SVG_NS = 'http://www.w3.org/2000/svg';
 const WIDTH = 480;
 const HEIGHT = 180;
 const MARGIN = { left: 48, right: 12, top: 10, bottom: 22 };
+// a tick label's width per character at the ticks' 10px font (digits are about 0.55em), and the gap
+// between the label and the plot
+const TICK_CHAR = 6;
+const TICK_GAP = 6;
+
+/** The plot's left margin: the default, or wider where a y label (`4.999e-3`) would be clipped. */
+export function leftMargin(yLabels: string[]): number {
+  const longest = Math.max(0, ...yLabels.map(l => l.length));
+  return Math.max(MARGIN.left, longest * TICK_CHAR + TICK_GAP + 4);
+}
 
 /** One chart: a title, a legend and an SVG redrawn by `update`. */
 export class LineChart {
@@ -202,13 +212,14 @@ export class LineChart {
       this._svg.appendChild(empty);
       return;
     }
-    const w = WIDTH - MARGIN.left - MARGIN.right;
-    const h = HEIGHT - MARGIN.top - MARGIN.bottom;
-    const plot = this._el('g', {
-      transform: `translate(${MARGIN.left},${MARGIN.top})`
-    });
     const yTicks = niceTicks(box.y0, box.y1, 4);
     const yLabels = formatTicks(yTicks);
+    const left = leftMargin(yLabels);
+    const w = WIDTH - left - MARGIN.right;
+    const h = HEIGHT - MARGIN.top - MARGIN.bottom;
+    const plot = this._el('g', {
+      transform: `translate(${left},${MARGIN.top})`
+    });
     for (const [i, t] of yTicks.entries()) {
       const y = h - ((t - box.y0) / (box.y1 - box.y0)) * h;
       plot.appendChild(
@@ -221,7 +232,7 @@ export class LineChart {
         })
       );
       const label = this._el('text', {
-        x: -6,
+        x: -TICK_GAP,
         y: y + 4,
         'text-anchor': 'end',
         class: 'nbtrain-Chart-tick'

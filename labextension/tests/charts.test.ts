@@ -5,6 +5,7 @@ import {
   extent,
   formatTick,
   formatTicks,
+  leftMargin,
   linePath,
   niceTicks
 } from '../src/charts';
@@ -70,6 +71,15 @@ describe('axes', () => {
     expect(labels).toContain('4.95e-3');
     // a wide range keeps the short labels
     expect(formatTicks([0, 1e-4, 2e-4])).toEqual(['0', '1e-4', '2e-4']);
+  });
+
+  it('widens the left margin for long y labels only', () => {
+    expect(leftMargin(['0', '1e-4', '2e-4'])).toBe(48);
+    expect(leftMargin(['4.998e-3', '4.999e-3', '5e-3'])).toBeGreaterThan(48);
+    // the longest label fits between the SVG's left edge and the plot
+    expect(leftMargin(['4.998e-3'])).toBeGreaterThanOrEqual(
+      '4.998e-3'.length * 5.5 + 6
+    );
   });
 });
 
