@@ -152,6 +152,14 @@ def test_orphaned_idle_cluster_stops_itself(tmp_path):
     print(
         f"idle orphan stopped {gone_after:.1f} s after its kernel died (timeout 4 s); start took {killed_at - t0:.1f} s"
     )
-    from nbtrain.cluster.attach import find_clusters
+    from nbtrain.cluster.attach import _profile_dir, find_clusters
 
     assert cluster_id not in [s["cluster_id"] for s in find_clusters()]
+    # and it leaves no files behind: the side file, and the hub's engine-state file
+    profile = _profile_dir("nbtrain")
+    files = [profile / "security" / f"nbtrain-{cluster_id}.json"]
+    files.append(profile / "log" / f"engines{cluster_id}.json")
+    deadline = time.monotonic() + 10
+    while any(f.exists() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [f for f in files if f.exists()] == []

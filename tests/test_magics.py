@@ -7,6 +7,7 @@ import io
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -339,6 +340,10 @@ def test_force_replaces_and_stop_leaves_nothing(ip):
     assert wait_gone(first_pids) == []
     pids = list(second._pids)
     cid = second.cluster_id
+    # the hub's engine-state file, which ipyparallel itself never removes
+    state = Path(second.ipp_cluster.profile_dir) / "log" / f"engines{cid}.json"
+    assert state.is_file()
     ip.run_line_magic("nbtrain", "stop")
     assert wait_gone(pids) == []
     assert cluster_processes(cid) == []
+    assert not state.exists()

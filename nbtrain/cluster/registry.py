@@ -59,10 +59,23 @@ def write(cluster: Any, state: str = "running") -> None:
         pass
 
 
-def forget(ipp_cluster: Any) -> None:
-    path = _path(ipp_cluster)
-    if path is not None:
+def remove_files(profile_dir: str | Path, cluster_id: str) -> None:
+    """Remove a stopped cluster's files: nbtrain's side file, and the hub's engine-state file
+    (``log/engines<cluster_id>.json``), which ipyparallel writes for a controller restart that nbtrain
+    never does and never removes, so one more of them was left in the profile on every start."""
+    profile = Path(profile_dir)
+    for p in (
+        profile / "security" / f"nbtrain-{cluster_id}.json",
+        profile / "log" / f"engines{cluster_id}.json",
+    ):
         try:
-            path.unlink()
+            p.unlink()
         except FileNotFoundError:
             pass
+
+
+def forget(ipp_cluster: Any) -> None:
+    profile_dir = getattr(ipp_cluster, "profile_dir", None)
+    cluster_id = getattr(ipp_cluster, "cluster_id", None)
+    if profile_dir and cluster_id:
+        remove_files(profile_dir, cluster_id)

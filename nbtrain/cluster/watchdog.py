@@ -79,7 +79,7 @@ def _busy(client: Any) -> bool:
     )
 
 
-def _stop(side: dict[str, Any], path: Path) -> None:
+def _stop(side: dict[str, Any]) -> None:
     import psutil
 
     pids = []
@@ -104,10 +104,9 @@ def _stop(side: dict[str, Any], path: Path) -> None:
             p.kill()
         except psutil.Error:
             pass
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+    from nbtrain.cluster import registry
+
+    registry.remove_files(side["profile_dir"], side["cluster_id"])  # the side file too
 
 
 def _close(client: Any) -> None:
@@ -154,7 +153,7 @@ def watch(path: Path, idle: float) -> None:
             continue
         if time.monotonic() - last_active >= idle:
             _close(client)
-            _stop(side, path)
+            _stop(side)
             return
 
 
