@@ -67,55 +67,6 @@ def started(ip):
     assert wait_gone(pids) == []
 
 
-def test_cpu_ranks_are_bound_to_their_own_cores(started):
-    import os
-
-    cluster, _ = started
-
-    def bound():
-        import os
-
-        tids = os.listdir("/proc/self/task")
-        return sorted(os.sched_getaffinity(0)), {
-            tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids
-        }
-
-    usable = sorted(os.sched_getaffinity(0))
-    per = len(usable) // 2
-    got = cluster.run(bound)
-    # rank i gets the i-th half of the usable CPUs, for every thread the engine has (ZMQ, gloo, ...)
-    assert [main for main, _ in got] == [usable[:per], usable[per : 2 * per]]
-    assert [threads for _, threads in got] == [
-        {tuple(usable[:per])},
-        {tuple(usable[per : 2 * per])},
-    ]
-    text = [f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in (usable[:per], usable[per:])]
-    assert [r.cpus for r in cluster.ranks] == text
-
-
-def test_cpu_binding_can_be_turned_off_and_leaves_lone_ranks_alone():
-    import subprocess
-    import sys
-
-    # in a child: binding changes the affinity of the process that calls it
-    code = (
-        "import os, sys\n"
-        "from nbtrain.engine.setup import bind_cpus\n"
-        "before = os.sched_getaffinity(0)\n"
-        "print(bind_cpus(0, 1), bind_cpus(0, 2) if os.environ.get('NBTRAIN_CPU_BIND') else '-',\n"
-        "      os.sched_getaffinity(0) == before)\n"
-    )
-    alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert alone.stdout.split() == ["None", "-", "True"], alone.stderr
-    off = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**__import__("os").environ, "NBTRAIN_CPU_BIND": "0"},
-    )
-    assert off.stdout.split() == ["None", "None", "True"], off.stderr
-
-
 def test_start_prints_rank_table(started):
     cluster, printed = started
     assert "process group ready: 2 rank(s), backend gloo" in printed

@@ -52,7 +52,6 @@ class RankInfo:
     address: str = "127.0.0.1"
     interface: str | None = None
     log: str | None = None  # the engine's log file on its host (its stderr and crash dumps)
-    cpus: str | None = None  # the cores a CPU rank is bound to ("0-3"), where nbtrain bound it
 
 
 @dataclass
@@ -873,7 +872,6 @@ def _init_group(
             failures.append((r, err))
             continue
         r.device = info["device"]
-        r.cpus = info.get("cpus")
         backends.add(info["backend"])
     if failures:
         lines = []

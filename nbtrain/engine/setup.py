@@ -176,7 +176,6 @@ def init_rank(env: dict[str, str], backend: str, timeout_s: float) -> dict[str, 
             f"but torch sees {torch.cuda.device_count()} GPU(s). Use --backend gloo (or auto)."
         )
         raise RuntimeError(msg)
-    cpus = None if has_cuda else bind_cpus(local_rank, local_world)
     if dist.is_initialized():
         _real("destroy")()
     # a local cluster meets through a file in its 0700 security folder: nothing listens on the network
@@ -196,43 +195,7 @@ def init_rank(env: dict[str, str], backend: str, timeout_s: float) -> dict[str, 
         world_size=world_size,
         device=device,
     )
-    return {"backend": backend, "device": str(device), "cpus": cpus}
-
-
-CPU_BIND_ENV = "NBTRAIN_CPU_BIND"
-
-
-def bind_cpus(local_rank: int, local_world: int) -> str | None:
-    """Give a CPU rank its own cores: rank i of the n on a host gets the i-th n-th of the CPUs this
-    process may use, for every thread it has and will start. Returns them as text (``"0-3"``).
-
-    CPU ranks that share a host step in lockstep (every step ends in an all-reduce), so a rank the
-    scheduler moves to a core another rank was using stalls both: bound, each keeps its caches and
-    its core (what it changes on the 2-core test machine: benchmarks/NOTES.md). GPU ranks are left
-    alone (their
-    placement is the GPU's NUMA node's business), and so is a host with fewer usable CPUs than ranks.
-    ``NBTRAIN_CPU_BIND=0`` turns it off.
-    """
-    if local_world < 2 or os.environ.get(CPU_BIND_ENV, "1").lower() in ("0", "no", "off", "none"):
-        return None
-    try:
-        allowed = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None  # not Linux
-    per = len(allowed) // local_world
-    if per < 1 or local_rank >= local_world:
-        return None
-    mine = allowed[local_rank * per : (local_rank + 1) * per]
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    for tid in tids:
-        try:
-            os.sched_setaffinity(tid, mine)
-        except OSError:
-            continue  # a thread that just ended
-    return f"{mine[0]}-{mine[-1]}" if len(mine) > 1 else str(mine[0])
+    return {"backend": backend, "device": str(device)}
 
 
 def check_group() -> dict[str, Any]:
