@@ -524,11 +524,7 @@ def _teardown(ipp_cluster: Any, client: Any, pids: Sequence[int]) -> None:
     """
     from nbtrain.cluster import registry
 
-    if client is not None:
-        try:
-            client.close(linger=0)
-        except Exception:
-            pass
+    close_client(client)
     local: list[int] = list(pids)
     if ipp_cluster is not None:
         local.extend(_launcher_pids(ipp_cluster))
@@ -543,6 +539,15 @@ def _teardown(ipp_cluster: Any, client: Any, pids: Sequence[int]) -> None:
             log.debug("ipyparallel stop_cluster failed: %s", e)
         registry.forget(ipp_cluster)
     _kill_groups(groups)
+
+
+def close_client(client: Any) -> None:
+    """Close an ipyparallel client's sockets at once; a client that is already gone is fine."""
+    if client is not None:
+        try:
+            client.close(linger=0)
+        except Exception:
+            pass
 
 
 def _session_groups(pids: Sequence[int]) -> list[int]:

@@ -43,6 +43,7 @@ from nbtrain.cluster.core import (
     _kill_tree,
     _session_groups,
     assign_ranks,
+    close_client,
     format_table,
 )
 from nbtrain.errors import ClusterError, ConfigError, NbtrainError
@@ -434,10 +435,7 @@ def _leave(client: Any, ranks: Sequence[RankInfo]) -> None:
         client.direct_view(targets=ids).apply_async(setup.shutdown_group).get(timeout=10)
     except Exception as e:
         log.debug("leaving the process group failed: %s", e)
-    try:
-        client.close(linger=0)
-    except Exception:
-        pass
+    close_client(client)
 
 
 _KILL_LEFT = """
@@ -518,15 +516,6 @@ def _kill_on_hosts(
     if todo:
         with ThreadPoolExecutor(len(todo)) as pool:
             list(pool.map(one, todo))
-
-
-def close_client(client: Any) -> None:
-    """Close the client's sockets at once; a client that is already gone is fine."""
-    if client is not None:
-        try:
-            client.close(linger=0)
-        except Exception:
-            pass
 
 
 def controller_pids(ipp_cluster: Any) -> list[int]:

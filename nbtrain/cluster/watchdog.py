@@ -109,14 +109,9 @@ def _stop(side: dict[str, Any]) -> None:
     registry.remove_files(side["profile_dir"], side["cluster_id"])  # the side file too
 
 
-def _close(client: Any) -> None:
-    try:
-        client.close(linger=0)
-    except Exception:
-        pass
-
-
 def watch(path: Path, idle: float) -> None:
+    from nbtrain.cluster.core import close_client
+
     every = max(0.5, min(15.0, idle / 4))
     # The hub is asked only while no kernel is attached: an ipyparallel Client subscribes to every
     # engine's output, so one held here for the whole session would take CPU from the ranks on each
@@ -128,15 +123,13 @@ def watch(path: Path, idle: float) -> None:
         try:
             side = json.loads(path.read_text())
         except FileNotFoundError:
-            if client is not None:
-                _close(client)
+            close_client(client)
             return  # stopped normally
         except (OSError, json.JSONDecodeError):
             continue  # being rewritten
         if _alive(side.get("client_pid")):
-            if client is not None:
-                _close(client)  # a kernel attached again
-                client = None
+            close_client(client)  # a kernel attached again
+            client = None
             last_active = time.monotonic()
             continue
         if client is None:
@@ -152,7 +145,7 @@ def watch(path: Path, idle: float) -> None:
             last_active = time.monotonic()
             continue
         if time.monotonic() - last_active >= idle:
-            _close(client)
+            close_client(client)
             _stop(side)
             return
 
