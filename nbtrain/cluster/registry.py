@@ -15,12 +15,16 @@ from pathlib import Path
 from typing import Any
 
 
+def _side_file(profile_dir: str | Path, cluster_id: str) -> Path:
+    return Path(profile_dir) / "security" / f"nbtrain-{cluster_id}.json"
+
+
 def _path(ipp_cluster: Any) -> Path | None:
     profile_dir = getattr(ipp_cluster, "profile_dir", None)
     cluster_id = getattr(ipp_cluster, "cluster_id", None)
     if not profile_dir or not cluster_id:
         return None
-    return Path(profile_dir) / "security" / f"nbtrain-{cluster_id}.json"
+    return _side_file(profile_dir, cluster_id)
 
 
 def _notebook() -> str | None:
@@ -63,10 +67,9 @@ def remove_files(profile_dir: str | Path, cluster_id: str) -> None:
     """Remove a stopped cluster's files: nbtrain's side file, and the hub's engine-state file
     (``log/engines<cluster_id>.json``), which ipyparallel writes for a controller restart that nbtrain
     never does and never removes, so one more of them was left in the profile on every start."""
-    profile = Path(profile_dir)
     for p in (
-        profile / "security" / f"nbtrain-{cluster_id}.json",
-        profile / "log" / f"engines{cluster_id}.json",
+        _side_file(profile_dir, cluster_id),
+        Path(profile_dir) / "log" / f"engines{cluster_id}.json",
     ):
         try:
             p.unlink()
@@ -75,7 +78,5 @@ def remove_files(profile_dir: str | Path, cluster_id: str) -> None:
 
 
 def forget(ipp_cluster: Any) -> None:
-    profile_dir = getattr(ipp_cluster, "profile_dir", None)
-    cluster_id = getattr(ipp_cluster, "cluster_id", None)
-    if profile_dir and cluster_id:
-        remove_files(profile_dir, cluster_id)
+    if _path(ipp_cluster) is not None:
+        remove_files(ipp_cluster.profile_dir, ipp_cluster.cluster_id)
