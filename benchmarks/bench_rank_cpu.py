@@ -100,10 +100,15 @@ def main() -> None:
     def cpu(name: str) -> list[float]:
         return [sum(r["cpu_s"] for r in run["ranks"]) / len(run["ranks"]) for run in runs[name]]
 
-    paired_cpu = [a / b for a, b in zip(cpu("nbtrain"), cpu("torchrun"))]
-    paired_tok = [
-        a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["nbtrain"], runs["torchrun"])
-    ]
+    def tok(name: str) -> list[float]:
+        return [run["tokens_per_s"] for run in runs[name]]
+
+    def paired(a: list[float], b: list[float]) -> list[float]:
+        return [x / y for x, y in zip(a, b)]
+
+    paired_cpu = paired(cpu("nbtrain"), cpu("torchrun"))
+    paired_tok = paired(tok("nbtrain"), tok("torchrun"))
+    paired_warm = paired(tok("torchrun"), tok("torchrun_cold"))
     rec.data.update(
         {
             "reps": args.reps,
@@ -111,6 +116,7 @@ def main() -> None:
             "runs": runs,
             "paired_cpu_ratio": paired_cpu,
             "paired_tokens_ratio": paired_tok,
+            "paired_tokens_ratio_torchrun_warm_over_cold": paired_warm,
         }
     )
     rec.metric(
@@ -124,22 +130,17 @@ def main() -> None:
     )
     rec.metric(
         "the same runs: global tokens/s (nbtrain / torchrun)",
-        C.median([r["tokens_per_s"] for r in runs["nbtrain"]]),
-        C.median([r["tokens_per_s"] for r in runs["torchrun"]]),
+        C.median(tok("nbtrain")),
+        C.median(tok("torchrun")),
         "torchrun",
         "tok/s",
         ">= 0.97",
         note=f"median of paired ratios {C.median(paired_tok):.3f}",
     )
-    paired_warm = [
-        a["tokens_per_s"] / b["tokens_per_s"]
-        for a, b in zip(runs["torchrun"], runs["torchrun_cold"])
-    ]
-    rec.data["paired_tokens_ratio_torchrun_warm_over_cold"] = paired_warm
     rec.metric(
         "torchrun alone: tokens/s of a process's second fine-tune / its first",
-        C.median([r["tokens_per_s"] for r in runs["torchrun"]]),
-        C.median([r["tokens_per_s"] for r in runs["torchrun_cold"]]),
+        C.median(tok("torchrun")),
+        C.median(tok("torchrun_cold")),
         "torchrun, first fine-tune of the process",
         "tok/s",
         "none: what bench_finetune mixes in (warm engines against a cold torchrun)",
