@@ -1,17 +1,20 @@
 """LoRA fine-tuning throughput on 2 local ranks: nbtrain against torchrun, and the live display's overhead.
 
-    .venv/bin/python benchmarks/bench_finetune.py [--reps 24] [--steps 80] [--quick] [--out FILE]
+    .venv/bin/python benchmarks/bench_finetune.py [--reps 16] [--steps 80] [--quick] [--out FILE]
 
 The same run in every variant: `nbtrain.finetune(SFTConfig(...))` on a tiny Llama built by
 `make_tiny_model` (hidden 256, 4 layers: ~50-100 ms a step here), the shipped instruction data, batch
-4 per rank, the same steps and seed, one thread per rank (OMP_NUM_THREADS=1). Three variants:
+4 per rank, the same steps and seed, one thread per rank (OMP_NUM_THREADS=1). Four variants:
   nolive   nbtrain: a `%%distributed --no-live` cell in a real Jupyter kernel (jupyter_client), on
-           one 2-engine cluster started once, as a notebook user has it
+           one 2-engine cluster started once, as a notebook user has it (engines with tcmalloc
+           where installed: nbtrain.cluster.allocator)
   live     the same cell with the live loss / tokens/s display drawing
   torchrun `torchrun --standalone --nproc_per_node=2 _torchrun_finetune.py`, a fresh job each run,
-           as a torchrun user has it
-run in cycles of nolive, live, nolive, torchrun (and one last nolive), so every live and torchrun run
-sits between two --no-live runs. Its ratio is taken against their geometric mean: this VM's speed
+           as a torchrun user has it (glibc's malloc)
+  torchrun_tcmalloc  the same with the engines' malloc preloaded: launcher against launcher, with
+           the allocator held equal
+run in cycles of nolive, live, nolive, torchrun, nolive, torchrun_tcmalloc (and one last nolive), so
+every live and torchrun run sits between two --no-live runs. Its ratio is taken against their geometric mean: this VM's speed
 drifts by up to 10% within a minute (benchmarks/NOTES.md), and two neighbours either side cancel a
 linear drift. The headline ratios are medians of those sandwiched pairs, with a distribution-free 90%
 confidence interval; the ratio of the plain medians is reported beside them.
@@ -141,8 +144,12 @@ def _cell(cfg: dict[str, Any], live: bool) -> str:
     return f"nbtrain.current_cluster().execute({code!r}, live={live!r})\n"
 
 
-def _run_torchrun(cfg: dict[str, Any], warmup_rows: int) -> dict[str, Any]:
+def _run_torchrun(
+    cfg: dict[str, Any], warmup_rows: int, preload: str | None = None
+) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if preload:
+        env["LD_PRELOAD"] = preload
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [
@@ -173,7 +180,14 @@ def _run_torchrun(cfg: dict[str, Any], warmup_rows: int) -> dict[str, Any]:
 # One cycle of the schedule. Every torchrun run and every live run sits between two --no-live runs, and
 # is compared with their geometric mean: this VM's speed drifts by up to 10% over tens of seconds, and
 # the two runs either side cancel a drift that is linear over the cycle (a per-round pair does not).
-CYCLE = ("nbtrain_nolive", "nbtrain_live", "nbtrain_nolive", "torchrun")
+CYCLE = (
+    "nbtrain_nolive",
+    "nbtrain_live",
+    "nbtrain_nolive",
+    "torchrun",
+    "nbtrain_nolive",
+    "torchrun_tcmalloc",
+)
 
 
 def sandwich_ratios(
@@ -201,16 +215,18 @@ def sandwich_ratios(
     return out
 
 
-def null_ratios(runs: dict[str, list[dict[str, Any]]], order: list[tuple[str, int]]) -> list[float]:
-    """The method on itself: the middle --no-live run of each cycle against the geometric mean of the
-    --no-live runs that open this cycle and the next (as far apart as a sandwich's neighbours).
+def null_ratios(
+    runs: dict[str, list[dict[str, Any]]], order: list[tuple[str, int]], period: int = len(CYCLE)
+) -> list[float]:
+    """The method on itself: the second --no-live run of each cycle against the geometric mean of the
+    --no-live runs two places either side of it (as far apart as a sandwich's neighbours).
 
     Nothing differs but time, so these ratios scatter around 1 by the noise alone: how wide they spread
     says how far apart two variants must be before the sandwiched ratios can tell them apart.
     """
     out = []
-    for k in range(0, len(order) - len(CYCLE), len(CYCLE)):
-        first, mid, nxt = order[k], order[k + 2], order[k + len(CYCLE)]
+    for k in range(0, len(order) - 4, period):
+        first, mid, nxt = order[k], order[k + 2], order[k + 4]
         if not all(v == "nbtrain_nolive" for v, _ in (first, mid, nxt)):
             continue
         tps = [runs[v][i]["tokens_per_s"] for v, i in (first, mid, nxt)]
@@ -220,7 +236,7 @@ def null_ratios(runs: dict[str, list[dict[str, Any]]], order: list[tuple[str, in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=24, help="cycles of the schedule (default 24)")
+    ap.add_argument("--reps", type=int, default=16, help="cycles of the schedule (default 16)")
     ap.add_argument("--steps", type=int, default=80, help="optimizer steps per run (default 80)")
     ap.add_argument(
         "--warmup-rows", type=int, default=2, help="logged rows left out (5 steps each)"
@@ -253,6 +269,13 @@ def main() -> None:
             "text"
         ].strip()
         rec.data["kernel_in_kernel"] = in_kernel
+        rec.data["nbtrain_engine_allocator"] = kernel.run("print(cluster.allocator)")[
+            "text"
+        ].strip()
+        from nbtrain.cluster.allocator import find_tcmalloc
+
+        tcmalloc = find_tcmalloc()
+        rec.data["tcmalloc"] = tcmalloc
 
         def nbtrain_variant(live: bool, tag: str) -> dict[str, Any]:
             out = _fresh(runs_dir / tag)
@@ -269,11 +292,11 @@ def main() -> None:
                 "cpu": cpu.report(args.warmup_rows),
             }
 
-        def torchrun_variant(tag: str) -> dict[str, Any]:
+        def torchrun_variant(tag: str, preload: str | None = None) -> dict[str, Any]:
             out = _fresh(runs_dir / tag)
             return {
                 "output_dir": out,
-                **_run_torchrun(_config(model, steps, out), args.warmup_rows),
+                **_run_torchrun(_config(model, steps, out), args.warmup_rows, preload),
             }
 
         variants = {
@@ -281,13 +304,18 @@ def main() -> None:
             "torchrun": torchrun_variant,
             "nbtrain_nolive": lambda tag: nbtrain_variant(False, tag),
         }
+        cycle = CYCLE
+        if tcmalloc:
+            variants["torchrun_tcmalloc"] = lambda tag: torchrun_variant(tag, tcmalloc)
+        else:  # no tcmalloc here: the engines run glibc's malloc too, and there is no like-for-like arm
+            cycle = CYCLE[:4]
         if not args.quick:
             # engines import transformers/peft once; page cache for torchrun's imports
             for name, fn in variants.items():
                 fn(f"warmup-{name}")
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in variants}
         order: list[tuple[str, int]] = []  # (variant, index in runs[variant]) in the order run
-        schedule = [n for _ in range(reps) for n in CYCLE] + ["nbtrain_nolive"]
+        schedule = [n for _ in range(reps) for n in cycle] + ["nbtrain_nolive"]
         for k, name in enumerate(schedule):
             i = len(runs[name])
             r = variants[name](f"{name}-{i}")
@@ -308,9 +336,11 @@ def main() -> None:
         return C.median([r[key] for r in runs[name] if r.get(key) is not None])
 
     live, tr, nolive = med("nbtrain_live"), med("torchrun"), med("nbtrain_nolive")
+    tr_tc = med("torchrun_tcmalloc") if runs.get("torchrun_tcmalloc") else None
     paired_tr = sandwich_ratios(runs, order, "torchrun", invert=True)
+    paired_tc = sandwich_ratios(runs, order, "torchrun_tcmalloc", invert=True)
     paired_live = sandwich_ratios(runs, order, "nbtrain_live")
-    null = null_ratios(runs, order)
+    null = null_ratios(runs, order, len(cycle))
 
     def outside(name: str) -> float | None:
         return C.median(
@@ -343,6 +373,8 @@ def main() -> None:
                 for name, rs in runs.items()
             },
             "paired_ratio_nbtrain_over_torchrun": paired_tr,
+            "paired_ratio_nbtrain_over_torchrun_tcmalloc": paired_tc,
+            "paired_ratio_ci90_nbtrain_over_torchrun_tcmalloc": C.median_ci(paired_tc),
             "paired_ratio_live_over_nolive": paired_live,
             "paired_ratio_ci90_nbtrain_over_torchrun": C.median_ci(paired_tr),
             "paired_ratio_ci90_live_over_nolive": C.median_ci(paired_live),
@@ -370,6 +402,17 @@ def main() -> None:
         ">= 0.97",
         ratio_value=C.median(paired_tr),
         note=ci_note(paired_tr, nolive, tr),
+    )
+    rec.metric(
+        "LoRA finetune, 2 ranks: tokens/s (nbtrain --no-live / torchrun with the same malloc)",
+        nolive,
+        tr_tc,
+        "torchrun, tcmalloc preloaded",
+        "tok/s",
+        "",
+        ratio_value=C.median(paired_tc),
+        note=ci_note(paired_tc, nolive, tr_tc)
+        + "; launcher against launcher: both sides run tcmalloc",
     )
     rec.metric(
         "LoRA finetune: tokens/s with the live display drawing / --no-live (real kernel)",

@@ -153,7 +153,9 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"`%%distributed [--no-live]` calls) in a real Jupyter kernel "
             f"(`_in_kernel()` = {f['kernel_in_kernel']}); the live variant sent "
             f"{f['live_display_messages_per_run']} display messages per run, the --no-live one "
-            f"{f['nolive_display_messages_per_run']}.",
+            f"{f['nolive_display_messages_per_run']}. The engines' malloc: "
+            f"{f.get('nbtrain_engine_allocator', 'system')} (torchrun_tcmalloc preloads "
+            f"`{f.get('tcmalloc')}` into torchrun's ranks, so launcher meets launcher at equal malloc).",
             "",
             "| variant | tokens/s median | min | max | max/min | step time median |",
             "|---|---|---|---|---|---|",
@@ -167,15 +169,18 @@ def render_markdown(results: dict[str, Any]) -> str:
             )
         lines += [
             "",
-            "Runs went in cycles of --no-live, live, --no-live, torchrun, so each live and torchrun run "
+            "Runs went in cycles of --no-live, live, --no-live, torchrun, --no-live, torchrun_tcmalloc, "
+            "so each live and torchrun run "
             "sits between two --no-live runs and is compared with their geometric mean (a drift of the "
             "VM's speed that is linear over the cycle cancels). Those sandwiched ratios, "
             f"nbtrain --no-live / torchrun: "
             f"{', '.join(f'{x:.3f}' for x in f['paired_ratio_nbtrain_over_torchrun'])}; "
+            f"nbtrain --no-live / torchrun_tcmalloc: "
+            f"{', '.join(f'{x:.3f}' for x in f.get('paired_ratio_nbtrain_over_torchrun_tcmalloc', []))}; "
             f"live / --no-live: {', '.join(f'{x:.3f}' for x in f['paired_ratio_live_over_nolive'])}. "
             "The tables' ratio is their median, with a distribution-free 90% confidence interval in the "
-            "note. The same method applied to --no-live against itself (the middle --no-live run of a "
-            "cycle against the ones opening this cycle and the next), which only noise can move: "
+            "note. The same method applied to --no-live against itself (the second --no-live run of a "
+            "cycle against the --no-live runs two places either side), which only noise can move: "
             f"{', '.join(f'{x:.3f}' for x in f.get('null_ratio_nolive_over_nolive', []))}"
             + (
                 f" (median {C.median(f['null_ratio_nolive_over_nolive']):.3f})."
@@ -208,7 +213,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run of every benchmark")
     ap.add_argument("--only", nargs="*", choices=BENCHES, default=list(BENCHES))
     ap.add_argument(
-        "--finetune-reps", type=int, default=None, help="cycles of bench_finetune (its default: 24)"
+        "--finetune-reps", type=int, default=None, help="cycles of bench_finetune (its default: 16)"
     )
     ap.add_argument(
         "--out-dir",

@@ -167,6 +167,13 @@ def build_parser() -> _Parser:
         help="seconds to get every engine and the process group (default 120)",
     )
     p.add_argument("--force", action="store_true", help="stop a running cluster first")
+    p.add_argument(
+        "--allocator",
+        choices=("auto", "tcmalloc", "system"),
+        default=None,
+        help="malloc of local engines. auto (default, or $NBTRAIN_ALLOCATOR): tcmalloc on a machine "
+        "without GPUs where installed, ~10%% faster CPU training; system: glibc's",
+    )
     _add_multinode_start_args(p)
 
     sub.add_parser("stop", help="stop every engine and the controller")
@@ -216,11 +223,26 @@ class NbtrainMagics(Magics):
         n = args.n if args.n is not None else max(1, local_gpu_count())
         print(f"nbtrain: starting {n} engine(s) on this machine...", flush=True)
         t0 = time.monotonic()
-        cluster = start(n=n, backend=args.backend, timeout=args.timeout, force=args.force)
+        cluster = start(
+            n=n,
+            backend=args.backend,
+            timeout=args.timeout,
+            force=args.force,
+            allocator=args.allocator,
+        )
         elapsed = time.monotonic() - t0
         print(
-            f"nbtrain: process group ready: {cluster.world_size} rank(s), backend {cluster.backend}, in {elapsed:.1f} s"
+            f"nbtrain: process group ready: {cluster.world_size} rank(s), backend {cluster.backend}, "
+            f"malloc {cluster.allocator}, in {elapsed:.1f} s"
         )
+        if (
+            cluster.allocator == "system"
+            and cluster.options.allocator == "auto"
+            and not local_gpu_count()
+        ):
+            from nbtrain.cluster.allocator import INSTALL_HINT
+
+            print(f"nbtrain: tip: CPU training runs ~10% faster with tcmalloc. {INSTALL_HINT}.")
         print(cluster.table())
 
     def _cmd_start_remote(self, args: argparse.Namespace) -> None:

@@ -133,7 +133,21 @@ def hello() -> dict[str, Any]:
         "gpus": _cuda_count(),
         "python": sys.executable,
         "log": log_file,
+        "allocator": allocator_in_use(),
     }
+
+
+def allocator_in_use() -> str:
+    """The malloc this process runs with: "tcmalloc", "jemalloc" or "system" (from its memory maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return "system"
+    for name in ("tcmalloc", "jemalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return "system"
 
 
 def free_port() -> int:
