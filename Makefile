@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]"
+	sh scripts/cpu-deps.sh
 	touch $(STAMP)
 
 dev: $(STAMP)

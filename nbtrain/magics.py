@@ -172,7 +172,7 @@ def build_parser() -> _Parser:
         choices=("auto", "tcmalloc", "system"),
         default=None,
         help="malloc of local engines. auto (default, or $NBTRAIN_ALLOCATOR): tcmalloc on a machine "
-        "without GPUs where installed, ~10%% faster CPU training; system: glibc's",
+        "without GPUs where installed, 3-10%% faster CPU training here; system: glibc's",
     )
     _add_multinode_start_args(p)
 
@@ -242,7 +242,7 @@ class NbtrainMagics(Magics):
         ):
             from nbtrain.cluster.allocator import INSTALL_HINT
 
-            print(f"nbtrain: tip: CPU training runs ~10% faster with tcmalloc. {INSTALL_HINT}.")
+            print(f"nbtrain: tip: CPU training runs 3-10% faster with tcmalloc. {INSTALL_HINT}.")
         print(cluster.table())
 
     def _cmd_start_remote(self, args: argparse.Namespace) -> None:

@@ -2,7 +2,7 @@
 # Install what the simulated-node test bed (tests/multinode/testbed.py) needs on Debian/Ubuntu:
 # sshd and ssh for real SSH logins, iproute2 for namespaces/veth/bridge, util-linux for unshare/nsenter;
 # and for the launcher tests, Slurm and munge (scripts/slurm-testbed.sh starts them on this machine)
-# and Open MPI's mpiexec.
+# and Open MPI's mpiexec; and tcmalloc for the allocator test.
 # Idempotent and quiet: does nothing when everything is present. Needs root.
 set -eu
 
@@ -18,6 +18,8 @@ command -v ssh-keygen >/dev/null 2>&1 || need="$need openssh-client"
 command -v sbatch >/dev/null 2>&1 || need="$need slurm-client"
 [ -x /usr/sbin/munged ] || need="$need munge"
 command -v mpiexec >/dev/null 2>&1 || need="$need openmpi-bin"
+# tcmalloc: tests/test_allocator.py checks that CPU engines really run with it
+{ ldconfig -p 2>/dev/null || /sbin/ldconfig -p; } | grep -q libtcmalloc_minimal || need="$need libtcmalloc-minimal4"
 
 if [ -z "$need" ]; then
     exit 0

@@ -681,7 +681,7 @@ def start(
     In [5]: nbtrain.start(launcher="mpi", n=8)
 
     Local CPU engines run with tcmalloc where the machine has it (`allocator="auto"`, or
-    $NBTRAIN_ALLOCATOR): about 10% more tokens/s on CPU here. `"system"` keeps glibc's malloc;
+    $NBTRAIN_ALLOCATOR): 3-10% more tokens/s on CPU here. `"system"` keeps glibc's malloc;
     `"tcmalloc"` fails if it is missing. `cluster.allocator` says what the engines got.
 
     Either every engine and the process group are ready within `timeout` seconds, or this raises
