@@ -277,6 +277,7 @@ class NbtrainMagics(Magics):
             timeout=args.timeout,
             force=args.force,
             quiet=False,
+            allocator=args.allocator,
             **launch,
         )
         self._print_ready(cluster, time.monotonic() - t0)

@@ -38,6 +38,11 @@ def test_resolve_reads_the_argument_then_the_environment(monkeypatch):
         nbtrain.start(n=1, allocator="fast")
 
 
+def test_allocator_is_for_local_engines_only():
+    with pytest.raises(ConfigError, match="not with --launcher ssh"):
+        nbtrain.start(launcher="ssh", hosts="node1:2", allocator="tcmalloc")
+
+
 def test_system_and_gpu_machines_get_nothing(monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert allocator.engine_env("system", {}, gpus=0) == {}

@@ -65,9 +65,7 @@ class StartOptions:
     force: bool = False  # stop a running cluster first instead of refusing
     profile: str = PROFILE  # IPython profile holding the cluster's connection files
     extra_env: dict[str, str] = field(default_factory=dict)  # more environment for every rank
-    allocator: str | None = (
-        None  # auto (tcmalloc for CPU engines where installed), tcmalloc, system
-    )
+    allocator: str | None = None  # local engines' malloc: auto, tcmalloc or system (allocator.py)
 
     def __post_init__(self) -> None:
         n = self.n
@@ -698,6 +696,12 @@ def start(
         allocator=allocator,
     )
     launch_options = None
+    if allocator is not None and (launcher != "local" or launch):
+        msg = (
+            f"--allocator applies to engines started on this machine, not with --launcher {launcher}. "
+            "Drop it, or set LD_PRELOAD for the remote engines in their environment yourself."
+        )
+        raise ConfigError(msg)
     if launcher != "local" or launch:
         from nbtrain.cluster.launchers import parse_launch
 
