@@ -56,6 +56,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.steps <= 10:
+        ap.error(
+            "--steps must be above 10: the first 2 logged rows (10 steps) are left out as warm-up"
+        )
     C.setup_env()
     rec = C.Recorder("rank_cpu", False)
     import nbtrain
@@ -66,7 +70,9 @@ def main() -> None:
     code = WORKER.read_text()
     for i in range(args.reps):
         cfg = _config(model, args.steps, _fresh(C.WORK / "rank-cpu" / f"nbtrain-{i}"))
-        cluster = nbtrain.start(n=2, env={"OMP_NUM_THREADS": "1"})
+        # glibc's malloc on both sides: this compares the processes, not the allocators
+        # (bench_finetune compares those)
+        cluster = nbtrain.start(n=2, env={"OMP_NUM_THREADS": "1"}, allocator="system")
         try:
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
