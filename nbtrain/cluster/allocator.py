@@ -2,7 +2,7 @@
 
 A CPU training step allocates and frees many tensors, and glibc's malloc is slow at that. On this
 project's 2-core test machine, the same 2-rank LoRA fine-tune under torchrun ran 1.03-1.10x faster with
-tcmalloc preloaded (medians of three runs), and no faster with jemalloc (benchmarks/NOTES.md).
+tcmalloc preloaded (medians of four runs), and no faster with jemalloc (benchmarks/NOTES.md).
 PyTorch's own CPU launcher (`torch.backends.xeon.run_cpu`) preloads it too.
 
 A library must be preloaded before the process starts, so nbtrain sets `LD_PRELOAD` in the engines'
