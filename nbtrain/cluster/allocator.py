@@ -41,10 +41,23 @@ def find_tcmalloc() -> str | None:
     The Python environment's own lib folder first (conda's gperftools), then the linker's cache,
     then the usual system folders.
     """
-    for name in NAMES:
-        path = Path(sys.prefix, "lib", name)
-        if path.is_file():
-            return str(path)
+    return (
+        _first_in([Path(sys.prefix, "lib")])
+        or _from_linker_cache()
+        or _first_in([Path(d) for d in _DIRS])
+    )
+
+
+def _first_in(folders: list[Path]) -> str | None:
+    for folder in folders:
+        for name in NAMES:
+            if (folder / name).is_file():
+                return str(folder / name)
+    return None
+
+
+def _from_linker_cache() -> str | None:
+    """What `ldconfig -p` lists for NAMES, in NAMES' order (ldconfig is not on every user's PATH)."""
     for ldconfig in ("ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig"):
         try:
             out = subprocess.run(
@@ -57,15 +70,7 @@ def find_tcmalloc() -> str | None:
             name, sep, where = line.partition("=>")
             if sep and name.split() and name.split()[0] in NAMES:
                 found.setdefault(name.split()[0], where.strip())
-        for name in NAMES:
-            if name in found and Path(found[name]).is_file():
-                return found[name]
-        break
-    for folder in _DIRS:
-        for name in NAMES:
-            path = Path(folder, name)
-            if path.is_file():
-                return str(path)
+        return next((found[n] for n in NAMES if n in found and Path(found[n]).is_file()), None)
     return None
 
 
