@@ -1,0 +1,415 @@
+"""The SFT loss without the [tokens, vocab] logits: the lm_head and cross-entropy fused, chunk by chunk.
+
+In [1]: name, loss_fn = select_loss_impl(device)            # "liger" on CUDA when installed, else "chunked"
+In [2]: ok, why = fused_loss_supported(model)               # once, at set-up
+In [3]: loss_sum = causal_lm_loss_sum(model, batch, autocast, loss_fn)
+
+For Llama-3.1-8B (vocab 128256) at 4 x 2048 tokens the plain path holds the logits in bf16 (2 GiB), again
+in fp32 (4 GiB) and their gradient (4 GiB). Here the loss and the gradient w.r.t. the hidden states are
+computed together in the forward, a few hundred tokens at a time, so only one chunk's logits ever exist:
+the trick of Liger's fused linear cross-entropy (and of mgmalek/efficient_cross_entropy before it).
+
+torch is imported inside the functions: `nbtrain.sft.train` imports this module, and importing `nbtrain`
+(which names `TrainResult` from there) must not pull torch in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# Logits are built CHUNK_BYTES of fp32 at a time: 256 MiB is 512 tokens of a 128K vocab (Llama 3), 2048 of
+# a 32K one. A chunk briefly holds its logits about three times over (the matmul's output, the fp32 copy
+# that becomes the gradient, that gradient cast back), so ~0.75 GiB transient on a GPU where the whole
+# batch's logits would take 10 GiB, and chunks are still big enough that the matmuls stay efficient.
+# On CPU the same budget is harmless and the matmuls dominate either way.
+CHUNK_BYTES = 256 * 2**20
+
+LossFn = Callable[..., Any]
+"""`fn(hidden [N, H], weight [V, H], labels [N], *, bias=None, ignore_index=-100, softcap=None)` -> the
+summed cross-entropy (fp32 scalar). Both `select_loss_impl` choices have this signature."""
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Tokens per chunk for a vocabulary: CHUNK_BYTES of fp32 logits, a multiple of 64 (at least 64)."""
+    tokens = CHUNK_BYTES // (4 * max(1, vocab_size))
+    return max(64, tokens // 64 * 64)
+
+
+# ----------------------------------------------------------------------------------- chunked kernel
+@functools.cache
+def _function() -> Any:
+    """The autograd.Function, built on first use so that importing this module does not import torch."""
+    import torch
+
+    class _LinearCrossEntropySum(torch.autograd.Function):
+        """sum_t CE(h_t @ W^T + b, y_t), with the gradients computed in forward and scaled in backward."""
+
+        @staticmethod
+        def forward(  # type: ignore[override]
+            ctx: Any,
+            hidden: Any,
+            weight: Any,
+            labels: Any,
+            bias: Any,
+            chunk_size: int,
+            ignore_index: int,
+            softcap: float | None,
+            compute_dtype: Any,
+            needs: tuple[bool, bool, bool],
+        ) -> Any:
+            need_h, need_w, need_b = needs
+            dev = hidden.device
+            n = hidden.shape[0]
+            # casts are explicit (autocast's choice, made by the caller), so that backward() has nothing
+            # to redo and the numbers match what autocast gives the unfused lm_head
+            with torch.autocast(device_type=dev.type, enabled=False):
+                w = weight.to(compute_dtype)
+                b = bias.to(compute_dtype) if bias is not None else None
+                loss = torch.zeros((), dtype=torch.float32, device=dev)
+                grad_h = torch.empty_like(hidden) if need_h else None
+                grad_w = (
+                    torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None
+                )
+                grad_b = (
+                    torch.zeros(weight.shape[0], dtype=torch.float32, device=dev)
+                    if need_b
+                    else None
+                )
+                for start in range(0, n, chunk_size):
+                    end = min(start + chunk_size, n)
+                    h = hidden[start:end].to(compute_dtype)
+                    y = labels[start:end]
+                    logits = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+                    z = logits.float()
+                    del logits
+                    if softcap is not None:
+                        tanh = torch.tanh(z / softcap)
+                        z = tanh * softcap
+                    valid = y != ignore_index
+                    # ignored rows get target 0 and weight 0: no data-dependent branch, no host sync
+                    target = torch.where(valid, y, torch.zeros_like(y)).unsqueeze(1)
+                    lse = torch.logsumexp(z, dim=-1)
+                    picked = z.gather(1, target).squeeze(1)
+                    loss += torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+                    if not (need_h or need_w or need_b):
+                        continue
+                    # d loss / d z = softmax(z) - onehot(y), built in place in z's storage
+                    g = z.sub_(lse.unsqueeze(1)).exp_()
+                    g.scatter_add_(1, target, -torch.ones_like(g[:, :1]))
+                    g.mul_(valid.unsqueeze(1).to(g.dtype))
+                    if softcap is not None:
+                        g.mul_(1.0 - tanh * tanh)
+                        del tanh
+                    gc = g.to(compute_dtype)
+                    if grad_h is not None:
+                        grad_h[start:end] = (gc @ w).to(hidden.dtype)
+                    if grad_w is not None:
+                        grad_w += (gc.t() @ h).float()
+                    if grad_b is not None:
+                        grad_b += g.sum(0)
+                    del g, gc, z
+            ctx.save_for_backward(grad_h, grad_w, grad_b)
+            ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+            return loss
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: Any) -> Any:  # type: ignore[override]
+            grad_h, grad_w, grad_b = ctx.saved_tensors
+            dh, dw, db = ctx.dtypes
+            # out of place: the saved gradients stay valid for a second backward (retain_graph)
+            scaled = [
+                None if g is None else (g * grad_out).to(dt)
+                for g, dt in ((grad_h, dh), (grad_w, dw), (grad_b, db))
+            ]
+            return scaled[0], scaled[1], None, scaled[2], None, None, None, None, None
+
+    return _LinearCrossEntropySum
+
+
+def linear_cross_entropy_sum(
+    hidden: Any,
+    weight: Any,
+    labels: Any,
+    *,
+    bias: Any = None,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+) -> Any:
+    """Summed cross-entropy of `hidden @ weight.T (+ bias)` against `labels`, never holding all the logits.
+
+    In [1]: linear_cross_entropy_sum(h, lm_head.weight, y)    # == F.cross_entropy(h @ W.T, y, reduction="sum")
+
+    `hidden` is [N, H] or [B, T, H] with `labels` [N] or [B, T], aligned: row t predicts labels[t] (the
+    caller shifts). Rows labelled `ignore_index` add nothing. The matmuls run in autocast's dtype when
+    autocast is on (else the inputs' own), logsumexp and the sum in fp32. `softcap` applies Gemma-2's
+    `c * tanh(logits / c)` before the softmax. `chunk_size` tokens at a time (default
+    `default_chunk_size(V)`); the gradients w.r.t. `hidden`, `weight` and `bias` are computed only for
+    those that require grad, and only when grad mode is on.
+    """
+    import torch
+
+    h_dim = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != h_dim:
+        msg = f"weight must be [vocab, {h_dim}] to match hidden {tuple(hidden.shape)}, got {tuple(weight.shape)}"
+        raise ValueError(msg)
+    if labels.shape != hidden.shape[:-1]:
+        msg = f"labels {tuple(labels.shape)} must match hidden {tuple(hidden.shape)} without its last dim"
+        raise ValueError(msg)
+    if softcap is not None and softcap <= 0:
+        msg = f"softcap must be a positive number or None, got {softcap}"
+        raise ValueError(msg)
+    hidden2 = hidden.reshape(-1, h_dim)
+    labels1 = labels.reshape(-1)
+    chunk = chunk_size or default_chunk_size(weight.shape[0])
+    if chunk < 1:
+        msg = f"chunk_size must be a positive number of tokens, got {chunk_size}"
+        raise ValueError(msg)
+    dev_type = hidden.device.type
+    if torch.is_autocast_enabled(dev_type) and hidden.is_floating_point():
+        compute_dtype = torch.get_autocast_dtype(dev_type)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    grad_on = torch.is_grad_enabled()
+    needs = (
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+    return _function().apply(
+        hidden2, weight, labels1, bias, chunk, ignore_index, softcap, compute_dtype, needs
+    )
+
+
+# ------------------------------------------------------------------------------------ liger or ours
+def _liger_loss_class() -> Any:
+    """Liger's fused linear cross-entropy module class, or None when liger-kernel (or Triton) is missing."""
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyLoss,
+        )
+    except Exception:  # ImportError, or Triton failing to initialise without a GPU
+        return None
+    return LigerFusedLinearCrossEntropyLoss
+
+
+def _liger_fn(cls: Any) -> LossFn:
+    def liger_sum(
+        hidden: Any,
+        weight: Any,
+        labels: Any,
+        *,
+        bias: Any = None,
+        ignore_index: int = -100,
+        softcap: float | None = None,
+    ) -> Any:
+        # liger-kernel >= 0.5: keyword arguments here, and forward(lin_weight, _input, target, bias)
+        loss = cls(ignore_index=ignore_index, reduction="sum", softcap=softcap)
+        h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        return loss(weight, h, labels.reshape(-1).contiguous(), bias)
+
+    return liger_sum
+
+
+def select_loss_impl(
+    device: Any, prefer: str = "auto", *, log: Callable[[str], Any] | None = None
+) -> tuple[str, LossFn]:
+    """The fused loss to use on `device`: ("liger", fn) on CUDA when liger-kernel imports, else ("chunked", fn).
+
+    In [1]: name, loss_fn = select_loss_impl(torch.device("cuda"), log=print if is_zero else None)
+
+    `prefer` is "auto", "liger" or "chunked"; "liger" where it cannot run is an error. `log` gets one line
+    when CUDA runs without liger-kernel (pass it on rank 0 only).
+    """
+    import torch
+
+    from nbtrain.errors import ConfigError
+
+    dev = torch.device(device)
+    if prefer not in ("auto", "liger", "chunked"):
+        msg = f"loss implementation {prefer!r} is unknown; use 'auto', 'liger' or 'chunked'"
+        raise ConfigError(msg)
+    if prefer == "chunked":
+        return "chunked", linear_cross_entropy_sum
+    cls = _liger_loss_class() if dev.type == "cuda" else None
+    if cls is not None:
+        return "liger", _liger_fn(cls)
+    if prefer == "liger":
+        why = "it needs a CUDA device" if dev.type != "cuda" else "liger-kernel does not import"
+        msg = (
+            f"the liger loss cannot run on {dev} ({why}); pip install liger-kernel on a GPU machine, "
+            "or use the built-in chunked loss (prefer='auto' or 'chunked')"
+        )
+        raise ConfigError(msg)
+    if dev.type == "cuda" and log is not None:
+        log(
+            "nbtrain: liger-kernel is not installed; using the chunked fused loss "
+            "(pip install liger-kernel for the Triton kernel)"
+        )
+    return "chunked", linear_cross_entropy_sum
+
+
+# ------------------------------------------------------------------------------ the model's side
+def _unwrap(model: Any) -> Any:
+    """The transformers causal LM inside DDP and peft wrappers."""
+    inner = getattr(model, "module", model)  # DDP / DataParallel
+    get_base = getattr(inner, "get_base_model", None)  # peft
+    return get_base() if callable(get_base) else inner
+
+
+def _softcap_of(base: Any) -> float | None:
+    value = getattr(base.config, "final_logit_softcapping", None)
+    return float(value) if value else None
+
+
+@contextlib.contextmanager
+def _hidden_states_out(base: Any) -> Iterator[tuple[Any, float | None]]:
+    """While inside, the causal LM's forward returns its last hidden states as `.logits`.
+
+    The lm_head becomes the identity (an instance attribute over the class's forward) and Gemma-2's final
+    soft-capping is switched off in the config, to be applied by the loss instead. Both are put back on
+    the way out, exceptions included. Yields (lm_head, softcap).
+    """
+    head = base.get_output_embeddings()
+    softcap = _softcap_of(base)
+    had_own_forward = "forward" in head.__dict__
+    own_forward = head.__dict__.get("forward")
+    head.forward = _identity
+    if softcap is not None:
+        base.config.final_logit_softcapping = None
+    try:
+        yield head, softcap
+    finally:
+        if had_own_forward:
+            head.forward = own_forward
+        else:
+            del head.forward
+        if softcap is not None:
+            base.config.final_logit_softcapping = softcap
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def fused_loss_supported(model: Any, *, probe: bool = True) -> tuple[bool, str]:
+    """Whether `causal_lm_loss_sum` computes this model's true loss: (True, "") or (False, why).
+
+    In [1]: ok, why = fused_loss_supported(peft_model)
+
+    Static checks first (a plain nn.Linear lm_head, not LoRA-wrapped, no offloading hooks), then, with
+    `probe`, one forward of two tokens without grad, in eval mode, that compares the model's own logits
+    with lm_head(hidden states) (soft-capped where the config says): any other post-processing of the
+    logits (Cohere's logit_scale, Granite's logits_scaling, ...) fails there and is reported.
+    """
+    import torch
+
+    base = _unwrap(model)
+    name = type(base).__name__
+    get_out = getattr(base, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if head is None:
+        return False, f"{name} has no output embeddings (lm_head) that transformers can find"
+    if type(head) is not torch.nn.Linear:
+        return False, (
+            f"{name}'s lm_head is a {type(head).__name__}, not a plain nn.Linear (LoRA or "
+            "modules_to_save on lm_head, or a quantised head); its logits need the module's own forward"
+        )
+    get_in = getattr(base, "get_input_embeddings", None)
+    if callable(get_in) and get_in() is head:
+        return False, f"{name} uses one module as both input embedding and lm_head"
+    if hasattr(head, "_hf_hook") or "forward" in head.__dict__:
+        return (
+            False,
+            f"{name}'s lm_head has a hook that replaces its forward (accelerate offloading?)",
+        )
+    if not probe:
+        return True, ""
+    try:
+        ok, why = _probe(base, head)
+    except Exception as e:  # a model whose forward needs more than input_ids
+        return False, f"the probe forward of {name} failed: {type(e).__name__}: {e}"
+    return ok, why
+
+
+def _probe(base: Any, head: Any) -> tuple[bool, str]:
+    import torch
+
+    name = type(base).__name__
+    seen: dict[str, Any] = {}
+
+    def record(_m: Any, args: Any, out: Any) -> None:
+        seen["in"], seen["out"] = args[0], out
+
+    modes = {m: m.training for m in base.modules()}
+    ids = torch.tensor([[1, 2, 3]], device=head.weight.device)
+    hook = head.register_forward_hook(record)
+    try:
+        base.eval()
+        with torch.no_grad():
+            logits = base(input_ids=ids, use_cache=False).logits
+            hook.remove()
+            with _hidden_states_out(base) as (_, softcap):
+                hidden = base(input_ids=ids, use_cache=False).logits
+    finally:
+        hook.remove()
+        for m, training in modes.items():
+            m.training = training
+    if "in" not in seen:
+        return False, f"{name}'s forward does not call its lm_head"
+    # what the fused loss sees must be what the lm_head saw ...
+    if hidden.shape != seen["in"].shape or not torch.allclose(
+        hidden, seen["in"], rtol=1e-4, atol=1e-5
+    ):
+        return False, (
+            f"{name} post-processes what its lm_head returns (a logit scale?), which the fused "
+            "loss would skip"
+        )
+    # ... and the model's logits must be the lm_head's output, soft-capped where the config says
+    mine = seen["out"].float()
+    if softcap is not None:
+        mine = softcap * torch.tanh(mine / softcap)
+    logits = logits.float()
+    scale = max(1.0, float(logits.abs().max()))
+    if mine.shape != logits.shape or not torch.allclose(mine, logits, rtol=1e-4, atol=1e-4 * scale):
+        return False, (
+            f"{name}'s logits are not its lm_head's output: the model post-processes them, which "
+            "the fused loss would skip"
+        )
+    return True, ""
+
+
+def causal_lm_loss_sum(model: Any, batch: dict[str, Any], autocast: Any, impl: LossFn) -> Any:
+    """Summed next-token cross-entropy over the batch's target tokens, without the [B, T, V] logits.
+
+    In [1]: loss_sum = causal_lm_loss_sum(ddp_model, batch, autocast, loss_fn)
+    In [2]: (loss_sum * scale).backward()
+
+    The same number as `F.cross_entropy(model(...).logits[:, :-1].float(), labels[:, 1:], reduction="sum")`.
+    `model` may be DDP- and peft-wrapped: it is called through its own top-level forward, so DDP's
+    gradient sync fires as usual, with the lm_head made the identity for the call so that the output
+    is the last hidden states. Only target rows reach the loss (one host sync to find them), which
+    also skips the lm_head for prompt and padding tokens. `autocast` is a context-manager factory.
+    """
+    import torch
+
+    base = _unwrap(model)
+    with _hidden_states_out(base) as (head, softcap), autocast():
+        hidden = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).logits
+    # position t predicts labels[t + 1]; the last position predicts nothing
+    labels = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100).reshape(-1)
+    rows = (labels != -100).nonzero().squeeze(1)
+    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    if rows.numel() == 0:
+        # no targets here (a rank can get only prompts): a zero that still reaches every LoRA weight,
+        # so that DDP's backward completes on this rank as on the others (Liger would divide by zero)
+        return hidden.float().sum()
+    with autocast():
+        return impl(
+            hidden, head.weight, labels.index_select(0, rows), bias=head.bias, softcap=softcap
+        )
