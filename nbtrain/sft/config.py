@@ -58,8 +58,17 @@ class SFTConfig:
     num_train_epochs: float = field(
         default=1.0, metadata={"help": "Passes over the data when max_steps is -1."}
     )
-    per_device_train_batch_size: int = field(
-        default=4, metadata={"help": "Rows per rank per micro-batch."}
+    per_device_train_batch_size: int | str = field(
+        default=4,
+        metadata={
+            "help": "Rows per rank per micro-batch, or 'auto': the largest that fits in memory, found once at start."
+        },
+    )
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rows per optimizer step across all ranks; with 'auto' micro-batches, gradient accumulation makes up the rest. None: ranks x batch x accumulation steps."
+        },
     )
     gradient_accumulation_steps: int = field(
         default=1, metadata={"help": "Micro-batches per optimizer step."}
@@ -107,6 +116,24 @@ class SFTConfig:
         default="auto",
         metadata={
             "help": "'auto' (bf16 autocast on GPUs that support it, else fp32), 'float32' or 'bfloat16'."
+        },
+    )
+    use_liger_kernel: bool | str = field(
+        default="auto",
+        metadata={
+            "help": "Liger's RMSNorm/SwiGLU/RoPE kernels on GPU: 'auto' (where liger-kernel is installed and torch_compile is off), True or False."
+        },
+    )
+    torch_compile: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile each transformer block (GPU: faster after a one-off compile of some seconds)."
+        },
+    )
+    fused_cross_entropy: bool = field(
+        default=True,
+        metadata={
+            "help": "Loss from the last hidden states in chunks, never the whole logits (Liger's kernel on GPU where installed)."
         },
     )
     gradient_checkpointing: bool = field(
@@ -191,8 +218,19 @@ class SFTConfig:
                 isinstance(self.num_train_epochs, int | float) and self.num_train_epochs > 0,
                 f"num_train_epochs={self.num_train_epochs!r} must be > 0 when max_steps is -1",
             )
+        if self.per_device_train_batch_size != "auto":
+            positive_int("per_device_train_batch_size")
+        positive_int("global_batch_size", allow_none=True)
+        need(
+            self.use_liger_kernel in (True, False, "auto"),
+            f"use_liger_kernel={self.use_liger_kernel!r} must be True, False or 'auto'",
+        )
+        for name in ("torch_compile", "fused_cross_entropy"):
+            need(
+                isinstance(getattr(self, name), bool),
+                f"{name}={getattr(self, name)!r} must be True or False",
+            )
         for name in (
-            "per_device_train_batch_size",
             "gradient_accumulation_steps",
             "max_length",
             "lora_r",

@@ -398,12 +398,19 @@ def causal_lm_loss_sum(model: Any, batch: dict[str, Any], autocast: Any, impl: L
 
     base = _unwrap(model)
     with _hidden_states_out(base) as (head, softcap), autocast():
+        # packed and padding-free batches come with position_ids and no attention mask
         hidden = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            position_ids=batch.get("position_ids"),
+            use_cache=False,
         ).logits
     # position t predicts labels[t + 1]; the last position predicts nothing
     labels = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100).reshape(-1)
-    rows = (labels != -100).nonzero().squeeze(1)
+    # found on the CPU by the caller where it could (a GPU nonzero() waits for the forward to finish)
+    rows = batch.get("target_rows")
+    if rows is None:
+        rows = (labels != -100).nonzero().squeeze(1)
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
     if rows.numel() == 0:
         # no targets here (a rank can get only prompts): a zero that still reaches every LoRA weight,

@@ -28,18 +28,43 @@ from nbtrain.engine import metrics as live
 from nbtrain.engine.rank import get_local_rank, get_rank, get_world_size
 from nbtrain.errors import ConfigError
 from nbtrain.sft import checkpoint as ckpt
+from nbtrain.sft import speed
+from nbtrain.sft.batch import BatchPlan, split_global
 from nbtrain.sft.config import SFTConfig
 
-# dense bf16 peak FLOP/s per GPU, for MFU; an unknown GPU reports no MFU rather than a wrong one
-_PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10": 125e12,
-    "4090": 165e12,
-}
+# Dense bf16 peak FLOP/s per GPU (no sparsity), for MFU. A name is matched on whole words, so an L40 is
+# not an L4 and an H100 PCIe or NVL is not an SXM; a GPU not listed reports no MFU rather than a wrong one.
+_PEAK_BF16: tuple[tuple[set[str], set[str], float], ...] = (
+    # (words that must all be in the name, words that must not, FLOP/s)
+    ({"h100", "nvl"}, set(), 835e12),
+    ({"h100", "pcie"}, set(), 756e12),
+    ({"h100"}, set(), 989e12),  # SXM (the name says "80GB HBM3")
+    ({"h200", "nvl"}, set(), 835e12),
+    ({"h200"}, set(), 989e12),
+    ({"gh200"}, set(), 989e12),
+    ({"b200"}, set(), 2250e12),
+    ({"a100"}, set(), 312e12),
+    ({"l40s"}, set(), 362e12),
+    ({"l40"}, set(), 181e12),
+    ({"l4"}, set(), 121e12),
+    ({"a10"}, set(), 125e12),
+    ({"rtx", "4090"}, set(), 165e12),
+)
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU from its name as torch reports it, or None when not known.
+
+    In [1]: peak_bf16_flops("NVIDIA H100 80GB HBM3")
+    Out[1]: 989000000000000.0
+    """
+    import re
+
+    words = set(re.split(r"[^a-z0-9]+", device_name.lower()))
+    for need, never, flops in _PEAK_BF16:
+        if need <= words and not (never & words):
+            return flops
+    return None
 
 
 @dataclass
@@ -54,6 +79,8 @@ class TrainResult:
     global_step: int = 0
     state: str = "done"  #: "done" or "stopped" (a stop request from the runs sidebar)
     run_id: str | None = None
+    #: how the run was set up: micro-batch, accumulation steps, global batch, loss and kernels used
+    plan: dict[str, Any] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         loss = self.metrics.get("loss")
@@ -91,6 +118,9 @@ class _Dist:
             self.device = torch.device("cpu")
         backend = dist.get_backend() if self.active else "gloo"
         self.comm_device = self.device if backend == "nccl" else torch.device("cpu")
+        # the step's small bookkeeping (token counts, stop flag, logged figures) goes over gloo on the
+        # CPU: over NCCL it would have to wait for the GPU, a host synchronisation in every step
+        self.meta_group = _cpu_group(dist) if self.active and backend == "nccl" else None
         self.host = socket.gethostname()
 
     @property
@@ -104,6 +134,12 @@ class _Dist:
             moved = t.to(self.comm_device)
             self.dist.all_reduce(moved)
             return moved.to(t.device)
+        return t
+
+    def sum_meta(self, t: Any) -> Any:
+        """All-reduce (sum) a small CPU tensor in place without waiting for the GPU."""
+        if self.active:
+            self.dist.all_reduce(t, group=self.meta_group)
         return t
 
     def gather_objects(self, obj: Any) -> list[Any]:
@@ -153,6 +189,18 @@ class _Dist:
             msg = f"rank {r} on {host} failed during set-up: {text}"
             raise ConfigError(msg) if is_config else RuntimeError(f"{kind}: {msg}")
         return value
+
+
+_CPU_GROUP: list[Any] = []  # [the default group it was made for, the gloo group]
+
+
+def _cpu_group(dist: Any) -> Any:
+    """A gloo group over every rank of the default group, made once per default group (the default
+    group is held here, so a re-created one is never mistaken for it)."""
+    default = dist.distributed_c10d._get_default_group()
+    if not _CPU_GROUP or _CPU_GROUP[0] is not default:
+        _CPU_GROUP[:] = [default, dist.new_group(backend="gloo")]
+    return _CPU_GROUP[1]
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -206,7 +254,7 @@ def _compute_dtype(cfg: SFTConfig, device: Any) -> Any:
         return None
     if cfg.dtype == "bfloat16":
         return torch.bfloat16
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.bfloat16
     return None  # fp32 on CPU
 
@@ -278,11 +326,7 @@ def _peak_flops(device: Any) -> float | None:
 
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in _PEAK_BF16_FLOPS.items():
-        if key in name:
-            return flops
-    return None
+    return peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
 def _fmt_line(row: dict[str, Any], total: int) -> str:
@@ -311,6 +355,84 @@ def _token_loss_sum(model: Any, batch: dict[str, Any], autocast: Any) -> Any:
     labels = batch["labels"][:, 1:]
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+
+
+def _to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
+    """A collated batch on `device`, with the flat indices of its target tokens (found here on the CPU,
+    so the loss need not ask the GPU for them); on a GPU through pinned memory, so the copy does not
+    wait for the work queued before it."""
+    import torch
+
+    shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    batch = {**batch, "target_rows": (shifted.reshape(-1) != -100).nonzero().squeeze(1)}
+    if device.type != "cuda":
+        return batch
+    return {
+        k: v if v is None else v.pin_memory().to(device, non_blocking=True)
+        for k, v in batch.items()
+    }
+
+
+def _loss_impl(cfg: SFTConfig, model: Any, device: Any) -> tuple[str, Any, str | None]:
+    """The loss this run computes: ("liger" | "chunked", fn) from the hidden states, or ("logits",
+    None) the plain way; and a note when the config asked for a fused loss that cannot apply."""
+    if not cfg.fused_cross_entropy:
+        return "logits", None, None
+    from nbtrain.sft import loss
+
+    ok, why = loss.fused_loss_supported(model)
+    if not ok:
+        return "logits", None, f"fused_cross_entropy off: {why}"
+    name, fn = loss.select_loss_impl(device)
+    note = None
+    if device.type == "cuda" and name != "liger":
+        note = "Liger's fused loss not installed: using nbtrain's chunked one (pip install 'nbtrain[gpu]')"
+    return name, fn, note
+
+
+def _loss_sum(net: Any, batch: dict[str, Any], autocast: Any, fn: Any) -> Any:
+    """Summed cross-entropy over the batch's target tokens, through `net` (the model, or DDP around it)."""
+    if fn is None:
+        return _token_loss_sum(net, batch, autocast)
+    from nbtrain.sft import loss
+
+    return loss.causal_lm_loss_sum(net, batch, autocast, fn)
+
+
+def _plan_batch(cfg: SFTConfig, d: _Dist, model: Any, loss_sum: Any, n_rows: int) -> Any:
+    """This rank's batch plan: as configured, or measured with probe steps for 'auto'."""
+    import torch
+
+    from nbtrain.sft.batch import MemoryProbe, auto_plan, fixed_plan
+
+    if cfg.per_device_train_batch_size != "auto":
+        return fixed_plan(
+            int(cfg.per_device_train_batch_size),
+            cfg.gradient_accumulation_steps,
+            cfg.global_batch_size,
+            d.world,
+        )
+    vocab = model.get_input_embeddings().num_embeddings
+
+    def step(rows: int) -> None:
+        # the worst case a micro-batch can be: every row max_length tokens, every token a target
+        ids = torch.randint(0, vocab, (rows, cfg.max_length))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        batch = _to_device({k: v.cpu() for k, v in batch.items()}, d.device)
+        try:
+            loss_sum(model, batch).backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    probe = MemoryProbe(step, d.device, local_world=local_world)
+    return auto_plan(
+        probe,
+        world=d.world,
+        rows_per_rank=max(1, n_rows // d.world),
+        grad_accum=cfg.gradient_accumulation_steps,
+        global_batch=cfg.global_batch_size,
     )
 
 
@@ -354,41 +476,97 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             compute_dtype if d.device.type == "cuda" and compute_dtype else torch.float32
         )
         base = load_model(cfg.model, weights_dtype, d.device, cfg.gradient_checkpointing)
+        notes: list[str] = []
+        levers: list[str] = []
+        if d.device.type == "cuda" and cfg.use_liger_kernel and not cfg.torch_compile:
+            why_not = speed.apply_liger(base)
+            if why_not is None:
+                levers.append("liger")
+            elif cfg.use_liger_kernel is True:
+                raise ConfigError(f"use_liger_kernel=True, but {why_not.split(': ', 1)[1]}")
+            else:
+                notes.append(why_not)
         # same LoRA init on every rank and world size
         torch.manual_seed(cfg.seed)
         model = apply_lora(base, cfg)
+        if compute_dtype is not None and speed.skip_lora_input_cast(model):
+            levers.append("bf16 lora inputs")
+        return {
+            "resume_from": resume_from,
+            "tokenizer": tokenizer,
+            "model": model,
+            "rows": rows,
+            "eval_rows": eval_rows,
+            "compute_dtype": compute_dtype,
+            "notes": notes,
+            "levers": levers,
+        }
+
+    s = d.agree(setup)
+    model, tokenizer = s["model"], s["tokenizer"]
+    compute_dtype = s["compute_dtype"]
+    levers: list[str] = s["levers"]
+
+    def autocast() -> Any:
+        if compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=d.device.type, dtype=compute_dtype)
+
+    loss_name, loss_fn, loss_note = _loss_impl(cfg, model, d.device)
+    notes: list[str] = s["notes"] + ([loss_note] if loss_note else [])
+    levers.append(f"loss {loss_name}")
+
+    def loss_sum(net: Any, batch: dict[str, Any]) -> Any:
+        return _loss_sum(net, batch, autocast, loss_fn)
+
+    # ---- the batch plan: micro-batch and accumulation steps (measured where 'auto')
+    plan = d.agree(lambda: _plan_batch(cfg, d, model, loss_sum, len(s["rows"])))
+    if cfg.per_device_train_batch_size == "auto":
+        agreed = d.min_int(plan.micro_batch)
+        if agreed != plan.micro_batch:
+            accum = (
+                plan.grad_accum
+                if cfg.global_batch_size is None
+                else split_global(cfg.global_batch_size, d.world, agreed)
+            )
+            plan = BatchPlan(agreed, accum, d.world * agreed * accum, plan.note)
+    if plan.note:
+        notes.append(plan.note)
+
+    def make_batches() -> tuple[Any, Any]:
         batches = ShardedBatches(
-            rows,
+            s["rows"],
             tokenizer,
             max_length=cfg.max_length,
-            batch_size=cfg.per_device_train_batch_size,
-            grad_accum=cfg.gradient_accumulation_steps,
+            batch_size=plan.micro_batch,
+            grad_accum=plan.grad_accum,
             seed=cfg.seed,
             rank=d.rank,
             world_size=d.world,
             packing=cfg.packing,
         )
         evals = None
-        if eval_rows is not None:
+        if s["eval_rows"] is not None:
             evals = eval_batches(
-                eval_rows,
+                s["eval_rows"],
                 tokenizer,
                 max_length=cfg.max_length,
-                batch_size=cfg.per_device_train_batch_size,
+                batch_size=plan.micro_batch,
                 rank=d.rank,
                 world_size=d.world,
             )
-        return {
-            "resume_from": resume_from,
-            "tokenizer": tokenizer,
-            "model": model,
-            "batches": batches,
-            "evals": evals,
-            "compute_dtype": compute_dtype,
-        }
+        return batches, evals
 
-    s = d.agree(setup)
-    model, tokenizer, batches, evals = s["model"], s["tokenizer"], s["batches"], s["evals"]
+    batches, evals = d.agree(make_batches)
+    if cfg.torch_compile:
+        why_not = speed.compile_layers(model.get_base_model())
+        if why_not is None:
+            levers.append("torch.compile")
+        else:
+            notes.append(why_not)
+    if d.is_zero:
+        for note in notes:
+            print(f"nbtrain: {note}", flush=True)
     if cfg.packing:
         batches.steps_per_epoch = d.min_int(batches.steps_per_epoch)
     spe = batches.steps_per_epoch
@@ -403,7 +581,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
         resumed = d.agree(lambda: ckpt.load_checkpoint(resume_from) if d.is_zero else None)
         resumed = d.broadcast_object(resumed)
     start_step = int(resumed["state"]["global_step"]) if resumed else 0
-    global_batch = d.world * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    global_batch = plan.global_batch
     if resumed and resumed["state"].get("global_batch_size") != global_batch and d.is_zero:
         print(
             f"nbtrain: resuming with a global batch of {global_batch} rows where the checkpoint used "
@@ -453,18 +631,11 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
         # dropout masks differ across ranks, as distinct samples would get
         torch.manual_seed(cfg.seed + 1 + d.rank)
 
-    compute_dtype = s["compute_dtype"]
-
-    def autocast() -> Any:
-        if compute_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=d.device.type, dtype=compute_dtype)
-
     n_params = sum(p.numel() for p in peft_model.parameters())
     # LoRA training FLOPs: forward 2N, backward 2N for activations; frozen weights need no weight grads
     flops_per_token = 4 * n_params + 2 * sum(p.numel() for p in trainable)
     peak_flops = _peak_flops(d.device) if compute_dtype is not None else None
-    GA = cfg.gradient_accumulation_steps
+    GA = plan.grad_accum
 
     def evaluate() -> float:
         peft_model.eval()
@@ -474,10 +645,8 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
         with torch.no_grad():
             for exs in evals or []:
                 pad = max(len(e.input_ids) for e in exs)
-                b = {
-                    k: v.to(d.device) for k, v in collate(exs, pad, tokenizer.pad_token_id).items()
-                }
-                sums[0] += _token_loss_sum(peft_model, b, autocast).double().item()
+                b = _to_device(collate(exs, pad, tokenizer.pad_token_id), d.device)
+                sums[0] += loss_sum(peft_model, b).double().item()
                 sums[1] += sum(e.n_targets for e in exs)
         peft_model.train()
         sums = d.sum_(sums)
@@ -498,7 +667,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
                 },
                 "steps_per_epoch": spe,
                 "world_size": d.world,
-                "per_device_train_batch_size": cfg.per_device_train_batch_size,
+                "per_device_train_batch_size": plan.micro_batch,
                 "gradient_accumulation_steps": GA,
                 "global_batch_size": global_batch,
                 "seed": cfg.seed,
@@ -520,6 +689,9 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
     final_state = "failed"
     step = start_step
     last_saved = start_step if resumed else -1
+    if d.device.type == "cuda":
+        # the peak of this run's training, not of the set-up's probes or an earlier cell's work
+        torch.cuda.reset_peak_memory_stats(d.device)
     meter = _Meter(d, spe, flops_per_token, peak_flops)
     clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
 
@@ -543,7 +715,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             stats[d.rank, 2 * GA] = sum(len(e.input_ids) for exs in micro for e in exs)
             if runlog is not None:
                 stats[0, 2 * GA + 1] = float(runlog.stop_requested())
-            stats = d.sum_(stats)
+            stats = d.sum_meta(stats)
             if stats[0, 2 * GA + 1] > 0:
                 stopped = True
                 break
@@ -551,14 +723,14 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             for a, exs in enumerate(micro):
                 # pad to the longest row across ranks: the same shapes as one rank with the whole batch
                 batch = collate(exs, int(stats[:, GA + a].max()), tokenizer.pad_token_id)
-                batch = {k: v.to(d.device) for k, v in batch.items()}
+                batch = _to_device(batch, d.device)
                 # gradients are all-reduced once per step, on the last micro-batch
                 sync = a == GA - 1 or not d.active
                 with contextlib.nullcontext() if sync else model.no_sync():
-                    loss_sum = _token_loss_sum(model, batch, autocast)
+                    batch_loss = loss_sum(model, batch)
                     # DDP averages gradients over ranks; scaling by world turns that into the global sum
-                    (loss_sum * (d.world / n_targets)).backward()
-                meter.loss += loss_sum.detach().double() / n_targets
+                    (batch_loss * (d.world / n_targets)).backward()
+                meter.loss += batch_loss.detach().double() / n_targets
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
@@ -578,7 +750,9 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             if step % cfg.logging_steps == 0 or step == total_steps or eval_loss is not None:
                 log(meter.row(step, grad_norm, lr, eval_loss))
             if cfg.save_steps is not None and step % cfg.save_steps == 0:
+                t0 = time.perf_counter()
                 save(step)
+                meter.exclude(time.perf_counter() - t0)
                 last_saved = step
         if stopped:
             if meter.steps:
@@ -611,6 +785,13 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
         global_step=step,
         state=final_state,
         run_id=runlog.run_id if runlog else None,
+        plan={
+            "micro_batch": plan.micro_batch,
+            "gradient_accumulation_steps": plan.grad_accum,
+            "global_batch": plan.global_batch,
+            "levers": levers,
+            "notes": notes,
+        },
     )
 
 
@@ -650,7 +831,7 @@ class _Meter:
         vec[0] = self.loss.item()
         if self.on_gpu:
             vec[1 + d.rank] = torch.cuda.max_memory_allocated() / 2**30
-        vec = d.sum_(vec)
+        vec = d.sum_meta(vec)
         steps = max(self.steps, 1)
         tokens_per_s = self.tokens / elapsed if elapsed > 0 else 0.0
         row: dict[str, Any] = {
