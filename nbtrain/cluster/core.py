@@ -697,11 +697,12 @@ def start(
 
     `n` defaults to one engine per GPU of this machine (1 without GPUs), as `%nbtrain start` does.
     The backend and every rank's device are decided here, once, before any rank initialises
-    (`nbtrain.cluster.plan`): `"auto"` is NCCL on cuda:<local rank> when every rank gets a GPU of its
-    own, else gloo on CPU for every rank, with one printed line saying why; `"nccl"` where a rank
-    would lack a GPU is a `ConfigError`. With `launcher="ssh"`, `"slurm"` or `"mpi"`, engines start elsewhere instead
-    (settings in `nbtrain.cluster.launchers.LaunchOptions`: hosts, nodes, gpus_per_node, partition,
-    account, time, ip, iface, port, allow_version_mismatch, ...):
+    (`nbtrain.cluster.plan`): `"auto"` is NCCL on cuda:<local rank> when every rank gets a GPU of
+    its own, else gloo on CPU for every rank, with one printed line saying why; `"nccl"` where a
+    rank would lack a GPU is a `ConfigError`; `"gloo"` keeps the GPUs only where every rank has its
+    own. With `launcher="ssh"`, `"slurm"` or `"mpi"`, engines start elsewhere instead (settings in
+    `nbtrain.cluster.launchers.LaunchOptions`: hosts, nodes, gpus_per_node, partition, account,
+    time, ip, iface, port, allow_version_mismatch, ...):
 
     In [3]: nbtrain.start(launcher="ssh", hosts="node1:2,node2:2", force=True)
     In [4]: nbtrain.start(launcher="slurm", nodes=2, gpus_per_node=4, partition="gpu", time="02:00:00")
