@@ -151,14 +151,16 @@ def build_parser() -> _Parser:
         "-n",
         type=_engine_count,
         default=None,
-        help="engines (ranks) to start on this machine (default: its GPU count, or 1 on CPU); "
+        help="engines (ranks) to start on this machine (default: one per GPU, or 1 without GPUs); "
         "with --launcher mpi: mpiexec -n",
     )
     p.add_argument(
         "--backend",
         choices=("auto", "gloo", "nccl"),
         default="auto",
-        help="auto: NCCL when every rank has a GPU, else gloo",
+        help="auto: NCCL on cuda:<local rank> when every rank has a GPU of its own, else gloo on "
+        "CPU for every rank (with a line saying why); gloo: gloo, on the GPUs if every rank has "
+        "its own; nccl: refused where a rank lacks a GPU",
     )
     p.add_argument(
         "--timeout",
@@ -218,9 +220,9 @@ class NbtrainMagics(Magics):
     def _cmd_start(self, args: argparse.Namespace) -> None:
         if args.launcher != "local":
             return self._cmd_start_remote(args)
-        from nbtrain.cluster.core import local_gpu_count, start
+        from nbtrain.cluster.core import default_engine_count, local_gpu_count, start
 
-        n = args.n if args.n is not None else max(1, local_gpu_count())
+        n = default_engine_count(args.n)
         print(f"nbtrain: starting {n} engine(s) on this machine...", flush=True)
         t0 = time.monotonic()
         cluster = start(

@@ -8,6 +8,20 @@ import psutil
 import pytest
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` skip themselves where torch sees no CUDA GPU, and say so."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none here")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _nbtrain_home(tmp_path_factory):
     # runs registry and any per-user state go to a temp dir, never the developer's home

@@ -116,7 +116,7 @@ def test_cpu_engines_run_with_tcmalloc_unless_told_otherwise(monkeypatch):
 def test_the_magic_says_which_malloc(ip, capsys, monkeypatch):
     monkeypatch.delenv("NBTRAIN_ALLOCATOR", raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    ip.run_line_magic("nbtrain", "start -n 1 --force --allocator system")
+    ip.run_line_magic("nbtrain", "start -n 1 --force --allocator system --backend gloo")
     try:
         out = capsys.readouterr().out
         assert "backend gloo, malloc system" in out

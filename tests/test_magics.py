@@ -48,7 +48,11 @@ def run_cell(ip, code, line=""):
 
 @pytest.fixture(scope="module")
 def started(ip):
-    """A 2-rank cluster started with %nbtrain start, stopped with %nbtrain stop at the end."""
+    """A 2-rank gloo cluster started with %nbtrain start, stopped with %nbtrain stop at the end.
+
+    gloo is asked for: these tests mean gloo whatever GPUs the machine has (auto would be NCCL on a
+    machine with a GPU per rank).
+    """
     import nbtrain
 
     ip.run_line_magic("nbtrain", "stop")
@@ -56,7 +60,7 @@ def started(ip):
     old = sys.stdout
     sys.stdout = out
     try:
-        ip.run_line_magic("nbtrain", "start -n 2")
+        ip.run_line_magic("nbtrain", "start -n 2 --backend gloo")
     finally:
         sys.stdout = old
     cluster = nbtrain.current_cluster()
@@ -117,8 +121,11 @@ def test_torchrun_environment_and_names(ip, started):
     share = max(1, (__import__("os").cpu_count() or 1) // 2)
     assert threads == [(share, str(share))] * 2
     out = run_cell(ip, "print(rank, local_rank, world_size, str(device))", "--output all")
-    assert "[rank 0] 0 0 2 cpu" in out
-    assert "[rank 1] 1 1 2 cpu" in out
+    # the device the client planned (cpu here; cuda:<local rank> where every rank has its own GPU)
+    devices = [r.device for r in cluster.ranks]
+    assert set(devices) in ({"cpu"}, {"cuda:0", "cuda:1"})
+    assert f"[rank 0] 0 0 2 {devices[0]}" in out
+    assert f"[rank 1] 1 1 2 {devices[1]}" in out
     # code written for torchrun, unchanged: it inits the group itself and destroys it at the end
     script = (
         "import torch, torch.distributed as dist\n"
@@ -295,7 +302,7 @@ def test_help_is_real(ip):
         ("start -n 1.5", "not a whole number"),
         ("start -n two", "not a whole number"),
         ("start --backend mpi", "invalid choice: 'mpi'"),
-        ("start --backend nccl -n 1", "needs CUDA GPUs"),
+        ("start --backend nccl -n 99", "needs CUDA GPUs, one per rank"),  # more than any host has
         ("frobnicate", "invalid choice: 'frobnicate'"),
     ],
 )

@@ -475,7 +475,8 @@ def test_picker_starts_a_slurm_job_shows_the_ranks_and_stops_it(home):
         assert "ready: 2 rank(s) on 1 host(s), backend gloo" in p.status.value
         host = socket.gethostname()
         for rank in (0, 1):
-            assert f"<tr><td>{rank}</td><td>{host}</td><td>{rank}</td><td>cpu</td>" in (
+            device = cluster.ranks[rank].device  # cpu, or the rank's own GPU (explicit gloo)
+            assert f"<tr><td>{rank}</td><td>{host}</td><td>{rank}</td><td>{device}</td>" in (
                 p.topology.value
             ), p.topology.value
         assert p.topology.value.count("<tr><td>") == 2

@@ -130,10 +130,11 @@ def attach(
     names = {f.name for f in fields(core.RankInfo)}
     ranks = [core.RankInfo(**{k: v for k, v in r.items() if k in names}) for r in side["ranks"]]
     missing = [r.rank for r in ranks if r.engine_id not in client.ids]
-    options = core.StartOptions(n=len(ranks))
-    cluster = core.Cluster(
-        client, ipc, ranks, side.get("backend", "gloo"), options, pids=[r.pid for r in ranks]
-    )
+    # a re-init after a restart plans again with the backend the cluster was started with, so it
+    # keeps that backend and those devices (the side file records every rank's GPU count)
+    backend = side.get("backend", "gloo")
+    options = core.StartOptions(n=len(ranks), backend=backend)
+    cluster = core.Cluster(client, ipc, ranks, backend, options, pids=[r.pid for r in ranks])
     cluster.started = side.get("started") or cluster.started
     if missing:
         from nbtrain.cluster.faults import lost_ranks

@@ -27,6 +27,8 @@ from nbtrain.errors import ClusterError, ConfigError, DistributedCellError, NoCl
 if TYPE_CHECKING:
     import ipyparallel as ipp
 
+    from nbtrain.cluster.plan import DevicePlan
+
 log = logging.getLogger("nbtrain")
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -34,6 +36,9 @@ PROFILE = "nbtrain"
 # The hub only admits a new engine after a heartbeat round; ipyparallel's 3 s default makes a cold
 # start wait ~5 s for nothing. 500 ms also lets the hub notice a dead engine within ~5 s.
 HEARTBEAT_MS = 500
+# how long the other ranks get to finish joining the group once one rank failed to (they are
+# usually blocked in the rendezvous, waiting for it)
+FAILED_GRACE_S = 2.0
 
 _current: Cluster | None = None
 
@@ -52,6 +57,7 @@ class RankInfo:
     address: str = "127.0.0.1"
     interface: str | None = None
     log: str | None = None  # the engine's log file on its host (its stderr and crash dumps)
+    gpus: int = 0  # GPUs the engine sees on its host (setup.hello); the device plan's input
 
 
 @dataclass
@@ -59,7 +65,7 @@ class StartOptions:
     """Settings of `nbtrain.start` / `%nbtrain start`, validated before anything starts."""
 
     n: int = 1  # how many engines (ranks) to start on this machine
-    backend: str = "auto"  # auto (NCCL where every rank has a GPU, else gloo), gloo or nccl
+    backend: str = "auto"  # auto (NCCL where every rank has its own GPU, else gloo), gloo or nccl
     timeout: float = 120.0  # seconds to get every engine and the process group, else fail
     pg_timeout: float = 1800.0  # seconds a collective may wait before torch gives up
     force: bool = False  # stop a running cluster first instead of refusing
@@ -100,6 +106,14 @@ def local_gpu_count() -> int:
     return _cuda_count()
 
 
+def default_engine_count(n: int | None = None) -> int:
+    """`n`, or one engine per GPU of this machine (at least one), as torchrun's --nproc-per-node gpu.
+
+    The one default of `nbtrain.start()` and `%nbtrain start`.
+    """
+    return max(1, local_gpu_count()) if n is None else n
+
+
 def _free_local_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -131,6 +145,7 @@ def assign_ranks(
                     local_world_size=len(eids),
                     pid=int(hellos[eid]["pid"]),
                     log=hellos[eid].get("log"),
+                    gpus=int(hellos[eid].get("gpus", 0)),
                 )
             )
     return ranks
@@ -214,6 +229,8 @@ class Cluster:
         self.started = time.time()
         # the malloc the engines run with ("tcmalloc", "system"); set by local starts, None elsewhere
         self.allocator: str | None = None
+        # the backend and devices decided for every rank (nbtrain.cluster.plan); set by every start
+        self.plan: DevicePlan | None = None
         self._pids = list(pids)
         self._stopped = False
         self._views: dict[tuple[int, ...], Any] = {}
@@ -397,14 +414,18 @@ class Cluster:
         """Re-create the process group on every rank (after an interrupt broke it)."""
         deadline = time.monotonic() + timeout
         master_addr = self.ranks[0].address
-        _init_group(
+        # planned again from the ranks' GPU counts: the same decision unless replaced engines differ
+        self.plan = _init_group(
             self.client,
             self.ranks,
             self.options,
             lambda: max(0.1, deadline - time.monotonic()),
             master_addr=master_addr,
             port=self._rendezvous_port(),
+            launcher=self._launcher_name(),
+            announce=False,
         )
+        self.backend = self.plan.backend
 
     def repair_group(self) -> str:
         """After an interrupt: keep the process group if every rank agrees on it, else re-create it."""
@@ -472,7 +493,7 @@ class Cluster:
         for r, eid, h in zip(sorted(ranks), new_ids, hellos):
             info = self.ranks[r]
             info.engine_id, info.pid, info.host = eid, int(h["pid"]), h["host"]
-            info.log = h.get("log")
+            info.log, info.gpus = h.get("log"), int(h.get("gpus", 0))
             self._pids.extend([info.pid, *h.get("children", [])])
         self._rank_of_engine = {r.engine_id: r.rank for r in self.ranks}
         self.reinit_group(timeout=remaining())
@@ -501,6 +522,10 @@ class Cluster:
         from nbtrain.cluster.faults import diagnose
 
         return diagnose(self, ranks=ranks, timeout=timeout)
+
+    def _launcher_name(self) -> str:
+        """How this cluster's engines were started ("local", "ssh", ...): words fixes in messages."""
+        return "local"
 
     def _rendezvous_port(self) -> int:
         from nbtrain.engine import setup
@@ -670,9 +695,14 @@ def start(
     In [2]: cluster.run(lambda: __import__("os").environ["WORLD_SIZE"])
     Out[2]: ['2', '2']
 
-    `n` defaults to 1. With `launcher="ssh"`, `"slurm"` or `"mpi"`, engines start elsewhere instead
-    (settings in `nbtrain.cluster.launchers.LaunchOptions`: hosts, nodes, gpus_per_node, partition,
-    account, time, ip, iface, port, allow_version_mismatch, ...):
+    `n` defaults to one engine per GPU of this machine (1 without GPUs), as `%nbtrain start` does.
+    The backend and every rank's device are decided here, once, before any rank initialises
+    (`nbtrain.cluster.plan`): `"auto"` is NCCL on cuda:<local rank> when every rank gets a GPU of
+    its own, else gloo on CPU for every rank, with one printed line saying why; `"nccl"` where a
+    rank would lack a GPU is a `ConfigError`; `"gloo"` keeps the GPUs only where every rank has its
+    own. With `launcher="ssh"`, `"slurm"` or `"mpi"`, engines start elsewhere instead (settings in
+    `nbtrain.cluster.launchers.LaunchOptions`: hosts, nodes, gpus_per_node, partition, account,
+    time, ip, iface, port, allow_version_mismatch, ...):
 
     In [3]: nbtrain.start(launcher="ssh", hosts="node1:2,node2:2", force=True)
     In [4]: nbtrain.start(launcher="slurm", nodes=2, gpus_per_node=4, partition="gpu", time="02:00:00")
@@ -686,8 +716,9 @@ def start(
     and leaves no process behind.
     """
     global _current
+    remote = launcher != "local" or bool(launch)
     options = StartOptions(
-        n=1 if n is None else n,
+        n=1 if remote and n is None else default_engine_count(n),
         backend=backend,
         timeout=timeout,
         force=force,
@@ -702,21 +733,18 @@ def start(
             "Drop it, or set LD_PRELOAD for the remote engines in their environment yourself."
         )
         raise ConfigError(msg)
-    if launcher != "local" or launch:
+    if remote:
         from nbtrain.cluster.launchers import parse_launch
 
         if n is not None:
             launch["n"] = options.n  # mpi's rank count; an error for the other launchers
         launch_options = parse_launch(launcher, launch)
-    elif options.backend == "nccl" and local_gpu_count() < 1:
-        msg = "--backend nccl needs CUDA GPUs, and this machine has none. Use --backend gloo (or auto)."
-        raise ConfigError(msg)
-    elif options.backend == "nccl" and local_gpu_count() < options.n:
-        msg = (
-            f"--backend nccl with -n {options.n} needs one GPU per engine, but {socket.gethostname()} has "
-            f"{local_gpu_count()}. Use -n {local_gpu_count()} or --backend gloo."
-        )
-        raise ConfigError(msg)
+    elif options.backend == "nccl":
+        # refused before anything starts; the plan on the engines' own GPU counts decides again
+        from nbtrain.cluster.plan import Slot, plan_devices
+
+        host, gpus = socket.gethostname(), local_gpu_count()
+        plan_devices([Slot(host, i, gpus) for i in range(options.n)], "nccl")
     existing = current_cluster()
     if existing is not None:
         if not options.force:
@@ -818,7 +846,7 @@ def _start_local(options: StartOptions, quiet: bool = True) -> Cluster:
         pids = [p for h in hellos.values() for p in [h["pid"], *h.get("children", [])]]
         ranks = assign_ranks(hellos)
         step = "joining the process group"
-        backend = _init_group(
+        plan = _init_group(
             client, ranks, options, remaining, master_addr="127.0.0.1", port=_free_local_port()
         )
     except BaseException as e:
@@ -829,7 +857,8 @@ def _start_local(options: StartOptions, quiet: bool = True) -> Cluster:
             raise
         msg = f"starting the cluster failed while {step}: {type(e).__name__}: {e}. Nothing was left running."
         raise ClusterError(msg) from e
-    cluster = Cluster(client, ipp_cluster, ranks, backend, options, pids=pids)
+    cluster = Cluster(client, ipp_cluster, ranks, plan.backend, options, pids=pids)
+    cluster.plan = plan
     cluster.allocator = ",".join(sorted({h.get("allocator", "system") for h in hellos.values()}))
     registry.write(cluster)
     from nbtrain.cluster.watchdog import spawn
@@ -866,9 +895,23 @@ def _init_group(
     remaining: Callable[[], float],
     master_addr: str,
     port: int,
-) -> str:
+    launcher: str = "local",
+    announce: bool = True,
+) -> DevicePlan:
+    """Plan the backend and every rank's device here, then have every rank join the group with them.
+
+    The one place a process group is made (local, remote and connected starts, re-init after an
+    interrupt or a restart). Prints the plan's why-line when `announce`.
+    """
+    from nbtrain.cluster.plan import Slot, plan_devices
     from nbtrain.engine import setup
 
+    plan = plan_devices(
+        [Slot(r.host, r.local_rank, r.gpus) for r in ranks], options.backend, launcher=launcher
+    )
+    if plan.why and announce:
+        log.info("nbtrain: %s", plan.why)
+        print(f"nbtrain: {plan.why}", flush=True)
     world = len(ranks)
     pending = []
     for r in ranks:
@@ -884,29 +927,41 @@ def _init_group(
         }
         r.address = master_addr if r.rank == 0 else r.address
         ar = client[r.engine_id].apply_async(
-            setup.init_rank, env, options.backend, options.pg_timeout
+            setup.init_rank, env, plan.backend, plan.devices[r.rank], options.pg_timeout
         )
         pending.append((r, ar))
     failures: list[tuple[RankInfo, BaseException]] = []
     late: list[RankInfo] = []
-    backends = set()
-    for r, ar in pending:
-        if not ar.wait(remaining()):
-            late.append(r)
+    # a rank that failed leaves the others waiting in the rendezvous for it: report the failure
+    # after a short grace instead of sitting out --timeout and blaming the network
+    failed_at: float | None = None
+    todo = list(pending)
+    while todo:
+        now = time.monotonic()
+        if remaining() <= 0.1 or (failed_at is not None and now - failed_at > FAILED_GRACE_S):
+            late = [r for r, _ in todo]
+            break
+        r, ar = todo[0]
+        if not ar.wait(min(0.1, remaining())):
+            todo.append(todo.pop(0))
             continue
+        todo.pop(0)
         try:
             info = ar.get()
         except Exception as err:
             failures.append((r, err))
+            failed_at = failed_at or time.monotonic()
             continue
         r.device = info["device"]
-        backends.add(info["backend"])
     if failures:
         lines = []
-        for r, e in failures:
+        for r, e in sorted(failures, key=lambda f: f[0].rank):
             ename = getattr(e, "ename", type(e).__name__)
             evalue = getattr(e, "evalue", str(e))
             lines.append(f"  rank {r.rank} on {r.host}: {ename}: {evalue}")
+        if late:
+            who = _describe_ranks(ranks, [r.rank for r in late])
+            lines.append(f"  {who}: still waiting for the failed rank(s) in the rendezvous")
         msg = "the process group could not be created; nothing was left running.\n" + "\n".join(
             lines
         )
@@ -915,16 +970,11 @@ def _init_group(
         who = _describe_ranks(ranks, [r.rank for r in late])
         msg = (
             f"the process group was not ready within --timeout {options.timeout:g} s: {who} did not join "
-            f"the rendezvous at {master_addr}:{port}. Nothing was left running. A firewall or a wrong "
-            "network interface between the nodes is the usual cause."
+            f"the rendezvous at {master_addr}:{port} (backend {plan.backend}). Nothing was left "
+            "running. A firewall or a wrong network interface between the nodes is the usual cause."
         )
         raise ClusterError(msg)
-    if len(backends) > 1:
-        msg = (
-            f"ranks chose different backends ({', '.join(sorted(backends))}); pass --backend gloo."
-        )
-        raise ClusterError(msg)
-    return backends.pop()
+    return plan
 
 
 def raise_for_failures(

@@ -247,7 +247,10 @@ def check_hosts(lo: LaunchOptions, timeout: float) -> dict[str, HostCheck]:
     base = _ssh_base(lo, timeout)
 
     def one(spec: net.HostSpec) -> HostCheck:
-        cmd = f"{shlex.quote(lo.remote_python)} -c {shlex.quote(_HOST_CHECK)}"
+        # the engines' environment on that host (CUDA_VISIBLE_DEVICES changes the GPU count)
+        env = [f"{k}={v}" for k, v in lo.host_env.get(spec.host, {}).items()]
+        prefix = "env " + " ".join(shlex.quote(e) for e in env) + " " if env else ""
+        cmd = f"{prefix}{shlex.quote(lo.remote_python)} -c {shlex.quote(_HOST_CHECK)}"
         if lo.port is not None and spec is lo.hosts[0]:
             cmd += f" {int(lo.port)}"
         try:
@@ -325,25 +328,24 @@ def check_hosts(lo: LaunchOptions, timeout: float) -> dict[str, HostCheck]:
 
 
 def engine_counts(lo: LaunchOptions, checks: dict[str, HostCheck], backend: str) -> dict[str, int]:
-    """Engines per host: as given, else the host's GPU count (1 without GPUs). Checks NCCL fits."""
+    """Engines per host: as given, else the host's GPU count (1 without GPUs).
+
+    `--backend nccl` where a host would have more engines than GPUs fails here, before any engine
+    starts, with the device plan's own message; the plan decides again on the engines' GPU counts.
+    """
+    from nbtrain.cluster.plan import Slot, plan_devices
+
     counts = {}
     for spec in lo.hosts:
         gpus = checks[spec.host].gpus
-        n = spec.engines if spec.engines is not None else max(1, gpus)
-        if backend == "nccl" and gpus == 0:
-            msg = (
-                f"--backend nccl needs CUDA GPUs, and host {spec.host} has none. Use --backend gloo "
-                "(or auto), or leave this host out of --hosts."
-            )
-            raise ConfigError(msg)
-        if gpus and n > gpus and backend != "gloo":
-            msg = (
-                f"--hosts asks for {n} engines on host {spec.host}, which has {gpus} GPU(s); NCCL needs "
-                f"one GPU per engine. Write {spec.host}:{gpus} (or {spec.host} alone), or use "
-                "--backend gloo."
-            )
-            raise ConfigError(msg)
-        counts[spec.host] = n
+        counts[spec.host] = spec.engines if spec.engines is not None else max(1, gpus)
+    if backend == "nccl":
+        slots = [
+            Slot(spec.host, i, checks[spec.host].gpus)
+            for spec in lo.hosts
+            for i in range(counts[spec.host])
+        ]
+        plan_devices(slots, backend, launcher=lo.launcher)
     return counts
 
 
@@ -413,6 +415,9 @@ class RemoteCluster(Cluster):
             return
         assert self.engine_launch is not None
         self.engine_launch.teardown(self.ipp_cluster, self.client, self.engine_pids, True)
+
+    def _launcher_name(self) -> str:
+        return self.launch.launcher if self.launch is not None else "connect"
 
     def restart_ranks(self, ranks: Sequence[int], timeout: float | None = None) -> None:
         hint = (
@@ -811,7 +816,15 @@ def start_remote(options: StartOptions, lo: LaunchOptions, quiet: bool = True) -
             f"{ranks[0].interface})"
         )
         step = "joining the process group"
-        backend = _init_group(client, ranks, options, remaining, master_addr=master_addr, port=port)
+        plan = _init_group(
+            client,
+            ranks,
+            options,
+            remaining,
+            master_addr=master_addr,
+            port=port,
+            launcher=lo.launcher,
+        )
     except BaseException as e:
         launch.teardown(ipp_cluster, client, engine_pids, False)
         if isinstance(e, (NbtrainError, KeyboardInterrupt)):
@@ -822,7 +835,7 @@ def start_remote(options: StartOptions, lo: LaunchOptions, quiet: bool = True) -
         client,
         ipp_cluster,
         ranks,
-        backend,
+        plan.backend,
         options,
         launch=lo,
         listen=listen,
@@ -832,6 +845,7 @@ def start_remote(options: StartOptions, lo: LaunchOptions, quiet: bool = True) -
         preflight_reports=result.reports_by_rank,
         engine_launch=launch,
     )
+    cluster.plan = plan
     registry.write(cluster)
     return cluster
 
@@ -1134,8 +1148,14 @@ def connect(
             listen = net.ListenChoice(ctl, net.interface_of(ctl), "the connected controller")
         master_addr = _plan_network(client, ranks, result.reports_by_rank, iface, listen, remaining)
         port_ = _rendezvous_port(client, ranks, port, remaining)
-        backend_ = _init_group(
-            client, ranks, options, remaining, master_addr=master_addr, port=port_
+        plan = _init_group(
+            client,
+            ranks,
+            options,
+            remaining,
+            master_addr=master_addr,
+            port=port_,
+            launcher="connect",
         )
     except BaseException:
         _leave(client, [])
@@ -1144,12 +1164,13 @@ def connect(
         client,
         None,
         ranks,
-        backend_,
+        plan.backend,
         options,
         preflight=result.result,
         notes=notes,
         preflight_reports=result.reports_by_rank,
     )
+    cluster.plan = plan
     core._current = cluster
     if not quiet:
         for n in notes:

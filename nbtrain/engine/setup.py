@@ -102,6 +102,11 @@ def _user_ns() -> dict[str, Any]:
 
 
 def _cuda_count() -> int:
+    # test hook: the GPU count a test wants the client's plan to see (tests/test_plan.py sets it in
+    # the engines' environment); never set it otherwise
+    fake = os.environ.get("NBTRAIN_TEST_GPU_COUNT")
+    if fake is not None:
+        return int(fake)
     # avoid importing torch just to say hello: the driver's proc entry answers without a CUDA context
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
@@ -157,10 +162,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_rank(env: dict[str, str], backend: str, timeout_s: float) -> dict[str, Any]:
-    """Set this rank's torchrun-style environment, then join the process group."""
+def init_rank(env: dict[str, str], backend: str, device: str, timeout_s: float) -> dict[str, Any]:
+    """Set this rank's torchrun-style environment, then join the process group.
+
+    `backend` and `device` ("cuda:<local rank>" or "cpu") come from the client's plan
+    (`nbtrain.cluster.plan`), the same decision for every rank: a rank never chooses alone.
+    """
     os.environ.update(env)
     os.environ["NBTRAIN_ENGINE"] = "1"
+    # what nbtrain.finetune (and user code) reads instead of guessing from torch.cuda.is_available()
+    os.environ["NBTRAIN_DEVICE"] = device
     import torch
     import torch.distributed as dist
 
@@ -175,21 +186,20 @@ def init_rank(env: dict[str, str], backend: str, timeout_s: float) -> dict[str, 
         # torch may have been imported before the variable was set (nbtrain.engine.boot warms it up
         # early; remote launchers set the environment late): make its thread pool agree, always
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-    has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
-    if has_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if backend == "auto":
-        backend = "nccl" if has_cuda else "gloo"
-    if backend == "nccl" and not has_cuda:
-        host = socket.gethostname()
-        msg = (
-            f"rank {rank} on {host}: --backend nccl needs a CUDA device for local rank {local_rank}, "
-            f"but torch sees {torch.cuda.device_count()} GPU(s). Use --backend gloo (or auto)."
-        )
-        raise RuntimeError(msg)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= seen:
+            host = socket.gethostname()
+            msg = (
+                f"rank {rank} on {host}: nbtrain planned {device} for this rank from the GPU count its "
+                f"engine reported, but torch sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Check the driver and "
+                "CUDA_VISIBLE_DEVICES on that host, or start with --backend gloo and hide the GPUs "
+                "(CUDA_VISIBLE_DEVICES='')."
+            )
+            raise RuntimeError(msg)
+        torch.cuda.set_device(dev)
     if dist.is_initialized():
         _real("destroy")()
     # a local cluster meets through a file in its 0700 security folder: nothing listens on the network
@@ -200,16 +210,16 @@ def init_rank(env: dict[str, str], backend: str, timeout_s: float) -> dict[str, 
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
-        device_id=device if backend == "nccl" else None,
+        device_id=dev if backend == "nccl" else None,
     )
     _install_torchrun_shims()
     _user_ns().update(
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
-        device=device,
+        device=dev,
     )
-    return {"backend": backend, "device": str(device)}
+    return {"backend": backend, "device": str(dev)}
 
 
 def check_group() -> dict[str, Any]:
@@ -227,25 +237,6 @@ def check_group() -> dict[str, Any]:
     except Exception:  # older torch, or a backend that does not count
         seq = None
     return {"initialized": True, "seq": seq}
-
-
-def reinit_group(port: int, timeout_s: float) -> dict[str, Any]:
-    """Tear down and re-create the default process group on a fresh rendezvous port."""
-    import torch.distributed as dist
-
-    backend = "gloo"
-    if dist.is_initialized():
-        backend = str(dist.get_backend())
-        try:
-            _real("destroy")()
-        except Exception:
-            pass
-    env = {key: os.environ[key] for key in RANK_ENV}
-    env["MASTER_PORT"] = str(port)
-    if os.environ.get("NBTRAIN_STORE_FILE"):
-        # a fresh rendezvous file for the new group, next to the old one
-        env["NBTRAIN_STORE_FILE"] = os.environ["NBTRAIN_STORE_FILE"].rsplit("-", 1)[0] + f"-{port}"
-    return init_rank(env, backend, timeout_s)
 
 
 def shutdown_group() -> None:

@@ -101,9 +101,14 @@ class _Dist:
 
         self.dist = dist
         world = get_world_size()
+        # on an nbtrain engine the client planned the device for every rank (NBTRAIN_DEVICE); else
+        # (torchrun) a GPU only where every rank on this host gets its own, never two on one GPU
+        planned = os.environ.get("NBTRAIN_DEVICE")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        own_gpu = torch.cuda.is_available() and local_world <= torch.cuda.device_count()
         if world > 1 and not dist.is_initialized():
             # launched by torchrun or by hand: nbtrain's cluster would have set the group up already
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = "nccl" if own_gpu else "gloo"
             dist.init_process_group(backend=backend, init_method="env://")
         self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.active else get_rank()
@@ -111,11 +116,22 @@ class _Dist:
         if self.world == 1:
             self.rank = 0
         self.local_rank = get_local_rank()
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
-            torch.cuda.set_device(self.device)
+        if planned:
+            self.device = torch.device(planned)
+        elif own_gpu:
+            self.device = torch.device("cuda", self.local_rank)
         else:
+            if torch.cuda.is_available():
+                import sys
+
+                print(
+                    f"nbtrain: {local_world} ranks on {socket.gethostname()} but "
+                    f"{torch.cuda.device_count()} GPU(s): training on CPU; start one rank per GPU.",
+                    file=sys.stderr,
+                )
             self.device = torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         backend = dist.get_backend() if self.active else "gloo"
         self.comm_device = self.device if backend == "nccl" else torch.device("cpu")
         # the step's small bookkeeping (token counts, stop flag, logged figures) goes over gloo on the
