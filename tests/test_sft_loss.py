@@ -311,6 +311,23 @@ def test_causal_lm_loss_under_no_grad_is_the_eval_loss(tiny):
     torch.testing.assert_close(got, want)
 
 
+def test_the_lm_head_is_put_back_when_the_forward_fails(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = _lora(AutoModelForCausalLM.from_pretrained(tiny))
+    batch = _batch(model.get_base_model().config.vocab_size)
+    batch["input_ids"][0, 0] = 10**6  # no such token: the embedding lookup raises
+    with pytest.raises(IndexError):
+        causal_lm_loss_sum(model, batch, contextlib.nullcontext, linear_cross_entropy_sum)
+    assert "forward" not in model.get_base_model().get_output_embeddings().__dict__
+
+
+def test_importing_the_module_does_not_import_torch():
+    code = "import sys, nbtrain.sft.loss; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_causal_lm_loss_under_bf16_autocast(tiny):
     from transformers import AutoModelForCausalLM
 
