@@ -43,11 +43,16 @@ def log_path() -> str | None:
 def install() -> dict[str, Any]:
     """Make a dying engine leave a trace in its log: a Python stack on a fatal signal, its stderr lines.
 
+    Also installs the out-of-memory hook (`oom`).
+
     Idempotent; called from `setup.hello` on every engine.
     """
     if _STATE.get("installed"):
         return {"log": _STATE.get("log")}
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FR_BUFFER)
+    from nbtrain.engine import oom
+
+    oom.install()
     fd = log_fd()
     if fd is not None:
         import faulthandler
