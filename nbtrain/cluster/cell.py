@@ -384,6 +384,12 @@ def format_stacks(
         out.append(f"--- rank {rank} on {host} (pid {info.get('pid')}, {state}) ---")
         if info.get("error"):
             out.append(f"  {info['error']}")
+        fr = info.get("collectives") or {}
+        if fr.get("pending"):
+            from nbtrain.engine.faults import describe_entry
+
+            out.append(f"  not completed (flight recorder, {fr.get('recorder', 'torch')}):")
+            out.extend(f"    {describe_entry(e)}" for e in fr["pending"])
         for t in info.get("threads", []):
             if not t["user_frames"] and not t["main"]:
                 continue
