@@ -171,6 +171,19 @@ def test_diagnose_while_cell_hangs_names_waiting_rank(cluster, ip):
     assert set(diag.waiting) == {0} and "all_reduce" in diag.waiting[0]
     assert 1 in diag.other and "sleep" in diag.other[1]
     assert diag.behind == [1]  # the flight recorder: rank 0 entered a collective rank 1 did not
+    # its entry for the all_reduce rank 0 waits in: not completed, with sizes, group and call site
+    fr0, fr1 = diag.stacks[0]["collectives"], diag.stacks[1]["collectives"]
+    assert fr0["available"] and fr0["backend"] == "gloo"
+    [entry] = fr0["pending"]
+    assert entry["op"] == "gloo:all_reduce" and entry["sizes"] == [[1]]
+    assert entry["dtypes"] == ["Float"] and entry["pg"] == "0" and entry["state"] == "scheduled"
+    assert entry["site"] == ""  # gloo: its Python stack shows the call (no symbolizing)
+    assert fr1["pending"] == []
+    assert (
+        f"flight recorder, not completed: rank 0: #{entry['seq']} gloo:all_reduce of 1 Float in pg 0 "
+        "(default_pg), scheduled; rank 1: none"
+    ) in text
+    assert "  not completed (flight recorder, generic):" in text
     assert "--- rank 0 on" in text and "--- rank 1 on" in text
     assert "time.sleep(600)" in text
     # the magic twin, from another thread while the cell still runs
@@ -193,6 +206,10 @@ def test_diagnose_while_cell_hangs_names_waiting_rank(cluster, ip):
     print(f"diagnose took {took:.2f} s")
     cluster.restart()
     assert cluster.run(_all_reduce_one) == [2.0, 2.0]
+    # rank 1 kept its engine and the old group's unfinished entries are not reported in the new one
+    after = cluster.stacks()
+    assert after[0]["collectives"]["pending"] == [] and after[1]["collectives"]["pending"] == []
+    assert [e["op"] for e in after[1]["collectives"]["entries"]] == ["gloo:all_reduce"]
 
 
 def test_timeout_cell_shows_the_diagnosis(cluster):
@@ -203,3 +220,139 @@ def test_timeout_cell_shows_the_diagnosis(cluster):
     assert "not in a collective: rank 1" in text
     assert "flight recorder" in text
     assert cluster.run(_all_reduce_one) == [2.0, 2.0]
+
+
+def test_collective_left_pending_after_the_cell_shows_as_waiting(cluster):
+    # what NCCL does to every collective: the call returns, the rank moves on (here its cell ends),
+    # and only the flight recorder knows it has not completed. gloo does the same with async_op=True
+    cluster.execute(
+        "import torch, torch.distributed as dist\n"
+        "work = dist.all_reduce(torch.ones(3, 2), async_op=True) if rank == 0 else None\n",
+        live=False,
+    )
+    diag = cluster.diagnose()
+    assert set(diag.waiting) == {0} and 1 in diag.other
+    assert diag.waiting[0].startswith("#")
+    assert (
+        "gloo:all_reduce of 3x2 Float in pg 0 (default_pg), scheduled, not completed; meanwhile idle"
+        in (diag.waiting[0])
+    )
+    assert diag.waiting[0].endswith("not completed; meanwhile idle (no cell running)")
+    assert "flight recorder, not completed: rank 0: #" in diag.text and "rank 1: none" in diag.text
+    # rank 1 joins; the entry completes on rank 0 and is no longer reported
+    cluster.execute(
+        "if rank == 1:\n    dist.all_reduce(torch.ones(3, 2))\nelse:\n    work.wait()\n", live=False
+    )
+    after = cluster.diagnose()
+    assert after.waiting == {} and "not completed" not in after.text
+
+
+def test_stacks_stay_fast_with_a_full_flight_recorder(cluster):
+    # a long run fills the recorder's ring (2000 entries); a stack request must still answer well
+    # within the 2 s after which the client calls a rank silent and ends it
+    cluster.execute(
+        "import torch, torch.distributed as dist\n"
+        "t = torch.ones(1)\n"
+        "for _ in range(2100):\n"
+        "    dist.all_reduce(t)\n",
+        live=False,
+    )
+    t0 = time.monotonic()
+    stacks = cluster.stacks()
+    took = time.monotonic() - t0
+    assert [len(stacks[r]["collectives"]["entries"]) for r in (0, 1)] == [8, 8]
+    assert took < 1.0, f"stacks took {took:.2f} s"
+    print(f"stacks with a full flight recorder: {took:.2f} s")
+
+
+def test_nccl_env_defaults_keep_the_users_values():
+    from nbtrain.engine.faults import NCCL_DEFAULTS, set_env_defaults
+
+    env: dict[str, str] = {}
+    ours: dict[str, str] = {}
+    assert set_env_defaults(env, ours) == NCCL_DEFAULTS == env
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_FR_BUFFER_SIZE"] == "2000"
+    # the user's own value, or one under the older name torch also reads, is kept
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}
+    set_env_defaults(env, {})
+    assert env == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }
+    # hello set the defaults; start(env=...) then brings the user's old-name value: ours steps back
+    env, ours = {}, {}
+    set_env_defaults(env, ours)
+    env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "0"
+    env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "0"
+    set_env_defaults(env, ours)
+    assert "TORCH_FR_BUFFER_SIZE" not in env and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+    assert ours == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+
+
+def _fault_env():
+    import os
+
+    return {k: os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT")}
+
+
+def test_engines_have_the_defaults_before_their_group(cluster):
+    assert (
+        cluster.run(_fault_env)
+        == [{"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}] * 2
+    )
+
+
+def test_a_collective_left_on_the_gpu_counts_as_waiting():
+    # NCCL enqueues a collective and returns: the rank's Python is elsewhere (here: idle) while the
+    # flight recorder still has it scheduled. The entry has the structure torch's dump gives
+    from nbtrain.cluster.faults import classify
+    from nbtrain.engine.faults import summarize_dump
+
+    dump = {
+        "entries": [
+            {
+                "record_id": 7,
+                "pg_id": 0,
+                "process_group": ("0", "default_pg"),
+                "collective_seq_id": 12,
+                "p2p_seq_id": 0,
+                "op_id": 12,
+                "profiling_name": "nccl:all_reduce",
+                "time_created_ns": 1,
+                "input_sizes": [[4096, 4096]],
+                "input_dtypes": ["BFloat16"],
+                "output_sizes": [[4096, 4096]],
+                "output_dtypes": ["BFloat16"],
+                "state": "scheduled",
+                "time_discovered_started_ns": None,
+                "time_discovered_completed_ns": None,
+                "retired": False,
+                "timeout_ms": 1800000,
+                "is_p2p": False,
+                "frames": [
+                    {
+                        "name": "all_reduce",
+                        "filename": "/x/torch/distributed/distributed_c10d.py",
+                        "line": 3245,
+                    },
+                    {"name": "step", "filename": "/tmp/ipykernel_123/456.py", "line": 5},
+                ],
+            }
+        ],
+        "pg_status": {"0": {"last_enqueued_collective": 12, "last_completed_collective": 11}},
+    }
+    fr = summarize_dump(dump)
+    info = {"threads": [{"main": True, "user_frames": 0, "stack": ""}], "collectives": fr}
+    kind, what = classify(info)
+    assert kind == "collective"
+    assert what == (
+        "#12 nccl:all_reduce of 4096x4096 BFloat16 in pg 0 (default_pg), scheduled, issued at "
+        "<cell>:5 in step, not completed; meanwhile idle (no cell running)"
+    )
+    assert fr["pg_status"] == {
+        "0": {"last_enqueued_collective": 12, "last_completed_collective": 11}
+    }
+    # entries of a group destroyed before the current one was made are not the current group's
+    assert summarize_dump(dump, since_ns=2)["pending"] == []

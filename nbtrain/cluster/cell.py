@@ -318,6 +318,7 @@ def group_failures(
 ) -> tuple[str, list[dict[str, Any]]]:
     """One message for many failing ranks: identical failures are shown once with all their ranks."""
     from nbtrain.cluster.core import _describe_ranks
+    from nbtrain.engine import oom
 
     groups: dict[tuple[str, str, str], dict[str, Any]] = {}
     for rank, err in failures:
@@ -329,18 +330,46 @@ def group_failures(
         if not tb and hasattr(err, "render_traceback"):
             tb = "\n".join(err.render_traceback())
         tb = tb or f"{ename}: {evalue}"
-        key = (ename, _normalise(evalue), _normalise(tb))
+        is_oom = oom.is_oom(ename, evalue)
+        if is_oom:
+            # every rank's message has its own sizes, GPU and host: the same code running out of
+            # memory is one failure, keyed by the frames above the message
+            key = (ename, "out of memory", _normalise(tb).split("out of memory")[0])
+        else:
+            key = (ename, _normalise(evalue), _normalise(tb))
         group = groups.setdefault(
-            key, {"ename": ename, "evalue": evalue, "traceback": tb, "ranks": []}
+            key, {"ename": ename, "evalue": evalue, "traceback": tb, "ranks": [], "oom": is_oom}
         )
         group["ranks"].append(rank)
+        group.setdefault("evalues", {})[rank] = evalue
     n_failed = len(failures)
     head = f"the cell failed on {n_failed} of {total} rank(s)"
     parts = [head]
     for g in groups.values():
         where = _describe_ranks(cluster.ranks, g["ranks"])
         parts.append(f"\n{g['ename']}: {g['evalue']}  [{where}]\n{g['traceback'].rstrip()}")
+        footer = _oom_footer(cluster, g) if g["oom"] else ""
+        if footer:
+            parts.append(footer)
     return "\n".join(parts), list(groups.values())
+
+
+def _oom_footer(cluster: Cluster, group: dict[str, Any]) -> str:
+    """Under a group of ranks that ran out of GPU memory: each rank's sizes, and the fixes if the engine
+    did not add them (an engine without nbtrain's hook)."""
+    from nbtrain.cluster.core import _describe_ranks
+    from nbtrain.engine import oom
+
+    lines = []
+    if len(group["ranks"]) > 1:
+        lines.append("Out of GPU memory on each rank:")
+        lines.extend(
+            f"  {_describe_ranks(cluster.ranks, [r])}: {oom.summary(group['evalues'][r])}"
+            for r in group["ranks"]
+        )
+    if oom.MARK not in group["evalue"]:
+        lines.append(oom.FIXES)
+    return "\n".join(lines)
 
 
 def format_stacks(
@@ -355,6 +384,12 @@ def format_stacks(
         out.append(f"--- rank {rank} on {host} (pid {info.get('pid')}, {state}) ---")
         if info.get("error"):
             out.append(f"  {info['error']}")
+        fr = info.get("collectives") or {}
+        if fr.get("pending"):
+            from nbtrain.engine.faults import describe_entry
+
+            out.append(f"  not completed (flight recorder, {fr.get('recorder', 'torch')}):")
+            out.extend(f"    {describe_entry(e)}" for e in fr["pending"])
         for t in info.get("threads", []):
             if not t["user_frames"] and not t["main"]:
                 continue

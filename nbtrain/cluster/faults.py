@@ -552,6 +552,19 @@ def _user_site(frames: list[tuple[str, int, str]]) -> str:
 
 def classify(info: dict[str, Any]) -> tuple[str, str]:
     """("collective" | "busy" | "idle" | "silent", what) for one rank's stacks."""
+    kind, what = _classify_stack(info)
+    if kind in ("busy", "idle"):
+        # an NCCL collective runs on the GPU after the CPU has moved on (to `.item()`, the next step,
+        # or the end of the cell): the flight recorder still lists it as not completed
+        pending = (info.get("collectives") or {}).get("pending") or []
+        if pending:
+            from nbtrain.engine.faults import describe_entry
+
+            return "collective", f"{describe_entry(pending[0])}, not completed; meanwhile {what}"
+    return kind, what
+
+
+def _classify_stack(info: dict[str, Any]) -> tuple[str, str]:
     if info.get("error"):
         return "silent", info["error"]
     main = _main_thread(info)
@@ -626,6 +639,20 @@ def diagnose(
             )
         else:
             summary.append(f"flight recorder: every rank's last collective is #{top} ({op}).")
+    not_done = {
+        r: (info.get("collectives") or {}).get("pending") or []
+        for r, info in sorted(stacks.items())
+    }
+    if any(not_done.values()):
+        from nbtrain.engine.faults import describe_entry
+
+        summary.append(
+            "flight recorder, not completed: "
+            + "; ".join(
+                f"rank {r}: " + (", ".join(describe_entry(e) for e in p[:2]) if p else "none")
+                for r, p in not_done.items()
+            )
+        )
     if waiting:
         summary.insert(
             0,

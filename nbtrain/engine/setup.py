@@ -29,6 +29,7 @@ _MACHINERY = (
     "/traitlets/",
     "/jupyter_client/",
     "/nbtrain/engine/setup.py",
+    "/nbtrain/engine/boot.py",
 )
 
 
@@ -202,6 +203,9 @@ def init_rank(env: dict[str, str], backend: str, device: str, timeout_s: float) 
         torch.cuda.set_device(dev)
     if dist.is_initialized():
         _real("destroy")()
+    from nbtrain.engine.faults import before_group  # NCCL env defaults; the new group's FR start
+
+    before_group()
     # a local cluster meets through a file in its 0700 security folder: nothing listens on the network
     store_file = os.environ.get("NBTRAIN_STORE_FILE")
     _real("init")(
