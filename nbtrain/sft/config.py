@@ -86,7 +86,15 @@ class SFTConfig:
     )
     packing: bool = field(
         default=False,
-        metadata={"help": "Concatenate rows into max_length blocks (fewer pad tokens)."},
+        metadata={
+            "help": "Concatenate rows into max_length blocks; each row attends only to itself."
+        },
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Put a micro-batch's rows side by side in one row, no pad tokens (best with flash attention)."
+        },
     )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(

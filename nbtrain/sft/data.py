@@ -16,7 +16,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -163,15 +163,26 @@ def row_format(row: Any, index: int = 0, where: str = "data") -> str:
 # ---------------------------------------------------------------------------------------- tokenization
 @dataclass
 class Example:
-    """One tokenized row: `labels` is `input_ids` with IGNORE where no loss is taken."""
+    """One tokenized row or packed block: `labels` is `input_ids` with IGNORE where no loss is taken.
+
+    `position_ids` restart at 0 where a sequence starts (once for a row, once per document in a packed
+    block); the model attends only within a sequence, and the token at position 0 is never a target.
+    """
 
     input_ids: list[int]
     labels: list[int]
+    position_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.position_ids:
+            self.position_ids = list(range(len(self.input_ids)))
 
     @property
     def n_targets(self) -> int:
-        # the first token is never predicted (causal shift)
-        return sum(1 for t in self.labels[1:] if t != IGNORE)
+        # a sequence's first token is never predicted: nothing before it in its sequence (causal shift)
+        return sum(
+            1 for t, p in zip(self.labels, self.position_ids, strict=True) if t != IGNORE and p != 0
+        )
 
 
 def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
@@ -213,8 +224,8 @@ def _chat_segments(tokenizer: Any, messages: list[dict]) -> list[tuple[str, bool
     return [s for s in segments if s[0]]
 
 
-def encode_row(row: dict, tokenizer: Any, max_length: int) -> Example:
-    """Tokenize one row with its loss mask, truncated to `max_length` tokens."""
+def encode_row(row: dict, tokenizer: Any, max_length: int | None) -> Example:
+    """Tokenize one row with its loss mask, truncated to `max_length` tokens (None: not truncated)."""
     fmt = row_format(row)
     eos = tokenizer.eos_token_id
     ids: list[int] = []
@@ -249,10 +260,33 @@ def encode_row(row: dict, tokenizer: Any, max_length: int) -> Example:
             segments = [(prompt, False), (full[len(prompt) :], True)]
         for text, train in segments:
             add(text, train)
-    return Example(ids[:max_length], labels[:max_length])
+    if max_length is not None:
+        ids, labels = ids[:max_length], labels[:max_length]
+    return Example(ids, labels)
 
 
 # ------------------------------------------------------------------------------------------- batching
+def check_packed_attention() -> None:
+    """A ConfigError when transformers cannot keep packed documents apart.
+
+    Since 4.54 (huggingface/transformers#39194) transformers builds a block-diagonal causal mask from
+    position_ids (SDPA, eager, flex) when the attention mask is None and there is no cache
+    (masking_utils.find_packed_sequence_indices); before, SDPA and eager let every token of a packed row
+    attend to all documents before it, and only flash attention read sequence starts from position_ids.
+    """
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        import transformers
+
+        msg = (
+            f"packing and padding_free need transformers >= 4.56 to keep packed documents from attending "
+            f"to each other, and transformers {transformers.__version__} is installed; upgrade it "
+            "(pip install -U transformers) or set packing=False and padding_free=False"
+        )
+        raise ConfigError(msg) from None
+
+
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     """The global shuffled order of `n` rows for one epoch: the same on every rank and world size."""
     import numpy as np
@@ -260,20 +294,83 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return np.random.default_rng((seed, epoch)).permutation(n).tolist()
 
 
-def collate(examples: Sequence[Example], pad_to: int, pad_id: int) -> dict[str, Any]:
-    """Right-pad a micro-batch to `pad_to` tokens (the longest in the global micro-batch)."""
+LAYOUTS = ("padded", "packed", "flat")
+
+
+def collate(
+    examples: Sequence[Example], pad_to: int, pad_id: int, layout: str = "padded"
+) -> dict[str, Any]:
+    """A micro-batch as tensors, in one of three layouts.
+
+    - "padded": one row per example, right-padded to `pad_to` (the longest in the global micro-batch),
+      with an attention mask.
+    - "packed": one row per example (packed blocks), padded to `pad_to` with a pad sequence of its own;
+      no attention mask, so the model builds a block-diagonal causal mask from `position_ids`.
+    - "flat": the examples side by side in one row, no pad tokens, no attention mask (padding-free);
+      flash attention's varlen path reads sequence starts from `position_ids` only in a 1-row batch.
+
+    In every layout a token at position 0 starts a sequence and is never a target: without that, the
+    first token of a document would be trained as the prediction from the previous document's last token.
+    """
     import torch
 
-    b = len(examples)
-    input_ids = torch.full((b, pad_to), pad_id, dtype=torch.long)
-    labels = torch.full((b, pad_to), IGNORE, dtype=torch.long)
-    mask = torch.zeros((b, pad_to), dtype=torch.long)
-    for i, ex in enumerate(examples):
-        n = len(ex.input_ids)
-        input_ids[i, :n] = torch.tensor(ex.input_ids)
-        labels[i, :n] = torch.tensor(ex.labels)
-        mask[i, :n] = 1
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    if layout not in LAYOUTS:
+        msg = f"unknown batch layout {layout!r}; use one of {', '.join(LAYOUTS)}"
+        raise ValueError(msg)
+    if layout == "flat":
+        ids = [t for ex in examples for t in ex.input_ids]
+        labs = [t for ex in examples for t in ex.labels]
+        pos = [p for ex in examples for p in ex.position_ids]
+        input_ids = torch.tensor([ids], dtype=torch.long)
+        labels = torch.tensor([labs], dtype=torch.long)
+        position_ids = torch.tensor([pos], dtype=torch.long)
+        mask = torch.ones_like(input_ids)
+    else:
+        b = len(examples)
+        input_ids = torch.full((b, pad_to), pad_id, dtype=torch.long)
+        labels = torch.full((b, pad_to), IGNORE, dtype=torch.long)
+        # "padded": pads continue the row's positions (what the model does without position_ids);
+        # "packed": the pad tail is a sequence of its own starting at 0, which no document attends to
+        position_ids = torch.arange(pad_to, dtype=torch.long).repeat(b, 1)
+        mask = torch.zeros((b, pad_to), dtype=torch.long)
+        for i, ex in enumerate(examples):
+            n = len(ex.input_ids)
+            input_ids[i, :n] = torch.tensor(ex.input_ids)
+            labels[i, :n] = torch.tensor(ex.labels)
+            position_ids[i, :n] = torch.tensor(ex.position_ids)
+            if layout == "packed":
+                position_ids[i, n:] -= n
+            mask[i, :n] = 1
+    labels[position_ids == 0] = IGNORE
+    out = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+    if layout == "padded":
+        # no mask otherwise: transformers detects packed sequences only when attention_mask is None
+        out["attention_mask"] = mask
+    return out
+
+
+def pack(examples: Sequence[Example], block: int) -> list[Example]:
+    """Concatenate `examples` and cut them into `block`-token blocks (TRL's "wrapped" packing).
+
+    A document that does not fit continues in the next block as a new sequence (positions restart at 0),
+    so no tokens are cut away; only the last, partial block is left out.
+    """
+    ids: list[int] = []
+    labels: list[int] = []
+    pos: list[int] = []
+    for ex in examples:
+        ids.extend(ex.input_ids)
+        labels.extend(ex.labels)
+        pos.extend(ex.position_ids)
+    blocks = []
+    for k in range(0, len(ids) - block + 1, block):
+        p = pos[k : k + block]
+        # the piece of a document carried over from the previous block starts a new sequence here
+        carried = next((j for j, v in enumerate(p) if v == 0), len(p))
+        p = list(range(carried)) + p[carried:]
+        lab = [IGNORE if q == 0 else t for t, q in zip(labels[k : k + block], p, strict=True)]
+        blocks.append(Example(ids[k : k + block], lab, p))
+    return blocks
 
 
 class ShardedBatches:
@@ -297,6 +394,8 @@ class ShardedBatches:
         rank: int,
         world_size: int,
         packing: bool = False,
+        padding_free: bool = False,
+        attn_implementation: str | None = None,
     ):
         self.rows = rows
         self.tokenizer = tokenizer
@@ -307,6 +406,16 @@ class ShardedBatches:
         self.rank = rank
         self.world_size = world_size
         self.packing = packing
+        self.padding_free = padding_free
+        self.pad_id = tokenizer.pad_token_id
+        # flash attention finds sequence starts from position_ids only in a one-row batch: packed blocks
+        # go side by side there; SDPA and eager get a block-diagonal mask per row, so rows stay rows
+        flash = "flash" in (attn_implementation or "")
+        self.layout = (
+            "flat" if padding_free or (packing and flash) else "packed" if packing else "padded"
+        )
+        if self.layout != "padded":
+            check_packed_attention()
         self._cache: dict[int, Example] = {}
         self._blocks: tuple[int, list[Example]] | None = None
         rows_per_rank = len(rows) // world_size
@@ -329,8 +438,14 @@ class ShardedBatches:
     def example(self, index: int) -> Example:
         ex = self._cache.get(index)
         if ex is None:
-            ex = self._cache[index] = encode_row(self.rows[index], self.tokenizer, self.max_length)
+            # packed rows are not cut at max_length: what does not fit continues in the next block
+            length = None if self.packing else self.max_length
+            ex = self._cache[index] = encode_row(self.rows[index], self.tokenizer, length)
         return ex
+
+    def collate(self, examples: Sequence[Example], pad_to: int) -> dict[str, Any]:
+        """`examples` as model inputs in this run's layout (`pad_to` is ignored by padding-free)."""
+        return collate(examples, pad_to, self.pad_id, self.layout)
 
     def shard(self, epoch: int) -> list[int]:
         """Row indices this rank takes in `epoch`, in order."""
@@ -339,14 +454,7 @@ class ShardedBatches:
     def _packed(self, epoch: int) -> list[Example]:
         if self._blocks is not None and self._blocks[0] == epoch:
             return self._blocks[1]
-        ids: list[int] = []
-        labels: list[int] = []
-        for i in self.shard(epoch):
-            ex = self.example(i)
-            ids.extend(ex.input_ids)
-            labels.extend(ex.labels)
-        L = self.max_length
-        blocks = [Example(ids[k : k + L], labels[k : k + L]) for k in range(0, len(ids) - L + 1, L)]
+        blocks = pack([self.example(i) for i in self.shard(epoch)], self.max_length)
         self._blocks = (epoch, blocks)
         return blocks
 

@@ -364,8 +364,13 @@ def _token_loss_sum(model: Any, batch: dict[str, Any], autocast: Any) -> Any:
     import torch.nn.functional as F
 
     with autocast():
+        # packed and padding-free batches have no attention mask: transformers then keeps each
+        # sequence (position_ids restarting at 0) to itself
         logits = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            position_ids=batch.get("position_ids"),
+            use_cache=False,
         ).logits
     logits = logits[:, :-1].float()
     labels = batch["labels"][:, 1:]
@@ -560,6 +565,8 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             rank=d.rank,
             world_size=d.world,
             packing=cfg.packing,
+            padding_free=cfg.padding_free,
+            attn_implementation=getattr(model.config, "_attn_implementation", None),
         )
         evals = None
         if s["eval_rows"] is not None:
@@ -699,8 +706,6 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
                 config=cfg.to_dict(),
             )
 
-    from nbtrain.sft.data import collate
-
     live.begin(total_steps=total_steps, name=name)
     final_state = "failed"
     step = start_step
@@ -738,7 +743,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             n_targets = max(float(stats[:, :GA].sum()), 1.0)
             for a, exs in enumerate(micro):
                 # pad to the longest row across ranks: the same shapes as one rank with the whole batch
-                batch = collate(exs, int(stats[:, GA + a].max()), tokenizer.pad_token_id)
+                batch = batches.collate(exs, int(stats[:, GA + a].max()))
                 batch = _to_device(batch, d.device)
                 # gradients are all-reduced once per step, on the last micro-batch
                 sync = a == GA - 1 or not d.active
