@@ -163,11 +163,13 @@ def test_wrapped_piece_is_a_new_sequence(tok, model):
 
 
 def test_padding_free_equals_padded(tok, model):
-    rows = ROWS * 2
-    padded = _batches(rows, tok, max_length=64, batch_size=4)
-    flat = _batches(rows, tok, max_length=64, batch_size=4, padding_free=True)
+    rows = ROWS * 2 + [{"text": f"row {i} says hello to the sun"} for i in range(8)]
+    padded = _batches(rows, tok, max_length=64, batch_size=8)
+    flat = _batches(rows, tok, max_length=64, batch_size=8, padding_free=True)
     exs = padded.micro_batch(0, 0)
     assert exs == flat.micro_batch(0, 0)
+    # a text row (its first token has a label) that is not first in the row: that label must not count
+    assert any(e.labels[0] != IGNORE for e in exs[1:])
     longest = max(len(e.input_ids) for e in exs)
     pb, fb = padded.collate(exs, longest), flat.collate(exs, longest)
     assert fb["input_ids"].shape == (1, sum(len(e.input_ids) for e in exs))
