@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from nbtrain.sft.data import IGNORE, ShardedBatches, collate, encode_row, epoch_order, pack
+from nbtrain.sft.data import IGNORE, ShardedBatches, collate, encode_row, pack
 from nbtrain.sft.train import _token_loss_sum
 
 ATTN = ["sdpa", "eager"]
@@ -98,15 +98,13 @@ def test_long_document_wraps_into_the_next_block(tok):
     full = encode_row(long, tok, None)
     L = 16
     assert len(full.input_ids) > 2 * L  # it spans three blocks
-    # a seed that puts the long document first, so its tail is not in the last, partial block
-    seed = next(s for s in range(100) if epoch_order(4, s, 0)[0] == 0)
-    sb = _batches([long, ROWS[1], ROWS[2], ROWS[0]], tok, packing=True, max_length=L, seed=seed)
+    sb = _batches([long, ROWS[1], ROWS[2], ROWS[0]], tok, packing=True, max_length=L, seed=1)
     # the rows in packing order, each whole, one after the other
     order = sb.shard(0)
     stream = [t for i in order for t in encode_row(sb.rows[i], tok, None).input_ids]
     blocks = sb._packed(0)
-    assert [t for b in blocks for t in b.input_ids] == stream[: len(blocks) * L]
-    assert all(len(b.input_ids) == L for b in blocks)
+    assert [t for b in blocks for t in b.input_ids] == stream  # nothing is left out
+    assert all(len(b.input_ids) == L for b in blocks[:-1]) and len(blocks[-1].input_ids) <= L
     # every block starts a sequence: the carried-over piece of a document gets positions 0, 1, ...
     for b in blocks:
         assert b.position_ids[0] == 0 and b.labels[0] == IGNORE
@@ -226,4 +224,5 @@ def test_finetune_padding_free_trains_like_padded(tiny, tmp_path):
     torch.testing.assert_close(
         torch.tensor(flat.history["loss"].tolist()), torch.tensor(padded.history["loss"].tolist())
     )
-    torch.testing.assert_close(a_flat, a_padded, rtol=1e-4, atol=1e-6)
+    # Adam divides by the gradient's size: float32 rounding shows in the smallest entries
+    torch.testing.assert_close(a_flat, a_padded, rtol=1e-3, atol=1e-5)

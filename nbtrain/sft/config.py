@@ -82,7 +82,14 @@ class SFTConfig:
         default=0, metadata={"help": "Steps of linear warm-up from 0 to learning_rate."}
     )
     max_length: int = field(
-        default=1024, metadata={"help": "Tokens per sequence; longer rows are truncated."}
+        default=1024,
+        metadata={"help": "Tokens per sequence; longer rows are cut (counted) unless packing."},
+    )
+    truncation_side: str = field(
+        default="right",
+        metadata={
+            "help": "Which end of a row longer than max_length is cut: 'right' or 'left' (keeps the last turns)."
+        },
     )
     packing: bool = field(
         default=False,
@@ -286,6 +293,10 @@ class SFTConfig:
             )
         else:
             self.dtype = dtype
+        need(
+            self.truncation_side in ("right", "left"),
+            f"truncation_side={self.truncation_side!r} must be 'right' or 'left'",
+        )
         tm = self.target_modules
         need(
             (isinstance(tm, str) and bool(tm))

@@ -567,6 +567,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             packing=cfg.packing,
             padding_free=cfg.padding_free,
             attn_implementation=getattr(model.config, "_attn_implementation", None),
+            truncation_side=cfg.truncation_side,
         )
         evals = None
         if s["eval_rows"] is not None:
@@ -577,6 +578,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
                 batch_size=plan.micro_batch,
                 rank=d.rank,
                 world_size=d.world,
+                truncation_side=cfg.truncation_side,
             )
         return batches, evals
 
@@ -590,8 +592,6 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
     if d.is_zero:
         for note in notes:
             print(f"nbtrain: {note}", flush=True)
-    if cfg.packing:
-        batches.steps_per_epoch = d.min_int(batches.steps_per_epoch)
     spe = batches.steps_per_epoch
     total_steps = (
         cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.num_train_epochs * spe))
@@ -732,7 +732,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             stats = torch.zeros((d.world, 2 * GA + 2), dtype=torch.float64)
             for a, exs in enumerate(micro):
                 stats[d.rank, a] = sum(e.n_targets for e in exs)
-                stats[d.rank, GA + a] = max(len(e.input_ids) for e in exs)
+                stats[d.rank, GA + a] = max((len(e.input_ids) for e in exs), default=1)
             stats[d.rank, 2 * GA] = sum(len(e.input_ids) for exs in micro for e in exs)
             if runlog is not None:
                 stats[0, 2 * GA + 1] = float(runlog.stop_requested())
