@@ -82,11 +82,26 @@ class SFTConfig:
         default=0, metadata={"help": "Steps of linear warm-up from 0 to learning_rate."}
     )
     max_length: int = field(
-        default=1024, metadata={"help": "Tokens per sequence; longer rows are truncated."}
+        default=1024,
+        metadata={"help": "Tokens per sequence; longer rows are cut (counted) unless packing."},
+    )
+    truncation_side: str = field(
+        default="right",
+        metadata={
+            "help": "Which end of a row longer than max_length is cut: 'right' or 'left' (keeps the last turns)."
+        },
     )
     packing: bool = field(
         default=False,
-        metadata={"help": "Concatenate rows into max_length blocks (fewer pad tokens)."},
+        metadata={
+            "help": "Concatenate rows into max_length blocks; each row attends only to itself."
+        },
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Put a micro-batch's rows side by side in one row, no pad tokens (best with flash attention)."
+        },
     )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(
@@ -278,6 +293,10 @@ class SFTConfig:
             )
         else:
             self.dtype = dtype
+        need(
+            self.truncation_side in ("right", "left"),
+            f"truncation_side={self.truncation_side!r} must be 'right' or 'left'",
+        )
         tm = self.target_modules
         need(
             (isinstance(tm, str) and bool(tm))

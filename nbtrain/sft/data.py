@@ -1,258 +1,76 @@
-"""Training rows: loading, format checks, tokenization with a loss mask, sharding and batching.
+"""Batches: the epoch order, sharding across ranks, packing, and collation into model inputs.
 
-Rows come in the three formats TRL users know: ``prompt``/``completion`` (strings, or lists of chat
-messages), ``messages`` (rendered with the tokenizer's chat template) and ``text``. The loss covers only the
-completion or assistant tokens of the first two, every token of ``text``.
+Sharding: one global order per epoch, shuffled from ``seed``; rank r takes positions r, r+N, r+2N...
+Micro-batch k of rank r then holds global positions N*k*B ... N*(k+1)*B-1 across ranks, the same rows one
+rank with batch N*B sees, which is what makes N ranks equal one. With packing the positions are those of
+max_length blocks cut from the epoch's rows laid end to end, so the same holds for packed runs.
 
-Sharding: one global order per epoch, shuffled from ``seed``; rank r takes positions r, r+N, r+2N... and
-tokenizes only the rows it takes. Micro-batch k of rank r then holds global positions
-N*k*B ... N*(k+1)*B-1 across ranks, the same rows one rank with batch N*B sees, which is what makes N ranks
-equal one.
+Every row is used every epoch: the last step of an epoch takes what is left (HF Trainer's default), and a
+rank with nothing left trains on a single pad token with no target, so it still joins the step's
+all-reduce. Rows with no target token (a prompt longer than max_length) are dropped, with a count.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import ConfigError
 
-IGNORE = -100
-FORMATS = ("prompt/completion", "messages", "text")
-_ACCEPTED = "'prompt' + 'completion', 'messages' (a list of {'role', 'content'}), or 'text'"
+# rows.py holds the rows and their tokenization; its names are also importable from here
+from nbtrain.sft.rows import (
+    FORMATS,
+    IGNORE,
+    TRUNCATION_SIDES,
+    Example,
+    encode_row,
+    encode_rows,
+    load_rows,
+    row_format,
+)
 
-
-# --------------------------------------------------------------------------------------------- loading
-def _plain(value: Any) -> Any:
-    """numpy/pandas values (from DataFrames and Parquet) as plain Python, NaN as None."""
-    if hasattr(value, "tolist") and not isinstance(value, str):
-        value = value.tolist()
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-def _records(frame: Any) -> list[dict]:
-    rows = frame.to_dict(orient="records")
-    # a CSV or DataFrame mixing formats has NaN where a row lacks a column: treat it as absent
-    return [
-        {k: v for k, v in ((k, _plain(v)) for k, v in row.items()) if v is not None} for row in rows
-    ]
-
-
-def _read_jsonl(path: Path, name: str) -> list[dict]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                msg = (
-                    f"{name} file {str(path)!r}: line {lineno} is not valid JSON ({e.msg} at column "
-                    f"{e.colno}); fix or remove that line"
-                )
-                raise ConfigError(msg) from None
-    return rows
-
-
-def load_rows(source: Any, name: str = "data") -> list[dict]:
-    """Every row of `source` as a list of dicts; a ConfigError for files that are missing or malformed."""
-    if isinstance(source, str | os.PathLike):
-        path = Path(source).expanduser()
-        if not path.is_file():
-            msg = f"{name} file {os.fspath(source)!r} not found; check the path (relative paths are from {os.getcwd()})"
-            raise ConfigError(msg)
-        suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            rows = _read_jsonl(path, name)
-        elif suffix == ".json":
-            text = path.read_text(encoding="utf-8")
-            stripped = text.lstrip()
-            if stripped.startswith("["):
-                try:
-                    rows = json.loads(text)
-                except json.JSONDecodeError as e:
-                    msg = f"{name} file {str(path)!r}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}); fix that line"
-                    raise ConfigError(msg) from None
-            else:  # JSON lines saved as .json
-                rows = _read_jsonl(path, name)
-        elif suffix == ".parquet":
-            import pandas as pd
-
-            rows = _records(pd.read_parquet(path))
-        elif suffix == ".csv":
-            import pandas as pd
-
-            rows = _records(pd.read_csv(path))
-        else:
-            msg = f"{name} file {str(path)!r} has an unknown suffix; use .jsonl, .json, .parquet or .csv"
-            raise ConfigError(msg)
-        where = f"{name} file {str(path)!r}"
-    elif hasattr(source, "to_dict") and hasattr(source, "columns"):  # pandas DataFrame
-        rows = _records(source)
-        where = f"{name} DataFrame"
-    elif hasattr(source, "to_list") and hasattr(source, "column_names"):  # datasets.Dataset
-        rows = [_plain(r) for r in source.to_list()]
-        where = f"{name} Dataset"
-    elif isinstance(source, Sequence) and not isinstance(source, str | bytes):
-        rows = list(source)
-        where = f"{name} list"
-    else:
-        msg = (
-            f"{name} of type {type(source).__name__} is not supported; pass a .jsonl/.json/.parquet/.csv "
-            "path, a list of dicts, a pandas DataFrame or a datasets.Dataset"
-        )
-        raise ConfigError(msg)
-    if not rows:
-        msg = f"{where} has no rows; give at least one row with {_ACCEPTED}"
-        raise ConfigError(msg)
-    for i, row in enumerate(rows):
-        row_format(row, i, where)
-    return rows
-
-
-def _is_messages(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
-    )
-
-
-def row_format(row: Any, index: int = 0, where: str = "data") -> str:
-    """Which of the three formats `row` is in; a ConfigError naming the row, its keys and the formats."""
-    if isinstance(row, dict):
-        if "prompt" in row and "completion" in row:
-            p, c = row["prompt"], row["completion"]
-            if (isinstance(p, str) and isinstance(c, str)) or (_is_messages(p) and _is_messages(c)):
-                return "prompt/completion"
-            msg = (
-                f"{where} row {index}: 'prompt' and 'completion' must both be strings or both be lists of "
-                f"{{'role', 'content'}} messages, got {type(p).__name__} and {type(c).__name__}"
-            )
-            raise ConfigError(msg)
-        if "messages" in row:
-            m = row["messages"]
-            if _is_messages(m) and any(x["role"] == "assistant" for x in m):
-                return "messages"
-            msg = (
-                f"{where} row {index}: 'messages' must be a non-empty list of {{'role', 'content'}} dicts "
-                "with at least one 'assistant' turn (the loss is on assistant tokens)"
-            )
-            raise ConfigError(msg)
-        if "text" in row and isinstance(row["text"], str):
-            return "text"
-        keys = ", ".join(repr(k) for k in row) or "none"
-    else:
-        keys = f"none (the row is a {type(row).__name__}, not a dict)"
-    msg = f"{where} row {index} is in none of the known formats: keys found {keys}; each row needs {_ACCEPTED}"
-    raise ConfigError(msg)
-
-
-# ---------------------------------------------------------------------------------------- tokenization
-@dataclass
-class Example:
-    """One tokenized row: `labels` is `input_ids` with IGNORE where no loss is taken."""
-
-    input_ids: list[int]
-    labels: list[int]
-
-    @property
-    def n_targets(self) -> int:
-        # the first token is never predicted (causal shift)
-        return sum(1 for t in self.labels[1:] if t != IGNORE)
-
-
-def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
-    )
-
-
-def _check_chat_template(tokenizer: Any) -> None:
-    if not getattr(tokenizer, "chat_template", None):
-        msg = (
-            "rows in the 'messages' format need a tokenizer with a chat template, and this model's "
-            "tokenizer has none; use an instruct/chat model, set tokenizer.chat_template, or convert the "
-            "rows to prompt/completion"
-        )
-        raise ConfigError(msg)
-
-
-def _chat_segments(tokenizer: Any, messages: list[dict]) -> list[tuple[str, bool]]:
-    """The rendered conversation cut into (text, is_assistant) pieces."""
-    full = _render(tokenizer, messages, False)
-    segments: list[tuple[str, bool]] = []
-    pos = 0
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], True) if i else ""
-        through = _render(tokenizer, messages[: i + 1], False)
-        if not (full.startswith(before) and full.startswith(through)) or len(before) < pos:
-            msg = (
-                "the chat template does not render conversations prefix by prefix, so assistant tokens "
-                "cannot be found; convert the rows to prompt/completion"
-            )
-            raise ConfigError(msg)
-        segments.append((full[pos : len(before)], False))
-        segments.append((full[len(before) : len(through)], True))
-        pos = len(through)
-    segments.append((full[pos:], False))
-    return [s for s in segments if s[0]]
-
-
-def encode_row(row: dict, tokenizer: Any, max_length: int) -> Example:
-    """Tokenize one row with its loss mask, truncated to `max_length` tokens."""
-    fmt = row_format(row)
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    labels: list[int] = []
-
-    def add(text: str, train: bool, special: bool = False) -> None:
-        toks = tokenizer(text, add_special_tokens=special)["input_ids"]
-        ids.extend(toks)
-        labels.extend(toks if train else [IGNORE] * len(toks))
-
-    if fmt == "text":
-        add(row["text"], True, special=True)
-        if eos is not None and (not ids or ids[-1] != eos):
-            ids.append(eos)
-            labels.append(eos)
-    elif fmt == "prompt/completion" and isinstance(row["prompt"], str):
-        add(row["prompt"], False, special=True)
-        add(row["completion"], True)
-        if eos is not None and (not ids or ids[-1] != eos):
-            ids.append(eos)
-            labels.append(eos)
-    else:
-        _check_chat_template(tokenizer)
-        if fmt == "messages":
-            segments = _chat_segments(tokenizer, row["messages"])
-        else:  # conversational prompt/completion
-            prompt = _render(tokenizer, row["prompt"], True)
-            full = _render(tokenizer, row["prompt"] + row["completion"], False)
-            if not full.startswith(prompt):
-                msg = "the chat template does not render the prompt as a prefix of the conversation; use string prompt/completion rows"
-                raise ConfigError(msg)
-            segments = [(prompt, False), (full[len(prompt) :], True)]
-        for text, train in segments:
-            add(text, train)
-    return Example(ids[:max_length], labels[:max_length])
+__all__ = [
+    "FORMATS",
+    "IGNORE",
+    "LAYOUTS",
+    "TRUNCATION_SIDES",
+    "Example",
+    "ShardedBatches",
+    "check_packed_attention",
+    "collate",
+    "encode_row",
+    "encode_rows",
+    "epoch_order",
+    "eval_batches",
+    "load_rows",
+    "pack",
+    "row_format",
+]
 
 
 # ------------------------------------------------------------------------------------------- batching
+def check_packed_attention() -> None:
+    """A ConfigError when transformers cannot keep packed documents apart.
+
+    Since 4.54 (huggingface/transformers#39194) transformers builds a block-diagonal causal mask from
+    position_ids (SDPA, eager, flex) when the attention mask is None and there is no cache
+    (masking_utils.find_packed_sequence_indices); before, SDPA and eager let every token of a packed row
+    attend to all documents before it, and only flash attention read sequence starts from position_ids.
+    """
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        import transformers
+
+        msg = (
+            f"packing and padding_free need transformers >= 4.56 to keep packed documents from attending "
+            f"to each other, and transformers {transformers.__version__} is installed; upgrade it "
+            "(pip install -U transformers) or set packing=False and padding_free=False"
+        )
+        raise ConfigError(msg) from None
+
+
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     """The global shuffled order of `n` rows for one epoch: the same on every rank and world size."""
     import numpy as np
@@ -260,29 +78,119 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return np.random.default_rng((seed, epoch)).permutation(n).tolist()
 
 
-def collate(examples: Sequence[Example], pad_to: int, pad_id: int) -> dict[str, Any]:
-    """Right-pad a micro-batch to `pad_to` tokens (the longest in the global micro-batch)."""
+LAYOUTS = ("padded", "packed", "flat")
+
+
+def collate(
+    examples: Sequence[Example], pad_to: int, pad_id: int, layout: str = "padded"
+) -> dict[str, Any]:
+    """A micro-batch as tensors, in one of three layouts.
+
+    - "padded": one row per example, right-padded to `pad_to` (the longest in the global micro-batch),
+      with an attention mask.
+    - "packed": one row per example (packed blocks), padded to `pad_to` with a pad sequence of its own;
+      no attention mask, so the model builds a block-diagonal causal mask from `position_ids`.
+    - "flat": the examples side by side in one row, no pad tokens, no attention mask (padding-free);
+      flash attention's varlen path reads sequence starts from `position_ids` only in a 1-row batch.
+
+    In every layout a token at position 0 starts a sequence and is never a target: without that, the
+    first token of a document would be trained as the prediction from the previous document's last token.
+    """
     import torch
 
-    b = len(examples)
-    input_ids = torch.full((b, pad_to), pad_id, dtype=torch.long)
-    labels = torch.full((b, pad_to), IGNORE, dtype=torch.long)
-    mask = torch.zeros((b, pad_to), dtype=torch.long)
-    for i, ex in enumerate(examples):
-        n = len(ex.input_ids)
-        input_ids[i, :n] = torch.tensor(ex.input_ids)
-        labels[i, :n] = torch.tensor(ex.labels)
-        mask[i, :n] = 1
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    if layout not in LAYOUTS:
+        msg = f"unknown batch layout {layout!r}; use one of {', '.join(LAYOUTS)}"
+        raise ValueError(msg)
+    if not examples:
+        # this rank has no rows left in an epoch's last step: one pad token with no target keeps it
+        # in the step (DDP all-reduces gradients on every rank), and adds nothing to the loss
+        examples = [Example([pad_id], [IGNORE])]
+        pad_to = max(pad_to, 1)
+    if layout == "flat":
+        ids = [t for ex in examples for t in ex.input_ids]
+        labs = [t for ex in examples for t in ex.labels]
+        pos = [p for ex in examples for p in ex.position_ids]
+        input_ids = torch.tensor([ids], dtype=torch.long)
+        labels = torch.tensor([labs], dtype=torch.long)
+        position_ids = torch.tensor([pos], dtype=torch.long)
+        mask = torch.ones_like(input_ids)
+    else:
+        b = len(examples)
+        input_ids = torch.full((b, pad_to), pad_id, dtype=torch.long)
+        labels = torch.full((b, pad_to), IGNORE, dtype=torch.long)
+        # "padded": pads continue the row's positions (what the model does without position_ids);
+        # "packed": the pad tail is a sequence of its own starting at 0, which no document attends to
+        position_ids = torch.arange(pad_to, dtype=torch.long).repeat(b, 1)
+        mask = torch.zeros((b, pad_to), dtype=torch.long)
+        for i, ex in enumerate(examples):
+            n = len(ex.input_ids)
+            input_ids[i, :n] = torch.tensor(ex.input_ids)
+            labels[i, :n] = torch.tensor(ex.labels)
+            position_ids[i, :n] = torch.tensor(ex.position_ids)
+            if layout == "packed":
+                position_ids[i, n:] -= n
+            mask[i, :n] = 1
+    labels[position_ids == 0] = IGNORE
+    out = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+    if layout == "padded":
+        # no mask otherwise: transformers detects packed sequences only when attention_mask is None
+        out["attention_mask"] = mask
+    return out
+
+
+def _cut(pieces: Sequence[Example], ends: Any, lo: int, hi: int) -> Example:
+    """Tokens lo..hi-1 of `pieces` laid end to end (`ends`: their cumulative lengths) as one block.
+
+    A piece that started in an earlier block starts over here as a new sequence (positions from 0), so
+    the model never attends across a block boundary or across two documents.
+    """
+    import numpy as np
+
+    ids: list[int] = []
+    labels: list[int] = []
+    pos: list[int] = []
+    r = int(np.searchsorted(ends, lo, side="right"))
+    while r < len(pieces) and (int(ends[r - 1]) if r else 0) < hi:
+        begin = int(ends[r - 1]) if r else 0
+        a, b = max(lo, begin) - begin, min(hi, int(ends[r])) - begin
+        ex = pieces[r]
+        ids.extend(ex.input_ids[a:b])
+        labels.extend(ex.labels[a:b])
+        pos.extend(range(b - a))
+        r += 1
+    labels = [IGNORE if p == 0 else t for t, p in zip(labels, pos, strict=True)]
+    return Example(ids, labels, pos)
+
+
+def _ends(examples: Sequence[Example]) -> Any:
+    import numpy as np
+
+    return np.cumsum([len(e.input_ids) for e in examples], dtype=np.int64)
+
+
+def pack(examples: Sequence[Example], block: int) -> list[Example]:
+    """Lay `examples` end to end and cut them into `block`-token blocks (TRL's "wrapped" packing).
+
+    A document that does not fit continues in the next block as a new sequence (positions restart at
+    0); nothing is cut away, and the last block holds what is left (it may be shorter).
+    """
+    ends = _ends(examples)
+    total = int(ends[-1]) if len(ends) else 0
+    return [_cut(examples, ends, k, min(k + block, total)) for k in range(0, total, block)]
 
 
 class ShardedBatches:
     """This rank's micro-batches, addressed by (global step, accumulation index): resumable anywhere.
 
-    Without packing, rank r's micro-batch k of epoch e is rows order_e[r::N][k*B:(k+1)*B]; the global
-    micro-batch across ranks is order_e[N*k*B : N*(k+1)*B], exactly what one rank with batch N*B takes.
-    With packing, each rank concatenates its shard's rows into max_length blocks; ranks then must agree on
-    the smallest step count (the caller sets `steps_per_epoch`), and world-size equivalence no longer holds (blocks differ).
+    Rank r's micro-batch k of epoch e is units order_e[r::N][k*B:(k+1)*B], a unit being a row, or with
+    packing a max_length block of the epoch's rows laid end to end; the global micro-batch across ranks
+    is units N*k*B ... N*(k+1)*B-1, exactly what one rank with batch N*B takes.
+
+    Every row is tokenized here, on every rank, before training starts (the caller runs this in its
+    set-up phase, where a bad row stops every rank before anything is written). Every rank needs every
+    row: each epoch is a fresh global shuffle, so over a run a rank takes rows from all over the data,
+    and packed blocks and the rows dropped for having no target must come out the same on every rank
+    without a collective. The work is in parallel across ranks, so it costs the wall time of one pass.
     """
 
     def __init__(
@@ -297,9 +205,11 @@ class ShardedBatches:
         rank: int,
         world_size: int,
         packing: bool = False,
+        padding_free: bool = False,
+        attn_implementation: str | None = None,
+        truncation_side: str = "right",
     ):
         self.rows = rows
-        self.tokenizer = tokenizer
         self.max_length = max_length
         self.batch_size = batch_size
         self.grad_accum = grad_accum
@@ -307,59 +217,117 @@ class ShardedBatches:
         self.rank = rank
         self.world_size = world_size
         self.packing = packing
-        self._cache: dict[int, Example] = {}
-        self._blocks: tuple[int, list[Example]] | None = None
-        rows_per_rank = len(rows) // world_size
+        self.padding_free = padding_free
+        self.pad_id = tokenizer.pad_token_id
+        # flash attention finds sequence starts from position_ids only in a one-row batch: packed blocks
+        # go side by side there; SDPA and eager get a block-diagonal mask per row, so rows stay rows
+        flash = "flash" in (attn_implementation or "")
+        self.layout = (
+            "flat" if padding_free or (packing and flash) else "packed" if packing else "padded"
+        )
+        if self.layout != "padded":
+            check_packed_attention()
+        talk = rank == 0
+        # packed rows are not cut at max_length: what does not fit continues in the next block
+        self.examples, truncated = encode_rows(
+            rows,
+            tokenizer,
+            None if packing else max_length,
+            truncation_side=truncation_side,
+            progress=talk and os.environ.get("NBTRAIN_ENGINE") != "1",
+        )
+        self.kept = [i for i, ex in enumerate(self.examples) if ex.n_targets > 0]
+        if talk:
+            self._report(truncated, truncation_side)
+        if not self.kept:
+            msg = (
+                f"none of the {len(rows)} rows has a target token within max_length={max_length} "
+                "(each prompt fills it); raise max_length or shorten the prompts"
+            )
+            raise ConfigError(msg)
+        self._order: tuple[int, list[int]] | None = None
+        self._stream: tuple[int, list[Example], Any] | None = None
         if packing:
-            # ranks' counts differ; the caller sets the agreed minimum across ranks
-            self.steps_per_epoch = len(self._packed(0)) // batch_size // grad_accum
+            self.n_units = -(-sum(len(self.examples[i].input_ids) for i in self.kept) // max_length)
         else:
-            self.steps_per_epoch = rows_per_rank // batch_size // grad_accum
-        if self.steps_per_epoch < 1:
-            need = world_size * batch_size * grad_accum
+            self.n_units = len(self.kept)
+        need = world_size * batch_size * grad_accum
+        if self.n_units < need:
             what = "max_length blocks after packing" if packing else "rows"
             msg = (
                 f"data has too few {what} for one optimizer step: a step takes {need} "
                 f"({world_size} ranks x per_device_train_batch_size {batch_size} x "
-                f"gradient_accumulation_steps {grad_accum}) and there are {len(rows)} rows; add rows or "
+                f"gradient_accumulation_steps {grad_accum}) and there are {self.n_units}; add rows or "
                 "lower the batch size or accumulation steps"
             )
             raise ConfigError(msg)
+        # the last step of an epoch takes the rows that are left
+        self.steps_per_epoch = -(-self.n_units // need)
+
+    def _report(self, truncated: list[int], side: str) -> None:
+        n = len(self.rows)
+        if truncated:
+            lost = "end, eos included" if side == "right" else "beginning"
+            print(
+                f"nbtrain: {len(truncated)} of {n} rows are longer than max_length={self.max_length} "
+                f"tokens and are cut at the {side} (they lose their {lost}); raise max_length, set "
+                "truncation_side, or packing=True to keep every token",
+                flush=True,
+            )
+        dropped = [i for i, ex in enumerate(self.examples) if ex.n_targets == 0]
+        if dropped:
+            shown = ", ".join(map(str, dropped[:10])) + (", ..." if len(dropped) > 10 else "")
+            print(
+                f"nbtrain: {len(dropped)} of {n} rows have no target token within "
+                f"max_length={self.max_length} and are skipped (rows {shown}); raise max_length, "
+                "shorten their prompts, or set truncation_side='left'",
+                flush=True,
+            )
 
     def example(self, index: int) -> Example:
-        ex = self._cache.get(index)
-        if ex is None:
-            ex = self._cache[index] = encode_row(self.rows[index], self.tokenizer, self.max_length)
-        return ex
+        """Row `index` of the data, tokenized."""
+        return self.examples[index]
+
+    def collate(self, examples: Sequence[Example], pad_to: int) -> dict[str, Any]:
+        """`examples` as model inputs in this run's layout (`pad_to` is ignored by padding-free)."""
+        return collate(examples, pad_to, self.pad_id, self.layout)
+
+    def order(self, epoch: int) -> list[int]:
+        """The kept rows in `epoch`'s global order (row indices into the data)."""
+        if self._order is None or self._order[0] != epoch:
+            perm = epoch_order(len(self.kept), self.seed, epoch)
+            self._order = (epoch, [self.kept[j] for j in perm])
+        return self._order[1]
 
     def shard(self, epoch: int) -> list[int]:
-        """Row indices this rank takes in `epoch`, in order."""
-        return epoch_order(len(self.rows), self.seed, epoch)[self.rank :: self.world_size]
+        """Row indices this rank takes in `epoch`, in order (without packing)."""
+        return self.order(epoch)[self.rank :: self.world_size]
+
+    def _block(self, epoch: int, j: int) -> Example:
+        if self._stream is None or self._stream[0] != epoch:
+            pieces = [self.examples[i] for i in self.order(epoch)]
+            self._stream = (epoch, pieces, _ends(pieces))
+        _, pieces, ends = self._stream
+        L = self.max_length
+        return _cut(pieces, ends, j * L, min((j + 1) * L, int(ends[-1])))
 
     def _packed(self, epoch: int) -> list[Example]:
-        if self._blocks is not None and self._blocks[0] == epoch:
-            return self._blocks[1]
-        ids: list[int] = []
-        labels: list[int] = []
-        for i in self.shard(epoch):
-            ex = self.example(i)
-            ids.extend(ex.input_ids)
-            labels.extend(ex.labels)
-        L = self.max_length
-        blocks = [Example(ids[k : k + L], labels[k : k + L]) for k in range(0, len(ids) - L + 1, L)]
-        self._blocks = (epoch, blocks)
-        return blocks
+        """Every block of `epoch`, in order (all ranks' blocks)."""
+        return [self._block(epoch, j) for j in range(self.n_units)]
 
     def micro_batch(self, step: int, accum: int) -> list[Example]:
-        """The examples this rank trains on in micro-batch `accum` of global step `step` (0-based)."""
+        """The examples this rank trains on in micro-batch `accum` of global step `step` (0-based).
+
+        Empty when the epoch's last step has nothing left for this rank.
+        """
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         k = in_epoch * self.grad_accum + accum
         B = self.batch_size
+        units = range(self.rank, self.n_units, self.world_size)[k * B : (k + 1) * B]
         if self.packing:
-            blocks = self._packed(epoch)
-            # a later epoch may pack into fewer blocks than epoch 0 set the step count by: wrap around
-            return [blocks[j % len(blocks)] for j in range(k * B, (k + 1) * B)]
-        return [self.example(i) for i in self.shard(epoch)[k * B : (k + 1) * B]]
+            return [self._block(epoch, j) for j in units]
+        order = self.order(epoch)
+        return [self.examples[order[j]] for j in units]
 
 
 def eval_batches(
@@ -370,7 +338,16 @@ def eval_batches(
     batch_size: int,
     rank: int,
     world_size: int,
+    truncation_side: str = "right",
 ) -> list[list[Example]]:
     """This rank's evaluation batches: rows r, r+N, ... in file order, none dropped."""
-    mine = [encode_row(rows[i], tokenizer, max_length) for i in range(rank, len(rows), world_size)]
+    indices = list(range(rank, len(rows), world_size))
+    mine, _ = encode_rows(
+        [rows[i] for i in indices],
+        tokenizer,
+        max_length,
+        truncation_side=truncation_side,
+        where="eval_data",
+        indices=indices,
+    )
     return [mine[k : k + batch_size] for k in range(0, len(mine), batch_size)]

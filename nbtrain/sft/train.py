@@ -364,8 +364,13 @@ def _token_loss_sum(model: Any, batch: dict[str, Any], autocast: Any) -> Any:
     import torch.nn.functional as F
 
     with autocast():
+        # packed and padding-free batches have no attention mask: transformers then keeps each
+        # sequence (position_ids restarting at 0) to itself
         logits = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            position_ids=batch.get("position_ids"),
+            use_cache=False,
         ).logits
     logits = logits[:, :-1].float()
     labels = batch["labels"][:, 1:]
@@ -560,6 +565,9 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             rank=d.rank,
             world_size=d.world,
             packing=cfg.packing,
+            padding_free=cfg.padding_free,
+            attn_implementation=getattr(model.config, "_attn_implementation", None),
+            truncation_side=cfg.truncation_side,
         )
         evals = None
         if s["eval_rows"] is not None:
@@ -570,6 +578,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
                 batch_size=plan.micro_batch,
                 rank=d.rank,
                 world_size=d.world,
+                truncation_side=cfg.truncation_side,
             )
         return batches, evals
 
@@ -583,8 +592,6 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
     if d.is_zero:
         for note in notes:
             print(f"nbtrain: {note}", flush=True)
-    if cfg.packing:
-        batches.steps_per_epoch = d.min_int(batches.steps_per_epoch)
     spe = batches.steps_per_epoch
     total_steps = (
         cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.num_train_epochs * spe))
@@ -699,8 +706,6 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
                 config=cfg.to_dict(),
             )
 
-    from nbtrain.sft.data import collate
-
     live.begin(total_steps=total_steps, name=name)
     final_state = "failed"
     step = start_step
@@ -727,7 +732,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             stats = torch.zeros((d.world, 2 * GA + 2), dtype=torch.float64)
             for a, exs in enumerate(micro):
                 stats[d.rank, a] = sum(e.n_targets for e in exs)
-                stats[d.rank, GA + a] = max(len(e.input_ids) for e in exs)
+                stats[d.rank, GA + a] = max((len(e.input_ids) for e in exs), default=1)
             stats[d.rank, 2 * GA] = sum(len(e.input_ids) for exs in micro for e in exs)
             if runlog is not None:
                 stats[0, 2 * GA + 1] = float(runlog.stop_requested())
@@ -738,7 +743,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             n_targets = max(float(stats[:, :GA].sum()), 1.0)
             for a, exs in enumerate(micro):
                 # pad to the longest row across ranks: the same shapes as one rank with the whole batch
-                batch = collate(exs, int(stats[:, GA + a].max()), tokenizer.pad_token_id)
+                batch = batches.collate(exs, int(stats[:, GA + a].max()))
                 batch = _to_device(batch, d.device)
                 # gradients are all-reduced once per step, on the last micro-batch
                 sync = a == GA - 1 or not d.active
