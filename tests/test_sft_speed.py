@@ -14,9 +14,7 @@ from nbtrain.sft.config import SFTConfig
 from nbtrain.sft.train import finetune, peak_bf16_flops
 
 DATA = str(Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl")
-needs_gpu = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU; none here"
-)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none here")
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +114,10 @@ def test_global_batch_by_accumulation_trains_like_one_big_batch(tiny, tmp_path):
     common = dict(global_batch_size=8, lr_scheduler_type="constant", dtype="float32")
     small = finetune(cfg(tiny, tmp_path / "a", per_device_train_batch_size=2, **common))
     big = finetune(cfg(tiny, tmp_path / "b", per_device_train_batch_size=8, **common))
-    assert small.plan["gradient_accumulation_steps"] == 4 and big.plan["gradient_accumulation_steps"] == 1
+    assert (
+        small.plan["gradient_accumulation_steps"] == 4
+        and big.plan["gradient_accumulation_steps"] == 1
+    )
     torch.testing.assert_close(
         torch.tensor(small.history["loss"].to_list()),
         torch.tensor(big.history["loss"].to_list()),

@@ -323,7 +323,9 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def fused_loss_supported(model: Any, *, probe: bool = True) -> tuple[bool, str]:
+def fused_loss_supported(
+    model: Any, *, probe: bool = True, autocast: Any = None
+) -> tuple[bool, str]:
     """Whether `causal_lm_loss_sum` computes this model's true loss: (True, "") or (False, why).
 
     In [1]: ok, why = fused_loss_supported(peft_model)
@@ -357,13 +359,13 @@ def fused_loss_supported(model: Any, *, probe: bool = True) -> tuple[bool, str]:
     if not probe:
         return True, ""
     try:
-        ok, why = _probe(base, head)
+        ok, why = _probe(base, head, autocast or contextlib.nullcontext)
     except Exception as e:  # a model whose forward needs more than input_ids
         return False, f"the probe forward of {name} failed: {type(e).__name__}: {e}"
     return ok, why
 
 
-def _probe(base: Any, head: Any) -> tuple[bool, str]:
+def _probe(base: Any, head: Any, autocast: Any) -> tuple[bool, str]:
     import torch
 
     name = type(base).__name__
@@ -377,7 +379,8 @@ def _probe(base: Any, head: Any) -> tuple[bool, str]:
     hook = head.register_forward_hook(record)
     try:
         base.eval()
-        with torch.no_grad():
+        # under the run's autocast: a bf16 model whose fp32 LoRA layers take bf16 inputs needs it
+        with torch.no_grad(), autocast():
             logits = base(input_ids=ids, use_cache=False).logits
             hook.remove()
             with _hidden_states_out(base) as (_, softcap):

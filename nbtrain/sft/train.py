@@ -395,14 +395,16 @@ def _to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
     }
 
 
-def _loss_impl(cfg: SFTConfig, model: Any, device: Any) -> tuple[str, Any, str | None]:
+def _loss_impl(
+    cfg: SFTConfig, model: Any, device: Any, autocast: Any
+) -> tuple[str, Any, str | None]:
     """The loss this run computes: ("liger" | "chunked", fn) from the hidden states, or ("logits",
     None) the plain way; and a note when the config asked for a fused loss that cannot apply."""
     if not cfg.fused_cross_entropy:
         return "logits", None, None
     from nbtrain.sft import loss
 
-    ok, why = loss.fused_loss_supported(model)
+    ok, why = loss.fused_loss_supported(model, autocast=autocast)
     if not ok:
         return "logits", None, f"fused_cross_entropy off: {why}"
     name, fn = loss.select_loss_impl(device)
@@ -533,7 +535,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             return contextlib.nullcontext()
         return torch.autocast(device_type=d.device.type, dtype=compute_dtype)
 
-    loss_name, loss_fn, loss_note = _loss_impl(cfg, model, d.device)
+    loss_name, loss_fn, loss_note = _loss_impl(cfg, model, d.device, autocast)
     notes: list[str] = s["notes"] + ([loss_note] if loss_note else [])
     levers.append(f"loss {loss_name}")
 
