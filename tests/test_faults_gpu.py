@@ -64,9 +64,11 @@ def test_cuda_oom_names_sizes_and_fixes_and_gives_the_memory_back(cluster):
     assert oom.to_bytes(m[1]) < 4 * GiB < oom.to_bytes(m[2])
     assert "torch.cuda.mem_get_info said" in text
     assert "gradient_checkpointing=True" in text and "per_device_train_batch_size" in text
-    m = re.search(r"cached blocks: ([\d.]+) GiB of ([\d.]+) GiB free now", text)
-    assert m, text
-    assert float(m[1]) > float(m[2]) / 2  # the failed cell's ~75 GiB went back to the driver
+    # the figure taken while the error is reported: on the H100 (2026-11-23) only 2 of 79 GiB were back
+    # at that point, inside IPython's exception handling; what matters is the next cell, below
+    assert re.search(r"cached blocks \(([\d.]+ \w+) of ([\d.]+) GiB free while the error", text), (
+        text
+    )
     # the next cell: allocations are back at the baseline and a large one works
     cluster.execute(
         "after = torch.cuda.memory_allocated() - base\n"
