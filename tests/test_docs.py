@@ -9,6 +9,7 @@ a GPU, Slurm, several machines or the Hub are not marked.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -35,6 +36,14 @@ def snippets(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+# what the pages say their snippets print, checked (the rest of the output is free to change)
+EXPECT = {
+    "fine-tuning.md": ["[5, 10, 15, 20, 25, 30]", "TrainResult(state='done', global_step=20"],
+    "magics.md": ["rank 0 of 2 on cpu: sum 1.0", "[0, 10]", "[10]", "cluster stopped"],
+    "own-loop.md": ["world size 2, 6 steps", "final loss", "cluster stopped"],
+    "install.md": ["0.1.0"],
+}
+
 RUNNABLE = [p for p in [ROOT / "README.md", *PAGES] if MARKER in p.read_text(encoding="utf-8")]
 
 
@@ -48,6 +57,10 @@ def test_snippets_run(ip, page, tmp_path, monkeypatch, capsys):
     from nbtrain.cluster.core import current_cluster
 
     monkeypatch.chdir(tmp_path)
+    # IPython's test shell has no `kernel`; ipyparallel's client asks for one when an engine sends
+    # a widget message (a progress bar), and without it the client's iopub stream dies and every later
+    # cell output is lost. A notebook kernel's `kernel` is never missing.
+    monkeypatch.setattr(ip, "kernel", None, raising=False)
     before = set(ip.user_ns)
     try:
         for line, code in snippets(page):
@@ -60,6 +73,13 @@ def test_snippets_run(ip, page, tmp_path, monkeypatch, capsys):
                     f"--- its code ---\n{code}--- output ---\n{out.out[-3000:]}{out.err[-3000:]}"
                 )
                 raise AssertionError(msg)
+        out = capsys.readouterr()
+        if os.environ.get("NBTRAIN_DOCS_SHOW"):
+            # NBTRAIN_DOCS_SHOW=1 pytest -s tests/test_docs.py: see what the snippets printed
+            with capsys.disabled():
+                print(f"\n--- {page.name} ---\n{out.out}{out.err}")
+        missing = [e for e in EXPECT.get(page.name, ()) if e not in out.out]
+        assert not missing, f"{page.name}: the snippets did not print {missing}; they printed:\n{out.out}"
         left = current_cluster()
         assert left is None, f"{page.name} left a cluster running; end the page with %nbtrain stop"
     finally:
