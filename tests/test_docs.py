@@ -42,6 +42,7 @@ EXPECT = {
     "magics.md": ["rank 0 of 2 on cpu: sum 1.0", "[0, 10]", "[10]", "cluster stopped"],
     "own-loop.md": ["world size 2, 6 steps", "final loss", "cluster stopped"],
     "install.md": ["0.1.0"],
+    "README.md": ["tensor([1.])", "cluster stopped"],
 }
 
 RUNNABLE = [p for p in [ROOT / "README.md", *PAGES] if MARKER in p.read_text(encoding="utf-8")]
@@ -50,6 +51,16 @@ RUNNABLE = [p for p in [ROOT / "README.md", *PAGES] if MARKER in p.read_text(enc
 def test_markers_mark_python_fences():
     for page in [ROOT / "README.md", *PAGES]:
         snippets(page)  # raises on a marker that marks nothing
+
+
+def test_no_comment_after_a_line_magic():
+    # `%nbtrain start -n 2  # comment` passes the comment to the magic as arguments, which fail
+    bad = []
+    for page in [ROOT / "README.md", *PAGES]:
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+            if re.match(r"\s*%(?!%)\w+ [^#\n]*#", line):
+                bad.append(f"{page.name}:{n}: {line.strip()}")
+    assert not bad, "comments after line magics (move them to their own line):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)
@@ -79,7 +90,9 @@ def test_snippets_run(ip, page, tmp_path, monkeypatch, capsys):
             with capsys.disabled():
                 print(f"\n--- {page.name} ---\n{out.out}{out.err}")
         missing = [e for e in EXPECT.get(page.name, ()) if e not in out.out]
-        assert not missing, f"{page.name}: the snippets did not print {missing}; they printed:\n{out.out}"
+        assert not missing, (
+            f"{page.name}: the snippets did not print {missing}; they printed:\n{out.out}"
+        )
         left = current_cluster()
         assert left is None, f"{page.name} left a cluster running; end the page with %nbtrain stop"
     finally:
@@ -116,6 +129,23 @@ def test_sftconfig_table_lists_every_field():
     assert "`0.0002`" in lr and "Peak AdamW learning rate." in lr
 
 
+def test_config_doc_regenerates_a_stale_table(tmp_path):
+    from nbtrain.sft import config_doc
+
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n{config_doc.BEGIN}\n| old | table |\n{config_doc.END}\noutro\n")
+    assert config_doc.main([str(page), "--check"]) == 1  # stale: says so, changes nothing
+    assert "| old | table |" in page.read_text()
+    assert config_doc.main([str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n")
+    assert config_doc.table() in text and "| old |" not in text
+    assert config_doc.main([str(page), "--check"]) == 0
+    page.write_text("no markers here\n")
+    with pytest.raises(ValueError, match="markers"):
+        config_doc.main([str(page)])
+
+
 def test_history_columns_are_documented():
     # every column finetune can write (train.py's _Meter.row) has a row in the history table
     import inspect
@@ -128,7 +158,9 @@ def test_history_columns_are_documented():
     text = (DOCS / "fine-tuning.md").read_text(encoding="utf-8")
     section = text.split("## The history", 1)[1]
     documented = set(re.findall(r"^\| `(\w+)", section, re.M))
-    assert written - documented == set(), f"history columns missing from docs: {written - documented}"
+    assert written - documented == set(), (
+        f"history columns missing from docs: {written - documented}"
+    )
     assert "peak_memory_gb_rank<r>" in section
 
 
@@ -205,6 +237,8 @@ def test_every_page_is_in_the_nav_and_linked_from_index():
     nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     index = (DOCS / "index.md").read_text(encoding="utf-8")
     for page in PAGES:
-        assert re.search(rf":\s*{re.escape(page.name)}\s*$", nav, re.M), f"{page.name} not in mkdocs.yml nav"
+        assert re.search(rf":\s*{re.escape(page.name)}\s*$", nav, re.M), (
+            f"{page.name} not in mkdocs.yml nav"
+        )
         if page.name != "index.md":
             assert f"]({page.name}" in index, f"docs/index.md does not link {page.name}"
