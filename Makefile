@@ -11,7 +11,7 @@ STAMP := $(VENV)/.nbtrain-installed
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: dev demo test test-python test-lab lint docs clean
+.PHONY: dev demo test test-python test-lab lint docs docs-table clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,9 +31,14 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check nbtrain tests benchmarks
 	$(PY) -m mypy nbtrain
 
-# the docs, with warnings as errors (mkdocs.yml sets strict)
+# the docs, with warnings as errors (mkdocs.yml sets strict); the SFTConfig table must be current
 docs: $(STAMP)
+	$(PY) -m nbtrain.sft.config_doc --check
 	$(PY) -m mkdocs build -q
+
+# regenerate the SFTConfig table in docs/fine-tuning.md from the dataclass
+docs-table: $(STAMP)
+	$(PY) -m nbtrain.sft.config_doc
 
 # the JupyterLab extension: build, prettier + eslint, vitest, REST handlers, UI tests in Chromium
 test-lab: $(STAMP)
