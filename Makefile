@@ -5,16 +5,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 OUT ?= nbtrain-demo
 STAMP := $(VENV)/.nbtrain-installed
-# CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA packages.
-# GPU users install nbtrain into an environment that already has their CUDA torch.
+# torch, pinned, CPU build: from PyTorch's CPU wheel index, or pip's default index where that one
+# cannot be reached (scripts/install-torch.sh; from PyPI on Linux that is the CUDA build, several GB).
+# GPU users install nbtrain into an environment that already has their CUDA torch (docs/install.md).
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: dev demo test test-python test-lab lint docs clean
+.PHONY: dev demo test test-python test-lab lint docs docs-table clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	sh scripts/install-torch.sh $(PY) "$(TORCH)" "$(TORCH_INDEX)"
 	$(PY) -m pip install -q -e ".[test]"
 	sh scripts/cpu-deps.sh
 	touch $(STAMP)
@@ -29,9 +31,14 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check nbtrain tests benchmarks
 	$(PY) -m mypy nbtrain
 
-# the docs, with warnings as errors (mkdocs.yml sets strict)
+# the docs, with warnings as errors (mkdocs.yml sets strict); the SFTConfig table must be current
 docs: $(STAMP)
+	$(PY) -m nbtrain.sft.config_doc --check
 	$(PY) -m mkdocs build -q
+
+# regenerate the SFTConfig table in docs/fine-tuning.md from the dataclass
+docs-table: $(STAMP)
+	$(PY) -m nbtrain.sft.config_doc
 
 # the JupyterLab extension: build, prettier + eslint, vitest, REST handlers, UI tests in Chromium
 test-lab: $(STAMP)
