@@ -386,6 +386,8 @@ def main(argv: list[str] | None = None) -> None:
         "peak_gb": results.get("nbtrain", {}).get("peak_gb"),
         "nbtrain_vs_hf": C.ratio(tok("nbtrain"), tok("hf")),
         "nbtrain_vs_bare": C.ratio(tok("nbtrain"), tok("bare")),
+        "levers": results.get("nbtrain", {}).get("plan", {}).get("levers"),
+        "micro_batch": results.get("nbtrain", {}).get("plan", {}).get("micro_batch"),
         "steps": args.steps,
         "warmup": args.warmup,
         "compile": args.compile,
@@ -412,17 +414,17 @@ def gpu_table(history: dict[str, Any]) -> str:
         return "–" if x is None else format(x, spec)
 
     lines = [
-        "| date | commit | device | shape | seq x batch | nbtrain tok/s | MFU | peak GB | HF Trainer | bare loop | vs HF | vs bare |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| date | commit | device | shape | seq x batch (nbtrain micro) | nbtrain tok/s | MFU | peak GB | HF Trainer | bare loop | vs HF | vs bare | nbtrain levers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in history["runs"]:
         if r["device"] == "cpu":
             continue
         lines.append(
-            f"| {r['date']} | {r['commit']} | {r['device']} | {r['shape']} | {r['seq']} x {r['batch']} "
+            f"| {r['date']} | {r['commit']} | {r['device']} | {r['shape']} | {r['seq']} x {r['batch']} ({r.get('micro_batch', '?')}) "
             f"| {f(r['nbtrain_tok_s'])} | {f(r['mfu'], '.1%')} | {f(r['peak_gb'], '.1f')} "
             f"| {f(r['hf_trainer_tok_s'])} | {f(r['bare_tok_s'])} | {f(r['nbtrain_vs_hf'], '.2f')} "
-            f"| {f(r['nbtrain_vs_bare'], '.2f')} |"
+            f"| {f(r['nbtrain_vs_bare'], '.2f')} | {', '.join(r.get('levers') or [])} |"
         )
     return "\n".join(lines)
 

@@ -40,3 +40,34 @@ def test_bench_cell_quick_reports_numbers(tmp_path):
     # the breakdown covers CellRun's steps, and the load was recorded at both ends
     assert "nbtrain: AsyncResult.wait (reply from both engines)" in report["phases_ms"]
     assert len(report["loadavg_start"]) == 3 and len(report["loadavg_end"]) == 3
+
+
+BENCH_GPU = BENCH.parent / "bench_gpu.py"
+
+
+@pytest.mark.timeout(300)
+def test_bench_gpu_runs_its_three_arms_on_the_cpu(tmp_path):
+    """bench_gpu.py --shape tiny: the same code the H100 runs, end to end on CPU engines (no timing
+    asserts): every arm reports tokens/s, the record lands in the JSON file, the GPU table skips it."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_GPU), "--shape", "tiny", "--seq", "64", "--steps", "4"]
+        + ["--warmup", "2", "--no-compile", "--json", str(out), "--no-render"],
+        capture_output=True,
+        text=True,
+        timeout=290,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [record] = json.loads(out.read_text())["runs"]
+    assert record["device"] == "cpu" and record["shape"] == "tiny"
+    for arm in ("nbtrain_tok_s", "hf_trainer_tok_s", "bare_tok_s"):
+        assert math.isfinite(record[arm]) and record[arm] > 0, record
+    assert record["nbtrain_vs_hf"] == pytest.approx(
+        record["nbtrain_tok_s"] / record["hf_trainer_tok_s"]
+    )
+    assert record["batch"] == 4 and record["micro_batch"] >= 1
+    assert "loss chunked" in record["levers"]
+    sys.path.insert(0, str(BENCH.parent))
+    import bench_gpu
+
+    assert "tiny" not in bench_gpu.gpu_table({"runs": [record]})
