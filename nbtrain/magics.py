@@ -204,7 +204,8 @@ class NbtrainMagics(Magics):
     @line_magic
     def nbtrain(self, line: str) -> Any:
         try:
-            args = _PARSER.parse_args(shlex.split(line))
+            # a `# comment` after the options is the user's note, as in any Python line
+            args = _PARSER.parse_args(shlex.split(line, comments=True))
         except _HelpShown:
             return None
         try:
@@ -399,7 +400,7 @@ class NbtrainMagics(Magics):
         from nbtrain.cluster.core import require_cluster
 
         try:
-            args = parse_argstring(self.distributed, line)
+            args = parse_argstring(self.distributed, shlex.join(shlex.split(line, comments=True)))
         except Exception as e:
             raise ConfigError(f"%%distributed: {e}") from None
         try:

@@ -354,3 +354,11 @@ def test_force_replaces_and_stop_leaves_nothing(ip):
     assert wait_gone(pids) == []
     assert cluster_processes(cid) == []
     assert not state.exists()
+
+
+def test_a_comment_after_the_options_is_ignored(ip, capsys):
+    # `%nbtrain start -n 2  # two ranks` in a notebook: the comment is the user's, not an option
+    ip.run_line_magic("nbtrain", "stop  # nothing is running yet")
+    assert "no cluster is running" in capsys.readouterr().out
+    with pytest.raises(Exception, match="no nbtrain cluster is running"):
+        ip.run_cell_magic("distributed", "--output all  # every rank's output", "print(1)")
