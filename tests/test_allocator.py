@@ -83,6 +83,8 @@ def test_tcmalloc_asked_for_but_missing_says_how_to_install(monkeypatch):
 def test_cpu_engines_run_with_tcmalloc_unless_told_otherwise(monkeypatch):
     monkeypatch.delenv("NBTRAIN_ALLOCATOR", raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
+    # CPU engines: on a machine with GPUs, hide them (auto leaves GPU machines' malloc alone)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
     def report() -> tuple[str, str | None, float]:
         import os

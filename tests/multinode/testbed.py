@@ -411,6 +411,8 @@ PrintLastLog no
 LogLevel ERROR
 # scp speaks SFTP since OpenSSH 9; ipyparallel's SSH launcher uses scp for connection files
 Subsystem sftp internal-sftp
+# simulated nodes are CPU nodes: on a machine with a GPU they would all see the one real GPU
+SetEnv CUDA_VISIBLE_DEVICES=-1
 """
 
 
