@@ -205,3 +205,29 @@ def test_kernel_restart_leaves_no_cluster_process():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+@pytest.mark.timeout(400)
+def test_gpu_notebook_runs_on_cpu_and_shows_the_plan(tmp_path, monkeypatch):
+    """notebooks/03-gpu-training.ipynb top to bottom in a real kernel, on this CPU-only machine: the
+    device plan, auto batch with a global batch, packing, and the levers the run used."""
+    monkeypatch.setenv("NBTRAIN_DEMO_OUT", str(tmp_path / "out"))
+    nb = nbformat.read(ROOT / "notebooks" / "03-gpu-training.ipynb", as_version=4)
+    client = NotebookClient(
+        nb,
+        km=_kernel_manager(JUPYTER_SHUTDOWN_WAIT),
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute(cleanup_kc=True)
+    text = "\n".join(
+        ANSI.sub("", out.get("text", "") or json.dumps(out.get("data", {})))
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+    )
+    assert "gloo ['cpu']" in text, text[-3000:]  # one engine without GPUs, gloo on CPU
+    assert "global_batch: 8" in text
+    assert "auto batch:" in text and "loss chunked" in text
+    assert (tmp_path / "out" / "runs" / "packed" / "adapter" / "adapter_config.json").is_file()

@@ -59,6 +59,10 @@ def fixed_plan(per_device: int, grad_accum: int, global_batch: int | None, world
     return BatchPlan(per_device, split_global(global_batch, world, per_device), global_batch)
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 def largest_divisor_at_most(n: int, cap: int) -> int:
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
@@ -178,10 +182,9 @@ def auto_plan(
                 micro = largest_divisor_at_most(global_batch // world, micro)
     micro = agree(micro)
     accum = grad_accum if global_batch is None else split_global(global_batch, world, micro)
-    unit = "GiB"
     note = (
         f"auto batch: {micro} row(s) per micro-batch x {accum} accumulation step(s) "
-        f"(one row {per_row / 2**30:.2f} {unit}, the model {max(one - per_row, 0) / 2**30:.2f} {unit}, "
-        f"{probe.budget / 2**30:.1f} {unit} usable)"
+        f"(one row {_size(per_row)}, the model {_size(max(one - per_row, 0))}, "
+        f"{_size(probe.budget)} usable)"
     )
     return BatchPlan(micro, accum, world * micro * accum, note)
