@@ -19,8 +19,18 @@ async function openLab(page: Page): Promise<void> {
 
 async function openSidebar(page: Page): Promise<void> {
   const sidebar = page.locator('#nbtrain-training-sidebar');
-  if (!(await sidebar.isVisible())) {
-    await page.locator('li[data-id="nbtrain-training-sidebar"]').click();
+  const tab = page.locator('li[data-id="nbtrain-training-sidebar"]');
+  await expect(tab).toBeVisible();
+  // Lab restores the last layout (the sidebar open) a moment after the shell shows: a click decided
+  // before that lands as the restored sidebar opens, and closes it. Click only a tab that is not
+  // the current one, and look again.
+  for (let i = 0; i < 3 && !(await sidebar.isVisible()); i++) {
+    if ((await tab.getAttribute('aria-selected')) !== 'true') {
+      await tab.click();
+    }
+    await sidebar
+      .waitFor({ state: 'visible', timeout: 5_000 })
+      .catch(() => undefined);
   }
   await expect(sidebar).toBeVisible();
 }
