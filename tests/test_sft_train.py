@@ -158,12 +158,23 @@ def test_finetune_learns_logs_checkpoints_and_exports(tiny, tmp_path, capsys):
     assert record["state"] == "done" and record["step"] == 40 and record["total_steps"] == 40
 
 
-def test_merge_writes_a_model_equal_to_base_plus_adapter(tiny, tmp_path):
+def test_merge_writes_a_model_equal_to_base_plus_adapter(tiny, tmp_path, monkeypatch):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    result = finetune(make_cfg(tiny, tmp_path / "m", max_steps=3), merge=True)
+    # the model given by a relative path, as a notebook next to its model folder would
+    monkeypatch.chdir(Path(tiny).parent)
+    cfg = make_cfg(tiny, tmp_path / "m", model=Path(tiny).name, max_steps=3, save_steps=3)
+    result = finetune(cfg, merge=True)
+    monkeypatch.undo()
     assert result.merged_dir == str(tmp_path / "m" / "merged")
+    # the adapter names its base by absolute path, so it loads from any working directory
+    for folder in (result.adapter_dir, tmp_path / "m" / "checkpoint-3"):
+        base = json.loads(Path(folder, "adapter_config.json").read_text())
+        assert base["base_model_name_or_path"] == str(Path(tiny).resolve()), folder
+    # training turns the KV cache off; the merged model gets the base model's setting back
+    assert AutoConfig.from_pretrained(tiny).use_cache is True
+    assert AutoConfig.from_pretrained(result.merged_dir).use_cache is True
     merged = AutoModelForCausalLM.from_pretrained(result.merged_dir).eval()
     peft = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(tiny), result.adapter_dir

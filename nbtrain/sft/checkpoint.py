@@ -176,12 +176,26 @@ def export_adapter(output_dir: Path, model: Any, tokenizer: Any) -> Path:
     return write_atomic_dir(Path(output_dir) / "adapter", fill)
 
 
-def export_merged(output_dir: Path, model: Any, tokenizer: Any) -> Path:
-    """Merge LoRA into the base weights and write a plain transformers model to `output_dir/merged`."""
+def export_merged(
+    output_dir: Path, model: Any, tokenizer: Any, use_cache: bool | None = None
+) -> Path:
+    """Merge LoRA into the base weights and write a plain transformers model to `output_dir/merged`.
+
+    `use_cache` is the base model's own setting, written back into the saved config: training turns
+    the KV cache off, and a merged model saved that way would generate without it (slowly).
+    """
     merged = model.merge_and_unload()
 
     def fill(tmp: Path) -> None:
-        merged.save_pretrained(tmp)
+        if use_cache is None:
+            merged.save_pretrained(tmp)
+        else:
+            training_value = merged.config.use_cache
+            merged.config.use_cache = use_cache
+            try:
+                merged.save_pretrained(tmp)
+            finally:
+                merged.config.use_cache = training_value
         tokenizer.save_pretrained(tmp)
 
     return write_atomic_dir(Path(output_dir) / "merged", fill)

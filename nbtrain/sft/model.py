@@ -73,7 +73,9 @@ def load_model(model: str, dtype: Any, device: Any, gradient_checkpointing: bool
     """The base causal LM, frozen, on `device`, with weights in `dtype`."""
     from transformers import AutoModelForCausalLM
 
-    source = str(Path(model).expanduser()) if _is_local(model) else model
+    # a local folder by its absolute path: peft writes this name into the adapter's
+    # base_model_name_or_path, and a relative one breaks once the adapter is loaded from elsewhere
+    source = str(Path(model).expanduser().resolve()) if _is_local(model) else model
     try:
         base = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except Exception as e:

@@ -492,7 +492,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
         resume_from = _check_output_dir(cfg) if d.is_zero else None
         rows = load_rows(cfg.data, "data")
         eval_rows = load_rows(cfg.eval_data, "eval_data") if cfg.eval_data is not None else None
-        check_causal_lm(cfg.model)
+        base_config = check_causal_lm(cfg.model)
         tokenizer = load_tokenizer(cfg.model)
         compute_dtype = _compute_dtype(cfg, d.device)
         weights_dtype = (
@@ -523,6 +523,8 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             "compute_dtype": compute_dtype,
             "notes": notes,
             "levers": levers,
+            # the base model's own KV-cache setting (training turns it off), for the merged export
+            "use_cache": getattr(base_config, "use_cache", None),
         }
 
     s = d.agree(setup)
@@ -789,7 +791,9 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
         if d.is_zero:
             adapter_dir = str(ckpt.export_adapter(out, peft_model, tokenizer))
             if merge:
-                merged_dir = str(ckpt.export_merged(out, peft_model, tokenizer))
+                merged_dir = str(
+                    ckpt.export_merged(out, peft_model, tokenizer, use_cache=s["use_cache"])
+                )
         d.barrier()
         final_state = "stopped" if stopped else "done"
     finally:
