@@ -220,6 +220,46 @@ def test_n_ranks_see_the_rows_one_rank_sees(tok, world):
     assert sorted(map(tuple, seen)) == sorted(tuple(one.example(i).input_ids) for i in range(61))
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_epoch_order_is_computed_once_per_epoch(tok, monkeypatch, packing):
+    from nbtrain.sft import data
+
+    calls: list[int] = []
+    real = data.epoch_order
+
+    def counted(n, seed, epoch):
+        calls.append(epoch)
+        return real(n, seed, epoch)
+
+    # with packing, the epoch's stream of rows (where each row ends in it) is per-epoch work too
+    streams: list[int] = []
+    real_ends = data._ends
+
+    def counted_ends(examples):
+        streams.append(len(examples))
+        return real_ends(examples)
+
+    monkeypatch.setattr(data, "epoch_order", counted)
+    monkeypatch.setattr(data, "_ends", counted_ends)
+    sb = ShardedBatches(
+        _rows(40),
+        tok,
+        max_length=16,
+        batch_size=2,
+        grad_accum=2,
+        seed=0,
+        rank=1,
+        world_size=2,
+        packing=packing,
+    )
+    # the training loop's order: every micro-batch of every step, over two and a half epochs
+    steps = 2 * sb.steps_per_epoch + sb.steps_per_epoch // 2
+    taken = [sb.micro_batch(step, a) for step in range(steps) for a in range(2)]
+    assert sum(len(b) for b in taken) > steps  # the micro-batches were real ones
+    assert calls == [0, 1, 2]
+    assert len(streams) == (3 if packing else 0)
+
+
 def test_every_row_is_tokenized_before_the_first_batch(tok):
     rows = _rows(40)
     sb = ShardedBatches(
