@@ -220,6 +220,54 @@ def test_resume_latest_equals_uninterrupted(tiny, tmp_path):
     torch.testing.assert_close(_adapter(again.adapter_dir), _adapter(full.adapter_dir))
 
 
+def _tensors(obj, where="checkpoint"):
+    """Every tensor in a nested structure of dicts, lists and tuples, with where it sits."""
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{where}[{k!r}]")
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{where}[{i}]")
+
+
+def _as_if_saved_on_gpu(path, monkeypatch):
+    """Rewrite a torch.save file so its storages say cuda:0, as a file saved on a GPU does."""
+    obj = torch.load(path, weights_only=False)
+    with monkeypatch.context() as m:
+        # torch.save asks this registry where each storage lives: the first answer wins
+        registry = torch.serialization._package_registry
+        m.setattr(
+            torch.serialization,
+            "_package_registry",
+            [(0, lambda storage: "cuda:0", lambda storage, location: None), *registry],
+        )
+        torch.save(obj, path)
+
+
+def test_checkpoint_loads_onto_the_cpu_even_when_written_on_a_gpu(tiny, tmp_path, monkeypatch):
+    kw = dict(max_steps=4, save_steps=2, lora_dropout=0.1)
+    full = finetune(make_cfg(tiny, tmp_path / "full", **kw))
+    ck = tmp_path / "gpu-run" / "checkpoint-2"
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", ck)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth"):
+        _as_if_saved_on_gpu(ck / name, monkeypatch)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(ck / "optimizer.pt", weights_only=False)  # the file really says cuda:0
+
+    loaded = ckpt.load_checkpoint(ck)
+    found = list(_tensors(loaded))
+    assert any("exp_avg_sq" in where for where, _ in found)  # the optimizer state was walked
+    assert [where for where, t in found if t.device.type != "cpu"] == []
+
+    # and it resumes, on this CPU, to the same adapter as the uninterrupted run
+    again = finetune(make_cfg(tiny, tmp_path / "gpu-run", resume="latest", **kw))
+    assert again.global_step == 4
+    torch.testing.assert_close(_adapter(again.adapter_dir), _adapter(full.adapter_dir))
+
+
 def test_stop_request_checkpoints_and_exports(tiny, tmp_path):
     out = tmp_path / "stop"
     run_id = runs.run_id_for(out)

@@ -119,7 +119,13 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Everything `save_checkpoint` wrote, as Python objects (read on rank 0, then broadcast)."""
+    """Everything `save_checkpoint` wrote, as Python objects with every tensor on the CPU (read on rank
+    0, then broadcast).
+
+    On the CPU because a pickled CUDA tensor unpickles onto the same device index: broadcast as is, a
+    GPU run's optimizer state would land on every rank's GPU 0, and a CPU-only machine could not read it
+    at all. `optimizer.load_state_dict` moves the state to the device of each rank's parameters.
+    """
     import torch
     from safetensors.torch import load_file
 
@@ -127,13 +133,16 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     rng = []
     for f in sorted(p.glob("rng_state_*.pth"), key=lambda f: int(f.stem.rsplit("_", 1)[1])):
         # our own file holding Python/numpy RNG states, which weights_only cannot read
-        rng.append(torch.load(f, weights_only=False))
+        rng.append(torch.load(f, weights_only=False, map_location="cpu"))
+    config_file = p / "sft_config.json"
     return {
-        "adapter": load_file(str(p / "adapter_model.safetensors")),
-        "optimizer": torch.load(p / "optimizer.pt", weights_only=False),
-        "scheduler": torch.load(p / "scheduler.pt", weights_only=False),
+        "adapter": load_file(str(p / "adapter_model.safetensors"), device="cpu"),
+        "optimizer": torch.load(p / "optimizer.pt", weights_only=False, map_location="cpu"),
+        "scheduler": torch.load(p / "scheduler.pt", weights_only=False, map_location="cpu"),
         "rng": rng,
         "state": json.loads((p / STATE_FILE).read_text()),
+        # the settings the checkpoint was written with: a resume compares the run's length with them
+        "config": json.loads(config_file.read_text()) if config_file.is_file() else {},
     }
 
 
