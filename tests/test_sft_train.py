@@ -268,6 +268,34 @@ def test_checkpoint_loads_onto_the_cpu_even_when_written_on_a_gpu(tiny, tmp_path
     torch.testing.assert_close(_adapter(again.adapter_dir), _adapter(full.adapter_dir))
 
 
+def test_final_checkpoint_and_save_total_limit(tiny, tmp_path):
+    out = tmp_path / "limited"
+    result = finetune(make_cfg(tiny, out, max_steps=7, save_steps=3, save_total_limit=2))
+    # saved at 3, 6 and the last step 7; the oldest went once there were more than two
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["checkpoint-6", "checkpoint-7"]
+    assert not list(out.glob(".tmp-*")) and not list(out.glob(".old-*"))
+    assert json.loads((out / "checkpoint-7" / ckpt.STATE_FILE).read_text())["global_step"] == 7
+    torch.testing.assert_close(_adapter(out / "checkpoint-7"), _adapter(result.adapter_dir))
+    with pytest.raises(ConfigError, match=r"save_total_limit=0 must be an integer >= 1"):
+        make_cfg(tiny, out, save_total_limit=0)
+
+
+def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
+    for step in (2, 4, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / ckpt.STATE_FILE).write_text("{}")
+    (tmp_path / "checkpoint-8").mkdir()  # incomplete (no state file): neither counted nor deleted
+    # a run resumed from checkpoint-2 of an output_dir that holds later ones just wrote checkpoint-2
+    gone = ckpt.prune_checkpoints(tmp_path, 2, tmp_path / "checkpoint-2")
+    assert [p.name for p in gone] == ["checkpoint-4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-2",
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
+    assert ckpt.prune_checkpoints(tmp_path, 2, tmp_path / "checkpoint-6") == []
+
+
 def test_stop_request_checkpoints_and_exports(tiny, tmp_path):
     out = tmp_path / "stop"
     run_id = runs.run_id_for(out)

@@ -146,6 +146,25 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
+def prune_checkpoints(output_dir: str | os.PathLike[str], keep: int, written: Path) -> list[Path]:
+    """Delete the oldest complete checkpoints so that `keep` remain, never `written` (the one just
+    saved); returns the deleted folders.
+
+    Each goes by a rename to a `.tmp-` name first, so a kill midway leaves it whole or gone (never a
+    half-deleted folder that still looks complete), and the next save sweeps the leftover.
+    """
+    found = list_checkpoints(output_dir)
+    others = [p for p in found if p.resolve() != Path(written).resolve()]
+    doomed = others[: max(0, len(found) - keep)]
+    for path in doomed:
+        aside = path.parent / f".tmp-delete-{path.name}-{os.getpid()}"
+        os.replace(path, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    if doomed:
+        _fsync_dir(Path(output_dir))
+    return doomed
+
+
 def get_rng_state() -> dict[str, Any]:
     import random
 

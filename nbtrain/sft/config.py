@@ -118,7 +118,14 @@ class SFTConfig:
         default=None, metadata={"help": "Evaluate every this many steps; None: at the end only."}
     )
     save_steps: int | None = field(
-        default=500, metadata={"help": "Checkpoint every this many steps; None: never."}
+        default=500,
+        metadata={"help": "Checkpoint every this many steps and at the last step; None: never."},
+    )
+    save_total_limit: int | None = field(
+        default=None,
+        metadata={
+            "help": "Keep at most this many checkpoints, deleting the oldest after each save; None: keep all."
+        },
     )
     resume: str | None = field(
         default=None,
@@ -254,6 +261,7 @@ class SFTConfig:
             positive_int(name)
         positive_int("eval_steps", allow_none=True)
         positive_int("save_steps", allow_none=True)
+        positive_int("save_total_limit", allow_none=True)
         need(
             isinstance(self.seed, int) and not isinstance(self.seed, bool),
             f"seed={self.seed!r} must be an integer, e.g. 42",

@@ -699,7 +699,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
                 "global_batch_size": global_batch,
                 "seed": cfg.seed,
             }
-            ckpt.save_checkpoint(
+            written = ckpt.save_checkpoint(
                 out,
                 step,
                 model=peft_model,
@@ -709,6 +709,8 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
                 state=state,
                 config=cfg.to_dict(),
             )
+            if cfg.save_total_limit is not None:
+                ckpt.prune_checkpoints(out, cfg.save_total_limit, written)
 
     live.begin(total_steps=total_steps, name=name)
     final_state = "failed"
@@ -774,7 +776,8 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
                 meter.exclude(time.perf_counter() - t0)
             if step % cfg.logging_steps == 0 or step == total_steps or eval_loss is not None:
                 log(meter.row(step, grad_norm, lr, eval_loss))
-            if cfg.save_steps is not None and step % cfg.save_steps == 0:
+            # and at the last step, as HF's Trainer does, so resume='latest' always has the run's end
+            if cfg.save_steps is not None and (step % cfg.save_steps == 0 or step == total_steps):
                 t0 = time.perf_counter()
                 save(step)
                 meter.exclude(time.perf_counter() - t0)
