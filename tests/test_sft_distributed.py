@@ -216,3 +216,50 @@ def test_config_error_on_two_ranks_is_raised_everywhere(tiny, tmp_path):
         e.value
     )
     assert not (tmp_path / "bad-out").exists()
+
+
+def test_resume_on_more_ranks_keeps_the_learning_rate_schedule(tiny, tmp_path):
+    # one epoch of 32 rows: 16 steps on one rank with batch 2, but 8 on two ranks with batch 2 each
+    rows = [json.loads(x) for x in Path(DATA).read_text().splitlines()[:32]]
+    kw = dict(
+        data=rows,
+        max_steps=-1,
+        num_train_epochs=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        save_steps=4,
+    )
+    one = finetune(SFTConfig(**_kw(tiny, tmp_path / "one", **kw)))
+    assert one.global_step == 16
+
+    # the one-rank run stopped after step 9 and goes on on two ranks
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    shutil.copytree(tmp_path / "one" / "checkpoint-8", crashed / "checkpoint-8")
+    lines = (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
+    (crashed / "metrics.jsonl").write_text("\n".join(lines[:9]) + "\n")
+    two = run_ranks(tmp_path, 2, **_kw(tiny, crashed, resume="latest", **kw))
+
+    # the run keeps its 16 steps (not the 8 that one epoch is on two ranks), so it trains on
+    h = two[0]["history"]
+    assert two[0]["state"] == "done" and [r["step"] for r in h] == list(range(1, 17))
+    # ... and the learning rate goes on down the same line as the uninterrupted one-rank run
+    torch.testing.assert_close(
+        torch.tensor([r["learning_rate"] for r in h], dtype=torch.float64),
+        torch.tensor(one.history["learning_rate"].to_numpy()),
+    )
+    assert all(r["loss"] > 0 for r in h[8:])
+    moved = [
+        (a - b).abs().max().item()
+        for a, b in zip(
+            _adapter(two[0]["adapter_dir"]).values(),
+            _adapter(crashed / "checkpoint-8").values(),
+            strict=True,
+        )
+    ]
+    assert max(moved) > 1e-4  # it trained after the checkpoint
+    assert [p.name for p in sorted(crashed.glob("checkpoint-*"))] == [
+        "checkpoint-12",
+        "checkpoint-16",
+        "checkpoint-8",
+    ]

@@ -268,6 +268,39 @@ def test_checkpoint_loads_onto_the_cpu_even_when_written_on_a_gpu(tiny, tmp_path
     torch.testing.assert_close(_adapter(again.adapter_dir), _adapter(full.adapter_dir))
 
 
+def test_resume_keeps_the_run_length_and_refuses_when_nothing_is_left(tiny, tmp_path):
+    out = tmp_path / "run"
+    kw = dict(save_steps=3, lr_scheduler_type="linear")
+    first = finetune(make_cfg(tiny, out, max_steps=5, **kw))
+    # the last step is checkpointed too, though 5 is not a multiple of save_steps
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["checkpoint-3", "checkpoint-5"]
+    before = (out / "metrics.jsonl").read_text()
+
+    # a finished run has nothing left: refuse rather than report "done" without a step
+    with pytest.raises(ConfigError) as e:
+        finetune(make_cfg(tiny, out, max_steps=5, resume="latest", **kw))
+    for words in ("checkpoint-5", "at step 5", "5 steps long", "max_steps larger than 5"):
+        assert words in str(e.value)
+    # an explicit max_steps below the checkpoint's step is refused too, naming both numbers
+    with pytest.raises(ConfigError) as e:
+        finetune(make_cfg(tiny, out, max_steps=2, resume=str(out / "checkpoint-3"), **kw))
+    for words in ("at step 3", "2 steps long (max_steps=2)", "max_steps larger than 3"):
+        assert words in str(e.value)
+    assert (out / "metrics.jsonl").read_text() == before  # nothing was written
+    assert runs.get_run(runs.run_id_for(out))["state"] == "done"
+
+    # a longer max_steps continues: the schedule is then the new length's
+    more = finetune(make_cfg(tiny, out, max_steps=7, resume="latest", **kw))
+    assert more.global_step == 7 and list(more.history["step"]) == list(range(1, 8))
+    lr = more.history["learning_rate"].to_numpy()
+    torch.testing.assert_close(
+        torch.tensor(lr[5:]), torch.tensor([1e-2 * (7 - 5) / 7, 1e-2 * (7 - 6) / 7]).double()
+    )
+    torch.testing.assert_close(
+        torch.tensor(lr[:5]), torch.tensor(first.history["learning_rate"].to_numpy())
+    )
+
+
 def test_final_checkpoint_and_save_total_limit(tiny, tmp_path):
     out = tmp_path / "limited"
     result = finetune(make_cfg(tiny, out, max_steps=7, save_steps=3, save_total_limit=2))

@@ -323,6 +323,47 @@ def _clear_output_dir(out: Path) -> None:
             p.unlink()
 
 
+def _total_steps(
+    cfg: SFTConfig, spe: int, resumed: dict[str, Any] | None, resume_from: str | None
+) -> int:
+    """The run's length in optimizer steps, which also shapes the learning-rate schedule.
+
+    A resumed run keeps the length its checkpoint recorded, so the schedule goes on where it was even
+    when another world size or batch gives another number of steps per epoch; only a length the user
+    changed (max_steps, or num_train_epochs while max_steps is -1) is recomputed. A ConfigError when
+    the checkpoint is already at or past that length: such a run would report done without training.
+    """
+    new_total = (
+        cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.num_train_epochs * spe))
+    )
+    if resumed is None:
+        return new_total
+    state, saved = resumed["state"], resumed.get("config") or {}
+    step = int(state["global_step"])
+
+    def length(max_steps: Any, epochs: Any) -> tuple[Any, Any]:
+        return (max_steps, epochs if max_steps == -1 else None)
+
+    changed = length(cfg.max_steps, cfg.num_train_epochs) != length(
+        saved.get("max_steps"), saved.get("num_train_epochs")
+    )
+    total = new_total if changed or "total_steps" not in state else int(state["total_steps"])
+    if step >= total:
+        if changed and cfg.max_steps > 0:
+            why = f"max_steps={cfg.max_steps}"
+        elif changed:
+            why = f"num_train_epochs={cfg.num_train_epochs} at {spe} steps per epoch"
+        else:
+            why = "the length the checkpoint recorded"
+        msg = (
+            f"nothing to train: checkpoint {resume_from} is at step {step} and the run is {total} "
+            f"steps long ({why}); pass max_steps larger than {step} to train further, or drop "
+            "resume to start a new run"
+        )
+        raise ConfigError(msg)
+    return total
+
+
 def _read_history(out: Path, upto_step: int) -> list[dict[str, Any]]:
     path = out / "metrics.jsonl"
     rows = []
@@ -597,22 +638,24 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
         for note in notes:
             print(f"nbtrain: {note}", flush=True)
     spe = batches.steps_per_epoch
-    total_steps = (
-        cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.num_train_epochs * spe))
-    )
 
-    # ---- resume: rank 0 reads the checkpoint and hands it to the others (they may not see its disk)
+    # ---- resume: rank 0 reads the checkpoint and hands it to the others (they may not see its disk);
+    # every tensor in it is on the CPU, so none lands on another rank's GPU
     resume_from = d.broadcast_object(s["resume_from"])
     resumed: dict[str, Any] | None = None
     if resume_from is not None:
         resumed = d.agree(lambda: ckpt.load_checkpoint(resume_from) if d.is_zero else None)
         resumed = d.broadcast_object(resumed)
     start_step = int(resumed["state"]["global_step"]) if resumed else 0
+    # every rank has the same checkpoint and plan, so every rank raises here alike, before any write
+    total_steps = _total_steps(cfg, spe, resumed, resume_from)
     global_batch = plan.global_batch
     if resumed and resumed["state"].get("global_batch_size") != global_batch and d.is_zero:
         print(
             f"nbtrain: resuming with a global batch of {global_batch} rows where the checkpoint used "
-            f"{resumed['state'].get('global_batch_size')}; the data order continues by step, not by row"
+            f"{resumed['state'].get('global_batch_size')}; the data order continues by step, not by "
+            f"row, and the learning-rate schedule runs to step {total_steps}",
+            flush=True,
         )
 
     # ---- from here on rank 0 writes to output_dir
@@ -649,6 +692,16 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
     if resumed:
         optimizer.load_state_dict(resumed["optimizer"])
         scheduler.load_state_dict(resumed["scheduler"])
+        # the loaded rate is the one the checkpoint's schedule gave the next step; a run made longer
+        # (max_steps) has another schedule from here, so the next step takes that one's rate. Every
+        # scheduler transformers' get_scheduler builds is a LambdaLR: rate = base rate x factor(step)
+        rates = [
+            base * factor(scheduler.last_epoch)
+            for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+        ]
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        scheduler._last_lr = rates
         rng = resumed["rng"]
         if d.rank < len(rng):
             ckpt.set_rng_state(rng[d.rank])
