@@ -74,3 +74,23 @@ def wait_gone(pids, timeout=10.0) -> list[int]:
             pass
     _, alive = psutil.wait_procs(procs, timeout=timeout)
     return [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One BLAS thread for the module's in-process training: on the small shared test machine that is
+    several times faster than two."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama and its tokenizer saved with save_pretrained (nbtrain.sft.tiny), one per module."""
+    from nbtrain.sft.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")

@@ -17,20 +17,8 @@ from nbtrain.sft.config import SFTConfig
 from nbtrain.sft.train import finetune
 from tests.test_sft_distributed import DATA, _adapter, _kw, _losses, run_ranks
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from nbtrain.sft.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+# one BLAS thread: the test machine is small and shared (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _rows(n):

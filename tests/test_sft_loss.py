@@ -24,14 +24,8 @@ from nbtrain.sft.loss import (
 REPO = Path(__file__).resolve().parents[1]
 gpu_test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none here")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # the test machine is small and shared
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+# one BLAS thread: the test machine is small and shared (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _token_loss_sum(model, batch, autocast):
@@ -217,13 +211,6 @@ def test_select_liger_where_it_cannot_run_is_an_error():
 
 
 # --------------------------------------------------------------------------- the model's side
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from nbtrain.sft.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
 def _lora(base, targets=("q_proj", "v_proj", "down_proj")):
     from peft import LoraConfig, get_peft_model
 

@@ -12,34 +12,14 @@ from nbtrain.errors import ConfigError
 from nbtrain.sft.batch import BatchPlan, MemoryProbe, auto_plan, fixed_plan, split_global
 from nbtrain.sft.config import SFTConfig
 from nbtrain.sft.train import finetune, peak_bf16_flops
+from tests.test_sft_train import make_cfg
 
 DATA = str(Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none here")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from nbtrain.sft.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
 def cfg(tiny, out, **kw):
-    base = dict(
-        model=tiny,
-        data=DATA,
-        output_dir=str(out),
-        max_steps=3,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        max_length=48,
-        logging_steps=1,
-        save_steps=None,
-        lora_r=8,
-        lora_dropout=0.0,
-    )
-    base.update(kw)
-    return SFTConfig(**base)
+    return make_cfg(tiny, out, **{"max_steps": 3, **kw})
 
 
 # ------------------------------------------------------------------------------------------ MFU

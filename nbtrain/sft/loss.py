@@ -413,6 +413,18 @@ def _probe(base: Any, head: Any, autocast: Any) -> tuple[bool, str]:
     return True, ""
 
 
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments a causal LM's forward gets from a collated batch. Packed and padding-free
+    batches have position_ids and no attention mask: transformers then keeps each sequence (its
+    position ids restarting at 0) to itself."""
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch.get("attention_mask"),
+        "position_ids": batch.get("position_ids"),
+        "use_cache": False,
+    }
+
+
 def causal_lm_loss_sum(model: Any, batch: dict[str, Any], autocast: Any, impl: LossFn) -> Any:
     """Summed next-token cross-entropy over the batch's target tokens, without the [B, T, V] logits.
 
@@ -429,13 +441,7 @@ def causal_lm_loss_sum(model: Any, batch: dict[str, Any], autocast: Any, impl: L
 
     base = _unwrap(model)
     with _hidden_states_out(base) as (head, softcap), autocast():
-        # packed and padding-free batches come with position_ids and no attention mask
-        hidden = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
-            position_ids=batch.get("position_ids"),
-            use_cache=False,
-        ).logits
+        hidden = model(**model_inputs(batch)).logits
     # position t predicts labels[t + 1]; the last position predicts nothing
     labels = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100).reshape(-1)
     # found on the CPU by the caller where it could (a GPU nonzero() waits for the forward to finish)

@@ -404,15 +404,10 @@ def _token_loss_sum(model: Any, batch: dict[str, Any], autocast: Any) -> Any:
     """Summed cross-entropy over target tokens (labels shifted by one)."""
     import torch.nn.functional as F
 
+    from nbtrain.sft.loss import model_inputs
+
     with autocast():
-        # packed and padding-free batches have no attention mask: transformers then keeps each
-        # sequence (position_ids restarting at 0) to itself
-        logits = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
-            position_ids=batch.get("position_ids"),
-            use_cache=False,
-        ).logits
+        logits = model(**model_inputs(batch)).logits
     logits = logits[:, :-1].float()
     labels = batch["labels"][:, 1:]
     return F.cross_entropy(
