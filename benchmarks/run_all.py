@@ -151,7 +151,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"(rank, threads): {f['torchrun_threads_per_rank']}); first {f['warmup_rows_skipped']} logged rows "
             f"(5 steps each) left out. nbtrain runs are `Cluster.execute(code, live=True/False)` cells (what "
             f"`%%distributed [--no-live]` calls) in a real Jupyter kernel "
-            f"(`_in_kernel()` = {f['kernel_in_kernel']}); the live variant sent "
+            f"(`in_kernel()` = {f['kernel_in_kernel']}); the live variant sent "
             f"{f['live_display_messages_per_run']} display messages per run, the --no-live one "
             f"{f['nolive_display_messages_per_run']}. The engines' malloc: "
             f"{f.get('nbtrain_engine_allocator', 'system')} (torchrun_tcmalloc preloads "

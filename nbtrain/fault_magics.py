@@ -42,7 +42,7 @@ def add_fault_commands(sub: Any) -> None:
 
 
 def cmd_restart(args: argparse.Namespace) -> None:
-    from nbtrain.cluster.core import require_cluster
+    from nbtrain.cluster.facade import require_cluster
 
     cluster = require_cluster()
     print("nbtrain: restarting dead or wedged ranks...", flush=True)
@@ -51,7 +51,7 @@ def cmd_restart(args: argparse.Namespace) -> None:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> None:
-    from nbtrain.cluster.core import require_cluster
+    from nbtrain.cluster.facade import require_cluster
 
     cluster = require_cluster()
     diag = cluster.diagnose(ranks=args.ranks, timeout=args.timeout)
@@ -59,7 +59,7 @@ def cmd_diagnose(args: argparse.Namespace) -> None:
 
 
 def cmd_attach(args: argparse.Namespace) -> None:
-    from nbtrain.cluster.attach import attach
+    from nbtrain.cluster.api import attach
 
     kwargs: dict[str, Any] = {"live": not args.no_live}
     if args.profile:

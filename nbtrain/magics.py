@@ -96,7 +96,7 @@ def _add_multinode_start_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ssh-args", default=None, help='ssh: extra ssh arguments, e.g. "-F ~/.ssh/cluster"'
     )
-    # their values are checked where they enter the Python API (nbtrain.cluster.slurm.validate),
+    # their values are checked where they enter the Python API (nbtrain.cluster.options.validate_slurm),
     # so the magic and nbtrain.start(launcher="slurm", ...) say the same thing
     s = p.add_argument_group("slurm (--launcher slurm)")
     s.add_argument("--nodes", default=None, help="nodes to allocate (default 1)")
@@ -221,7 +221,8 @@ class NbtrainMagics(Magics):
     def _cmd_start(self, args: argparse.Namespace) -> None:
         if args.launcher != "local":
             return self._cmd_start_remote(args)
-        from nbtrain.cluster.core import default_engine_count, local_gpu_count, start
+        from nbtrain.cluster.api import start
+        from nbtrain.cluster.options import default_engine_count, local_gpu_count
 
         n = default_engine_count(args.n)
         print(f"nbtrain: starting {n} engine(s) on this machine...", flush=True)
@@ -249,7 +250,7 @@ class NbtrainMagics(Magics):
         print(cluster.table())
 
     def _cmd_start_remote(self, args: argparse.Namespace) -> None:
-        from nbtrain.cluster.core import start
+        from nbtrain.cluster.api import start
 
         launch: dict[str, Any] = {
             "ip": args.ip,
@@ -286,7 +287,7 @@ class NbtrainMagics(Magics):
         self._print_ready(cluster, time.monotonic() - t0)
 
     def _cmd_connect(self, args: argparse.Namespace) -> None:
-        from nbtrain.cluster.launchers import connect
+        from nbtrain.cluster.api import connect
 
         t0 = time.monotonic()
         cluster = connect(
@@ -311,14 +312,14 @@ class NbtrainMagics(Magics):
         print(cluster.table())
 
     def _cmd_probe(self, args: argparse.Namespace) -> None:
-        from nbtrain.cluster.core import require_cluster
+        from nbtrain.cluster.facade import require_cluster
         from nbtrain.cluster.probe import parse_size
 
         result = require_cluster().probe(max_bytes=parse_size(args.max_size), iters=args.iters)
         print(result)
 
     def _cmd_stop(self, args: argparse.Namespace) -> None:
-        from nbtrain.cluster.core import current_cluster
+        from nbtrain.cluster.facade import current_cluster
 
         cluster = current_cluster()
         if cluster is None:
@@ -343,7 +344,8 @@ class NbtrainMagics(Magics):
         cmd_attach(args)
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
-        from nbtrain.cluster.core import current_cluster, format_table
+        from nbtrain.cluster.facade import current_cluster
+        from nbtrain.cluster.topology import format_table
 
         cluster = current_cluster()
         if cluster is None:
@@ -397,7 +399,7 @@ class NbtrainMagics(Magics):
         A failure on any rank fails the cell, naming the rank(s), host and remote traceback.
         Interrupting the kernel interrupts every rank.
         """
-        from nbtrain.cluster.core import require_cluster
+        from nbtrain.cluster.facade import require_cluster
 
         try:
             args = parse_argstring(self.distributed, shlex.join(shlex.split(line, comments=True)))

@@ -1,7 +1,7 @@
 """What an engine runs on: versions, GPUs, network interfaces, InfiniBand. Runs on every engine.
 
 The client gathers `collect()` from every engine before the process group exists and compares the
-nodes (`nbtrain.cluster.preflight.compare`). Importing this module is cheap; torch loads inside
+nodes (`nbtrain.cluster.launch.preflight.compare`). Importing this module is cheap; torch loads inside
 `collect()`.
 """
 
