@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from nbtrain.version import __version__
 
 __all__ = [
     "Cluster",
@@ -74,9 +74,9 @@ def __dir__() -> list[str]:
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register the %nbtrain line magic and the %%distributed cell magic."""
-    from nbtrain.magics import NbtrainMagics
+    from nbtrain.magics import register
 
-    ipython.register_magics(NbtrainMagics)
+    register(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

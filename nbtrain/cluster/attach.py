@@ -189,7 +189,7 @@ def follow_run(
         from nbtrain.cluster.cell import in_kernel
 
         if in_kernel():
-            from nbtrain.display.live import LiveDisplay
+            from nbtrain.live import LiveDisplay
 
             display = LiveDisplay()
             display.feed(

@@ -179,7 +179,7 @@ class CellRun:
                 continue
             payload = data[key]
             if self._display is None:
-                from nbtrain.display.live import LiveDisplay
+                from nbtrain.live import LiveDisplay
 
                 self._display = LiveDisplay()
             self._display.feed(payload)

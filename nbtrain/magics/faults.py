@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from nbtrain.magics.args import positive_float
+
 
 def add_fault_commands(sub: Any) -> None:
-    # magics.build_parser calls this once _positive_float exists, so the import finds it
-    from nbtrain.magics import _positive_float as _seconds
-
+    """`%nbtrain restart`, `diagnose` and `attach`."""
     p = sub.add_parser(
         "restart",
         help="replace dead or wedged engines and re-create the process group (their variables are lost)",
@@ -18,7 +18,10 @@ def add_fault_commands(sub: Any) -> None:
         "--all", action="store_true", help="replace every engine, not only dead or wedged ones"
     )
     p.add_argument(
-        "--timeout", type=_seconds, default=None, help="seconds to get the new engines and group"
+        "--timeout",
+        type=positive_float,
+        default=None,
+        help="seconds to get the new engines and group",
     )
     p = sub.add_parser(
         "diagnose",
@@ -26,7 +29,7 @@ def add_fault_commands(sub: Any) -> None:
     )
     p.add_argument("--ranks", default=None, help="only these ranks: 0, 0,2 or 1-3 (default: all)")
     p.add_argument(
-        "--timeout", type=_seconds, default=8.0, help="seconds to wait for the ranks' answers"
+        "--timeout", type=positive_float, default=8.0, help="seconds to wait for the ranks' answers"
     )
     p = sub.add_parser(
         "attach",
