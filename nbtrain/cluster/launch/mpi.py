@@ -67,7 +67,7 @@ class MPIEngineSet(MPIEngineSetLauncher):
     numbers ranks itself (from the MPI rank in the environment), so engines need no mpi4py.
     """
 
-    entrypoint_name = "nbtrain.cluster.mpi.MPIEngineSet"
+    entrypoint_name = "nbtrain.cluster.launch.mpi.MPIEngineSet"
     # ipyparallel removes the output when mpiexec exits; kept until nbtrain's teardown, since a
     # failed start quotes it and points at it
     keep_output = True

@@ -107,7 +107,7 @@ class SlurmEngineSet(SlurmEngineSetLauncher):
     """
 
     # how ipyparallel names the class in the cluster file: a dotted path it can import back
-    entrypoint_name = "nbtrain.cluster.slurm.SlurmEngineSet"
+    entrypoint_name = "nbtrain.cluster.launch.slurm.SlurmEngineSet"
     # ipyparallel removes the output when the job stops; kept until nbtrain's teardown, since a
     # failed start quotes it and points at it
     keep_output = True
