@@ -1,6 +1,6 @@
 """Draw docs/images/architecture.svg: where nbtrain's code runs, and its layers (plain SVG text).
 
-    python scripts/draw_architecture.py        # rewrites docs/images/architecture.svg
+python scripts/draw_architecture.py        # rewrites docs/images/architecture.svg
 """
 
 from __future__ import annotations
@@ -21,8 +21,14 @@ KERNEL = [
     ("primitives", "options · topology · procs · failures · plan · registry · ranges · allocator"),
     ("shared, no client", "nbtrain/live.py · nbtrain/net.py · nbtrain/errors.py · nbtrain/runs.py"),
 ]
-ENGINE = ["engine/boot.py (entry point)", "engine/setup.py (rank env, group)", "engine/metrics.py (log)",
-          "engine/faults.py (stack dumps, NCCL)", "engine/oom.py · probe.py · network.py", "sft/ (finetune loop)"]
+ENGINE = [
+    "engine/boot.py (entry point)",
+    "engine/setup.py (rank env, group)",
+    "engine/metrics.py (log)",
+    "engine/faults.py (stack dumps, NCCL)",
+    "engine/oom.py · probe.py · network.py",
+    "sft/ (finetune loop)",
+]
 SERVER = ["server/handlers.py (REST, authenticated)", "server/clusters.py · server/metrics.py"]
 BROWSER = ["labextension/src: sidebar, run panels, status bar"]
 FAULTS = [
@@ -47,16 +53,32 @@ def box(x: int, y: int, w: int, h: int, fill: str, text: list[str], bold: bool =
 def draw() -> str:
     parts = []
     y = 10
-    parts.append(box(10, y, 620, 30 + 40 * len(KERNEL), "#eef4fb", ["the notebook kernel (client)"], True))
+    parts.append(
+        box(10, y, 620, 30 + 40 * len(KERNEL), "#eef4fb", ["the notebook kernel (client)"], True)
+    )
     for i, (label, mods) in enumerate(KERNEL):
         yy = y + 28 + 40 * i
         parts.append(box(20, yy, 600, 34, "#ffffff", [label, mods]))
         if i:
-            parts.append(f'<line x1="320" y1="{yy - 6}" x2="320" y2="{yy}" stroke="#333" marker-end="url(#a)"/>')
+            parts.append(
+                f'<line x1="320" y1="{yy - 6}" x2="320" y2="{yy}" stroke="#333" marker-end="url(#a)"/>'
+            )
     ky = y + 30 + 40 * len(KERNEL)
-    parts.append(box(650, 10, 320, 30 + 22 * len(ENGINE), "#eefbef", ["every engine (one per rank)", *ENGINE], True))
+    parts.append(
+        box(
+            650,
+            10,
+            320,
+            30 + 22 * len(ENGINE),
+            "#eefbef",
+            ["every engine (one per rank)", *ENGINE],
+            True,
+        )
+    )
     sy = 30 + 22 * len(ENGINE) + 24
-    parts.append(box(650, sy, 320, 30 + 22 * len(SERVER), "#fbf5ee", ["the Jupyter server", *SERVER], True))
+    parts.append(
+        box(650, sy, 320, 30 + 22 * len(SERVER), "#fbf5ee", ["the Jupyter server", *SERVER], True)
+    )
     by = sy + 30 + 22 * len(SERVER) + 14
     parts.append(box(650, by, 320, 46, "#f5eefb", ["the browser", *BROWSER], True))
     parts.append(
