@@ -28,8 +28,13 @@ ENGINE = [
     "engine/faults.py (stack dumps, NCCL)",
     "engine/oom.py · probe.py · network.py",
     "sft/ (finetune loop)",
+    "never imports the kernel or server side",
 ]
-SERVER = ["server/handlers.py (REST, authenticated)", "server/clusters.py · server/metrics.py"]
+SERVER = [
+    "server/handlers.py (REST, authenticated)",
+    "server/clusters.py · server/metrics.py",
+    "never imports the notebook side",
+]
 BROWSER = ["labextension/src: sidebar, run panels, status bar"]
 FAULTS = [
     "dead rank: faults.DeathWatch → faults.fail_cell → RankDiedError",
@@ -69,22 +74,18 @@ def draw() -> str:
             650,
             10,
             320,
-            30 + 22 * len(ENGINE),
+            26 + 16 * len(ENGINE),
             "#eefbef",
             ["every engine (one per rank)", *ENGINE],
             True,
         )
     )
-    sy = 30 + 22 * len(ENGINE) + 24
+    sy = 26 + 16 * len(ENGINE) + 24
     parts.append(
-        box(650, sy, 320, 30 + 22 * len(SERVER), "#fbf5ee", ["the Jupyter server", *SERVER], True)
+        box(650, sy, 320, 26 + 16 * len(SERVER), "#fbf5ee", ["the Jupyter server", *SERVER], True)
     )
-    by = sy + 30 + 22 * len(SERVER) + 14
+    by = sy + 26 + 16 * len(SERVER) + 14
     parts.append(box(650, by, 320, 46, "#f5eefb", ["the browser", *BROWSER], True))
-    parts.append(
-        f'<text x="650" y="{by + 70}" font-size="11">engines never import the kernel side;</text>'
-        f'<text x="650" y="{by + 84}" font-size="11">the server never imports the notebook side</text>'
-    )
     fy = ky + 16
     parts.append(box(10, fy, 960, 26 + 16 * len(FAULTS), "#fff8e6", ["fault paths", *FAULTS], True))
     height = fy + 26 + 16 * len(FAULTS) + 10
