@@ -43,9 +43,9 @@ import json, os, socket, sys
 out = {"hostname": socket.gethostname(), "python": sys.executable}
 try:
     import nbtrain
-    from nbtrain.engine.setup import _cuda_count
+    from nbtrain.engine.setup import cuda_count
     out["nbtrain"] = nbtrain.__version__
-    out["gpus"] = _cuda_count()
+    out["gpus"] = cuda_count()
     from nbtrain.engine.preflight import network_interfaces
     out["interfaces"] = {n: v["addresses"] for n, v in network_interfaces().items()}
     if len(sys.argv) > 1:
