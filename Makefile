@@ -30,6 +30,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check nbtrain tests benchmarks
 	$(PY) -m ruff format --check nbtrain tests benchmarks
 	$(PY) -m mypy nbtrain
+	$(VENV)/bin/lint-imports
 
 # the docs, with warnings as errors (mkdocs.yml sets strict); the SFTConfig table must be current
 docs: $(STAMP)

@@ -19,6 +19,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 # ignored by git (.gitignore): models, run folders, the runs registry the benchmarks write
 WORK = HERE / "_work"
+# raw results (JSON) of the committed runs; the scripts and RESULTS.md stay at the top
+RESULTS = HERE / "results"
 
 
 def setup_env() -> None:

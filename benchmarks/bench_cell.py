@@ -31,7 +31,7 @@ def _phases(cluster: Any, view: Any, runs: int) -> dict[str, Any]:
     """Median time of each step of CellRun.run (and of raw execute/get), from timing wrappers."""
     import ipyparallel as ipp
 
-    from nbtrain.cluster import cell, core
+    from nbtrain.cluster import cell, facade
 
     pc = time.perf_counter
     acc: dict[str, float] = defaultdict(float)
@@ -51,7 +51,7 @@ def _phases(cluster: Any, view: Any, runs: int) -> dict[str, Any]:
 
         setattr(owner, name, timed)
 
-    wrap(core.Cluster, "view", "Cluster.view (new DirectView per cell)")
+    wrap(facade.Cluster, "view", "Cluster.view (new DirectView per cell)")
     wrap(ipp.DirectView, "execute", "DirectView.execute (send the request)")
     wrap(cell.CellRun, "_hook", "CellRun._hook (install stream callbacks on the IO thread)")
     wrap(ipp.AsyncResult, "wait", "AsyncResult.wait (reply from both engines)")
@@ -59,7 +59,7 @@ def _phases(cluster: Any, view: Any, runs: int) -> dict[str, Any]:
     wrap(cell.CellRun, "_drain", "CellRun._drain")
     wrap(cell.CellRun, "_feed_metrics", "CellRun._feed_metrics")
     wrap(ipp.AsyncResult, "get", "AsyncResult.get")
-    wrap(core, "raise_for_failures", "raise_for_failures")
+    wrap(cell, "raise_for_failures", "raise_for_failures")
     try:
         for variant in ("nbtrain", "raw"):
             for _ in range(runs):

@@ -265,7 +265,7 @@ def main() -> None:
             "cluster.execute('import torch; print(\"threads\", torch.get_num_threads())', output='all')"
         )["text"]
         rec.data["nbtrain_threads_per_rank"] = threads.strip().splitlines()
-        in_kernel = kernel.run("from nbtrain.cluster.cell import _in_kernel\nprint(_in_kernel())")[
+        in_kernel = kernel.run("from nbtrain.cluster.cell import in_kernel\nprint(in_kernel())")[
             "text"
         ].strip()
         rec.data["kernel_in_kernel"] = in_kernel

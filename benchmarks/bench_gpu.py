@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu.py [--shape llama-3.1-8b] [--seq 2048] [--global-batch 4] [--steps 24]
                                    [--warmup 8] [--nbtrain-micro auto] [--baseline-micro 1]
-                                   [--compile/--no-compile] [--arms nbtrain,hf,bare] [--json benchmarks/gpu.json]
+                                   [--compile/--no-compile] [--arms nbtrain,hf,bare] [--json benchmarks/results/gpu.json]
 
 One run, the same model, data and training settings in three arms:
   nbtrain  `nbtrain.finetune(SFTConfig(...))` in a `%%distributed` cell (`Cluster.execute`, the call the
@@ -19,7 +19,7 @@ logits do not fit at larger batches of an 8B model), with gradient accumulation 
 tokens/s counts the steps after `--warmup`. MFU = tokens/s x 4 x parameters / the GPU's dense bf16 peak
 (NeMo's convention: the frozen weights need no weight gradients, attention is left out).
 
-Appends one record to benchmarks/gpu.json ({"runs": [...]}) and rewrites the GPU table in
+Appends one record to benchmarks/results/gpu.json ({"runs": [...]}) and rewrites the GPU table in
 benchmarks/RESULTS.md. `--shape tiny` runs the same code on the CPU in seconds (tests/test_benchmarks_smoke).
 """
 
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--baseline-micro", type=int, default=1)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--arms", default="nbtrain,hf,bare")
-    p.add_argument("--json", default=str(C.HERE / "gpu.json"), help="append the record here")
+    p.add_argument("--json", default=str(C.RESULTS / "gpu.json"), help="append the record here")
     p.add_argument("--no-render", action="store_true", help="do not rewrite RESULTS.md")
     p.add_argument("--only-arm", help=argparse.SUPPRESS)
     p.add_argument("--arm-out", help=argparse.SUPPRESS)

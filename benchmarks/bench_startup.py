@@ -71,7 +71,8 @@ def _child_nbtrain_phases() -> dict[str, Any]:
 
     p_ipp = pc() - p0
     import nbtrain
-    from nbtrain.cluster import core, registry
+    from nbtrain.cluster import registry
+    from nbtrain.cluster.launch import local
 
     marks: list[tuple[str, float, float]] = []
 
@@ -110,7 +111,7 @@ def _child_nbtrain_phases() -> dict[str, Any]:
         "client connected (waits for the controller's connection file)",
     )
     wrap(ipp.Client, "wait_for_engines", "engines registered (wait_for_engines)")
-    wrap(core, "_init_group", "process group (init_rank on every engine: import torch, gloo)")
+    wrap(local, "init_group", "process group (init_rank on every engine: import torch, gloo)")
     wrap(registry, "write", "registry file written")
 
     t_start_wall = time.time()

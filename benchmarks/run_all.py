@@ -1,4 +1,4 @@
-"""Run every benchmark, one after the other, and write results.json and RESULTS.md next to this file.
+"""Run every benchmark, one after the other; write results/results.json and RESULTS.md beside this file.
 
     .venv/bin/python benchmarks/run_all.py            # the full set (~15 min on 2 cores)
     .venv/bin/python benchmarks/run_all.py --quick    # smoke run; writes into benchmarks/_work/ instead
@@ -47,7 +47,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"Measured {results['started']} on `{results['machine']['host']}` ({results['machine']['cpus']} CPUs, "
         f"{results['machine']['platform']}, Python {results['machine']['python']}), "
         f"{'QUICK smoke run, not figures to quote' if results['quick'] else 'full run'}; "
-        f"`benchmarks/run_all.py` wrote this file and `results.json` (every run's raw numbers).",
+        f"`benchmarks/run_all.py` wrote this file and `results/results.json` (every run's raw numbers).",
         "",
         "This is a small shared VM (2 cores; its host's load moves under it, so one run's speed can "
         "swing by 2x): variants were interleaved (A, B, C, A, B, C, ...) so load drifts over all of them "
@@ -137,7 +137,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {k} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} |")
         lines += [
             "",
-            "cProfile of nbtrain's cell (top by internal time) is in `results.json` "
+            "cProfile of nbtrain's cell (top by internal time) is in `results/results.json` "
             "(`benchmarks.cell.cprofile_nbtrain`), next to the raw variant's.",
         ]
     if "finetune" in b:
@@ -151,7 +151,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"(rank, threads): {f['torchrun_threads_per_rank']}); first {f['warmup_rows_skipped']} logged rows "
             f"(5 steps each) left out. nbtrain runs are `Cluster.execute(code, live=True/False)` cells (what "
             f"`%%distributed [--no-live]` calls) in a real Jupyter kernel "
-            f"(`_in_kernel()` = {f['kernel_in_kernel']}); the live variant sent "
+            f"(`in_kernel()` = {f['kernel_in_kernel']}); the live variant sent "
             f"{f['live_display_messages_per_run']} display messages per run, the --no-live one "
             f"{f['nolive_display_messages_per_run']}. The engines' malloc: "
             f"{f.get('nbtrain_engine_allocator', 'system')} (torchrun_tcmalloc preloads "
@@ -218,7 +218,7 @@ def main() -> None:
     ap.add_argument(
         "--out-dir",
         default=None,
-        help="where results.json and RESULTS.md go (default: benchmarks/, or benchmarks/_work with --quick)",
+        help="where results.json and RESULTS.md go (default: benchmarks/results/ and benchmarks/, or benchmarks/_work with --quick)",
     )
     ap.add_argument(
         "--render",
@@ -227,13 +227,15 @@ def main() -> None:
     )
     args = ap.parse_args()
     C.setup_env()
-    if args.render:
-        where = Path(args.out_dir) if args.out_dir else (C.WORK if args.quick else C.HERE)
-        results = json.loads((where / "results.json").read_text())
-        (where / "RESULTS.md").write_text(render_markdown(results))
-        return
     out_dir = Path(args.out_dir) if args.out_dir else (C.WORK if args.quick else C.HERE)
+    # the committed run keeps its raw numbers in benchmarks/results/, RESULTS.md at the top
+    json_dir = C.RESULTS if out_dir == C.HERE else out_dir
+    if args.render:
+        results = json.loads((json_dir / "results.json").read_text())
+        (out_dir / "RESULTS.md").write_text(render_markdown(results))
+        return
     out_dir.mkdir(parents=True, exist_ok=True)
+    json_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "quick": args.quick,
@@ -241,7 +243,7 @@ def main() -> None:
         "loadavg_start": C.loadavg(),
         "benchmarks": {},
     }
-    previous = out_dir / "results.json"
+    previous = json_dir / "results.json"
     if set(args.only) != set(BENCHES) and previous.is_file():
         # a partial re-run keeps the other benchmarks' last results (each carries its own date and load)
         old = json.loads(previous.read_text())
@@ -262,9 +264,9 @@ def main() -> None:
             continue
         results["benchmarks"][name] = json.loads(part.read_text())
     results["loadavg_end"] = C.loadavg()
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (json_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     (out_dir / "RESULTS.md").write_text(render_markdown(results))
-    print(f"wrote {out_dir / 'results.json'} and {out_dir / 'RESULTS.md'}", file=sys.stderr)
+    print(f"wrote {json_dir / 'results.json'} and {out_dir / 'RESULTS.md'}", file=sys.stderr)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         sys.exit(1)

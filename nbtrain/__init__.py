@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from nbtrain.version import __version__
 
 __all__ = [
     "Cluster",
@@ -34,12 +34,12 @@ __all__ = [
 
 # name -> module that defines it; resolved on first access (PEP 562)
 _LAZY = {
-    "Cluster": "nbtrain.cluster.core",
+    "Cluster": "nbtrain.cluster.facade",
     "ClusterPicker": "nbtrain.display.picker",
     "DistributedCellError": "nbtrain.errors",
-    "connect": "nbtrain.cluster.launchers",
-    "current_cluster": "nbtrain.cluster.core",
-    "start": "nbtrain.cluster.core",
+    "connect": "nbtrain.cluster.api",
+    "current_cluster": "nbtrain.cluster.facade",
+    "start": "nbtrain.cluster.api",
     "SFTConfig": "nbtrain.sft.config",
     "TrainResult": "nbtrain.sft.train",
     "finetune": "nbtrain.sft.train",
@@ -48,8 +48,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from nbtrain.cluster.core import Cluster, current_cluster, start
-    from nbtrain.cluster.launchers import connect
+    from nbtrain.cluster.api import connect, start
+    from nbtrain.cluster.facade import Cluster, current_cluster
     from nbtrain.display.picker import ClusterPicker
     from nbtrain.engine.metrics import log
     from nbtrain.engine.rank import is_rank_zero
@@ -74,9 +74,9 @@ def __dir__() -> list[str]:
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register the %nbtrain line magic and the %%distributed cell magic."""
-    from nbtrain.magics import NbtrainMagics
+    from nbtrain.magics import register
 
-    ipython.register_magics(NbtrainMagics)
+    register(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -114,7 +114,7 @@ def test_kernel_death_job_goes_on_and_attach_follows_it(tmp_path, ip):
     ip.run_line_magic("nbtrain", f"attach {cluster_id} --no-live")
     cluster = nbtrain.current_cluster()
     assert cluster is not None and cluster.cluster_id == cluster_id and cluster.world_size == 2
-    from nbtrain.cluster.attach import attach
+    from nbtrain.cluster.api import attach
 
     attached = attach(cluster_id, follow=False)
     assert attached.run is not None and attached.run["output_dir"] == str(out)

@@ -65,7 +65,7 @@ def test_no_comment_after_a_line_magic():
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)
 def test_snippets_run(ip, page, tmp_path, monkeypatch, capsys):
-    from nbtrain.cluster.core import current_cluster
+    from nbtrain.cluster.facade import current_cluster
 
     monkeypatch.chdir(tmp_path)
     # IPython's test shell has no `kernel`; ipyparallel's client asks for one when an engine sends
@@ -216,7 +216,7 @@ def test_python_api_signatures_are_documented():
     from dataclasses import fields
 
     import nbtrain
-    from nbtrain.cluster.launchers import LaunchOptions
+    from nbtrain.cluster.options import LaunchOptions
 
     text = (DOCS / "magics.md").read_text(encoding="utf-8")
     missing = []

@@ -11,8 +11,9 @@ import psutil
 import pytest
 
 import nbtrain
-from nbtrain.cluster import core, mpi
-from nbtrain.cluster.launchers import LaunchOptions
+from nbtrain.cluster import facade as core
+from nbtrain.cluster.launch import mpi
+from nbtrain.cluster.options import LaunchOptions
 from nbtrain.errors import ClusterError, ConfigError
 
 needs_mpiexec = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""nbtrain.cluster.net on this machine's real interfaces (routing across nodes: tests/multinode)."""
+"""nbtrain.net on this machine's real interfaces (routing across nodes: tests/multinode)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 import psutil
 import pytest
 
-from nbtrain.cluster import net
+from nbtrain import net
 from nbtrain.errors import ClusterError, ConfigError
 
 

@@ -164,13 +164,13 @@ def _all_reduce_one():
 
 def test_client_adds_the_fixes_when_the_engine_did_not(cluster):
     # an engine without the hook (nbtrain's hook on, but a plain RuntimeError text from cudaMalloc)
-    from nbtrain.cluster.cell import group_failures
+    from nbtrain.cluster.failures import group_failures
 
     class Remote(Exception):
         ename = "RuntimeError"
         evalue = "CUDA error: out of memory"
         traceback = ["RuntimeError: CUDA error: out of memory"]
 
-    message, groups = group_failures(cluster, [(0, Remote()), (1, Remote())], total=2)
+    message, groups = group_failures(cluster.ranks, [(0, Remote()), (1, Remote())], total=2)
     assert len(groups) == 1 and groups[0]["ranks"] == [0, 1]
     assert oom.FIXES in message

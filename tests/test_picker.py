@@ -176,8 +176,8 @@ def test_slurm_page_builds_the_start_call(home):
     assert kw["allow_version_mismatch"] is True and kw["force"] is True
     assert "iface" not in kw and "ip" not in kw and "hosts" not in kw
     # the call is one nbtrain.start takes: LaunchOptions reads the sbatch lines as the magic does
-    from nbtrain.cluster import slurm
-    from nbtrain.cluster.launchers import parse_launch
+    from nbtrain.cluster.launch import slurm
+    from nbtrain.cluster.options import parse_launch
 
     launch = {k: v for k, v in kw.items() if k not in ("launcher", "backend", "timeout", "force")}
     script = slurm.batch_script(parse_launch("slurm", launch))
@@ -267,7 +267,7 @@ def test_slurm_page_without_slurm_here_says_so(home, monkeypatch, tmp_path):
 
 
 def test_interface_choices_are_this_machines():
-    from nbtrain.cluster import net
+    from nbtrain import net
 
     choices = pk.interface_choices()
     assert choices[0] == "auto"
@@ -346,7 +346,7 @@ def test_interfaces_from_preflight_reports_one_per_host():
 
 
 def test_ssh_dropdown_offers_auto_and_the_saved_choice_until_hosts_are_checked(home):
-    from nbtrain.cluster import net
+    from nbtrain import net
 
     pk.save_settings(pk.PickerSettings(launcher="ssh", hosts="a:1,b:1", iface="ib0"))
     p = pk.ClusterPicker()

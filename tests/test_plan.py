@@ -1,7 +1,7 @@
 """One backend and device plan for the whole cluster (nbtrain/cluster/plan.py), decided on the client.
 
 The rules are checked on injected GPU counts; then real local engines are started with the GPU count
-their `hello()` reports injected (NBTRAIN_TEST_GPU_COUNT, read only by `setup._cuda_count`), so a
+their `hello()` reports injected (NBTRAIN_TEST_GPU_COUNT, read only by `setup.cuda_count`), so a
 machine without GPUs plans the layouts of machines with them. GPU-marked tests at the end run the
 same plans on real GPUs (NCCL, more ranks than GPUs, one engine per GPU by default).
 """
@@ -14,7 +14,7 @@ import time
 import pytest
 
 import nbtrain
-from nbtrain.cluster.core import default_engine_count
+from nbtrain.cluster.options import default_engine_count
 from nbtrain.cluster.plan import DevicePlan, Slot, plan_devices
 from nbtrain.errors import ClusterError, ConfigError
 from tests.conftest import cluster_processes, wait_gone

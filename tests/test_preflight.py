@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import nbtrain
-from nbtrain.cluster.preflight import (
+from nbtrain.cluster.launch.preflight import (
     ALLOW_FLAG,
     VersionMismatchError,
     compare,
@@ -122,7 +122,7 @@ def test_infiniband_devices_read_port_state_link_layer_and_rate(tmp_path: Path) 
 
 def test_importing_preflight_modules_does_not_import_torch() -> None:
     code = (
-        "import sys, nbtrain.engine.preflight, nbtrain.cluster.preflight, nbtrain.cluster.net; "
+        "import sys, nbtrain.engine.preflight, nbtrain.cluster.launch.preflight, nbtrain.net; "
         "print(sorted(m for m in ('torch', 'transformers', 'IPython') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -20,8 +20,10 @@ import psutil
 import pytest
 
 import nbtrain
-from nbtrain.cluster import core, slurm
-from nbtrain.cluster.launchers import LaunchOptions, parse_launch
+from nbtrain.cluster import facade as core
+from nbtrain.cluster import options
+from nbtrain.cluster.launch import slurm
+from nbtrain.cluster.options import LaunchOptions, parse_launch
 from nbtrain.errors import ClusterError, ConfigError
 from tests.conftest import cluster_processes, wait_gone
 
@@ -108,10 +110,10 @@ def test_batch_script_rendered_by_ipyparallel(tmp_path):
 
 
 def test_engines_per_node_defaults():
-    assert slurm.engines_per_node(LaunchOptions(launcher="slurm")) == 1  # CPU nodes
-    assert slurm.engines_per_node(LaunchOptions(launcher="slurm", gpus_per_node=8)) == 8
+    assert options.engines_per_node(LaunchOptions(launcher="slurm")) == 1  # CPU nodes
+    assert options.engines_per_node(LaunchOptions(launcher="slurm", gpus_per_node=8)) == 8
     lo = LaunchOptions(launcher="slurm", gpus_per_node=8, engines_per_node=2)
-    assert slurm.engines_per_node(lo) == 2
+    assert options.engines_per_node(lo) == 2
     assert LaunchOptions(launcher="slurm").nodes == 1
 
 
@@ -119,7 +121,7 @@ def test_engines_per_node_defaults():
     "value", ["90", "30:00", "02:00:00", "1-0", "1-12:00", "2-12:30:00", "UNLIMITED"]
 )
 def test_time_limits_sbatch_takes(value):
-    assert slurm.check_time(value) == value
+    assert options.check_time(value) == value
 
 
 # -- bad input: a ConfigError before anything runs -------------------------------------------------

@@ -1,7 +1,7 @@
 """Reconnect a new kernel to a cluster that outlived its kernel, and to the job it runs.
 
 In [1]: %load_ext nbtrain
-In [2]: %nbtrain attach              # twin of nbtrain.attach(): rank table, then the running job's live plot
+In [2]: %nbtrain attach              # twin of nbtrain.cluster.api.attach(): rank table, then the running job's live plot
 
 Engines and the controller run in their own sessions, so a dying kernel leaves them (and a `finetune`
 in progress, which keeps appending to ``output_dir/metrics.jsonl``) running. The cluster's side file
@@ -19,6 +19,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from nbtrain.cluster import registry
+from nbtrain.cluster.faults import lost_ranks
+from nbtrain.cluster.launch import local
+from nbtrain.cluster.options import StartOptions
+from nbtrain.cluster.session import Launched, Session
+from nbtrain.cluster.topology import RankInfo
 from nbtrain.errors import ClusterError
 
 
@@ -78,21 +84,8 @@ def running_job(cluster: Any) -> dict[str, Any] | None:
     return None
 
 
-def attach(
-    cluster_id: str | None = None,
-    profile: str = "nbtrain",
-    live: bool = True,
-    follow: bool = True,
-    timeout: float = 30.0,
-) -> Attached:
-    """Make a running cluster this kernel's current cluster again; follow its running job.
-
-    In [1]: a = nbtrain.cluster.attach.attach()     # %nbtrain attach
-    """
-    import ipyparallel as ipp
-
-    from nbtrain.cluster import core, registry
-
+def find_one(cluster_id: str | None, profile: str, current: Any) -> dict[str, Any] | None:
+    """The side file of the cluster to attach to; None when `current` already is that cluster."""
     found = find_clusters(profile)
     if cluster_id is not None:
         found = [s for s in found if s.get("cluster_id") == cluster_id]
@@ -108,15 +101,21 @@ def attach(
         msg = f"{len(found)} clusters are running ({ids}); name one: %nbtrain attach <cluster_id>."
         raise ClusterError(msg)
     side = found[0]
-    current = core.current_cluster()
     if current is not None and current.cluster_id == side["cluster_id"]:
-        return Attached(current, running_job(current))
+        return None
     if current is not None:
         msg = (
             f"this kernel already has a cluster ({current.cluster_id}); stop it with %nbtrain stop "
             "before attaching to another."
         )
         raise ClusterError(msg)
+    return side
+
+
+def reconnect(side: dict[str, Any], timeout: float = 30.0) -> Launched:
+    """A new client to the cluster of side file `side`, with its rank table, as a launch would give."""
+    import ipyparallel as ipp
+
     try:
         ipc = ipp.Cluster.from_file(profile_dir=side["profile_dir"], cluster_id=side["cluster_id"])
         client = ipc.connect_client_sync()
@@ -127,21 +126,35 @@ def attach(
             "watchdog stops it once nothing runs on it; or start a new one with %nbtrain start --force."
         )
         raise ClusterError(msg) from None
-    names = {f.name for f in fields(core.RankInfo)}
-    ranks = [core.RankInfo(**{k: v for k, v in r.items() if k in names}) for r in side["ranks"]]
+    names = {f.name for f in fields(RankInfo)}
+    ranks = [RankInfo(**{k: v for k, v in r.items() if k in names}) for r in side["ranks"]]
     missing = [r.rank for r in ranks if r.engine_id not in client.ids]
     # a re-init after a restart plans again with the backend the cluster was started with, so it
     # keeps that backend and those devices (the side file records every rank's GPU count)
     backend = side.get("backend", "gloo")
-    options = core.StartOptions(n=len(ranks), backend=backend)
-    cluster = core.Cluster(client, ipc, ranks, backend, options, pids=[r.pid for r in ranks])
-    cluster.started = side.get("started") or cluster.started
-    if missing:
-        from nbtrain.cluster.faults import lost_ranks
 
-        lost_ranks(cluster).update(missing)
-    core._current = cluster
-    registry.write(cluster)  # this kernel is now the one attached (client_pid)
+    def ready(session: Session) -> None:
+        session.started = side.get("started") or session.started
+        lost_ranks(session).update(missing)
+        registry.write(session)  # this kernel is now the one attached (client_pid)
+
+    return Launched(
+        client,
+        ipc,
+        ranks,
+        None,
+        StartOptions(n=len(ranks), backend=backend),
+        launcher="local",
+        stop=local.stop,
+        replace=local.replace,
+        pids=[r.pid for r in ranks],
+        on_ready=ready,
+    )
+
+
+def show(cluster: Any, live: bool = True, follow: bool = True) -> Attached:
+    """Print what was attached (rank table, the running job) and follow the job if asked."""
+    missing = sorted(lost_ranks(cluster))
     run = running_job(cluster)
     print(
         f"nbtrain: attached to cluster {cluster.cluster_id}: {cluster.world_size} rank(s), backend "
@@ -173,10 +186,10 @@ def follow_run(
     path = Path(run["output_dir"]) / "metrics.jsonl"
     display = None
     if live:
-        from nbtrain.cluster.cell import _in_kernel
+        from nbtrain.cluster.cell import in_kernel
 
-        if _in_kernel():
-            from nbtrain.display.live import LiveDisplay
+        if in_kernel():
+            from nbtrain.live import LiveDisplay
 
             display = LiveDisplay()
             display.feed(
@@ -225,4 +238,12 @@ def follow_run(
     return rows
 
 
-__all__ = ["Attached", "attach", "find_clusters", "follow_run", "running_job"]
+__all__ = [
+    "Attached",
+    "find_clusters",
+    "find_one",
+    "follow_run",
+    "reconnect",
+    "running_job",
+    "show",
+]

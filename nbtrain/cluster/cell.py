@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from nbtrain.cluster import group
+from nbtrain.cluster.failures import raise_for_failures
+from nbtrain.cluster.topology import describe_ranks
 from nbtrain.engine.metrics import KEY_PREFIX
 from nbtrain.errors import CellTimeoutError
 
 if TYPE_CHECKING:
-    from nbtrain.cluster.core import Cluster
+    from nbtrain.cluster.session import Session
 
 OUTPUT_MODES = ("rank0", "all", "none")
 # how long ranks get to honour an interrupt before the stuck ones are replaced (the issue allows 10 s)
@@ -27,11 +28,8 @@ FAIL_GRACE = 3.0
 # training, taken from the ranks on a machine whose cores they all use
 POLL = 0.25
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_CELL_FILE = re.compile(r"ipykernel_\d+/\d+\.py|<ipython-input-\d+-[0-9a-f]+>")
 
-
-def _in_kernel() -> bool:
+def in_kernel() -> bool:
     try:
         from IPython import get_ipython
     except ImportError:
@@ -41,7 +39,7 @@ def _in_kernel() -> bool:
 
 
 def _publish(data: dict[str, Any], metadata: dict[str, Any] | None = None) -> None:
-    if _in_kernel():
+    if in_kernel():
         from IPython.display import publish_display_data
 
         publish_display_data(data=data, metadata=metadata or {})
@@ -54,7 +52,7 @@ class CellRun:
 
     def __init__(
         self,
-        cluster: Cluster,
+        cluster: Session,
         code: str,
         which: list[int],
         output: str = "rank0",
@@ -168,7 +166,7 @@ class CellRun:
 
     def _feed_metrics(self, ar: Any) -> None:
         # live plots need a notebook to draw in; elsewhere rank 0's log lines tell the story
-        if not self.live or 0 not in self.which or not _in_kernel():
+        if not self.live or 0 not in self.which or not in_kernel():
             return
         fut = ar._children[self.which.index(0)]
         data = fut.output.metadata["data"]
@@ -181,7 +179,7 @@ class CellRun:
                 continue
             payload = data[key]
             if self._display is None:
-                from nbtrain.display.live import LiveDisplay
+                from nbtrain.live import LiveDisplay
 
                 self._display = LiveDisplay()
             self._display.feed(payload)
@@ -225,10 +223,8 @@ class CellRun:
                     if silent:
                         faults.fail_cell(self, ar, silent, start)
                     self._stopped_note = self._stop_ranks(ar)
-                    from nbtrain.cluster.core import _describe_ranks
-
                     self._stopped_note = (
-                        f"\n\n{_describe_ranks(self.cluster.ranks, waiting)} kept running after the failure "
+                        f"\n\n{describe_ranks(self.cluster.ranks, waiting)} kept running after the failure "
                         f"(likely waiting for the failed rank in a collective) and were stopped. {self._stopped_note}"
                     )
                     break
@@ -250,9 +246,7 @@ class CellRun:
         self._flush_partial()
         self._finish_display()
         results = ar.get(return_exceptions=True)
-        from nbtrain.cluster.core import raise_for_failures
-
-        raise_for_failures(self.cluster, self.which, results, note=self._stopped_note)
+        raise_for_failures(self.cluster.ranks, self.which, results, note=self._stopped_note)
         return list(results)
 
     def _any_failed(self, ar: Any) -> bool:
@@ -269,7 +263,7 @@ class CellRun:
             self._display.close()
 
     def _on_timeout(self, ar: Any) -> None:
-        from nbtrain.cluster.faults import diagnose
+        from nbtrain.cluster.diagnose import diagnose
 
         pending = self._pending(ar)
         # the same report as %nbtrain diagnose: stacks, and who waits in a collective
@@ -299,100 +293,9 @@ class CellRun:
         stuck = self._pending(ar)
         if stuck:
             cluster.restart_ranks(stuck)
-            from nbtrain.cluster.core import _describe_ranks
-
             return (
-                f"{_describe_ranks(cluster.ranks, stuck)} did not stop (blocked in a collective or in "
+                f"{describe_ranks(cluster.ranks, stuck)} did not stop (blocked in a collective or in "
                 "C code) and were restarted: their variables are gone. The process group was re-created "
                 "on every rank; rebuild objects that hold it (e.g. DDP models)."
             )
-        return cluster.repair_group()
-
-
-def _normalise(text: str) -> str:
-    return _CELL_FILE.sub("<cell>", _ANSI.sub("", text))
-
-
-def group_failures(
-    cluster: Cluster, failures: Sequence[tuple[int, BaseException]], total: int
-) -> tuple[str, list[dict[str, Any]]]:
-    """One message for many failing ranks: identical failures are shown once with all their ranks."""
-    from nbtrain.cluster.core import _describe_ranks
-    from nbtrain.engine import oom
-
-    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for rank, err in failures:
-        ename = getattr(err, "ename", type(err).__name__)
-        evalue = str(getattr(err, "evalue", err))
-        tb = getattr(err, "traceback", None)
-        if isinstance(tb, list):
-            tb = "\n".join(tb)
-        if not tb and hasattr(err, "render_traceback"):
-            tb = "\n".join(err.render_traceback())
-        tb = tb or f"{ename}: {evalue}"
-        is_oom = oom.is_oom(ename, evalue)
-        if is_oom:
-            # every rank's message has its own sizes, GPU and host: the same code running out of
-            # memory is one failure, keyed by the frames above the message
-            key = (ename, "out of memory", _normalise(tb).split("out of memory")[0])
-        else:
-            key = (ename, _normalise(evalue), _normalise(tb))
-        group = groups.setdefault(
-            key, {"ename": ename, "evalue": evalue, "traceback": tb, "ranks": [], "oom": is_oom}
-        )
-        group["ranks"].append(rank)
-        group.setdefault("evalues", {})[rank] = evalue
-    n_failed = len(failures)
-    head = f"the cell failed on {n_failed} of {total} rank(s)"
-    parts = [head]
-    for g in groups.values():
-        where = _describe_ranks(cluster.ranks, g["ranks"])
-        parts.append(f"\n{g['ename']}: {g['evalue']}  [{where}]\n{g['traceback'].rstrip()}")
-        footer = _oom_footer(cluster, g) if g["oom"] else ""
-        if footer:
-            parts.append(footer)
-    return "\n".join(parts), list(groups.values())
-
-
-def _oom_footer(cluster: Cluster, group: dict[str, Any]) -> str:
-    """Under a group of ranks that ran out of GPU memory: each rank's sizes, and the fixes if the engine
-    did not add them (an engine without nbtrain's hook)."""
-    from nbtrain.cluster.core import _describe_ranks
-    from nbtrain.engine import oom
-
-    lines = []
-    if len(group["ranks"]) > 1:
-        lines.append("Out of GPU memory on each rank:")
-        lines.extend(
-            f"  {_describe_ranks(cluster.ranks, [r])}: {oom.summary(group['evalues'][r])}"
-            for r in group["ranks"]
-        )
-    if oom.MARK not in group["evalue"]:
-        lines.append(oom.FIXES)
-    return "\n".join(lines)
-
-
-def format_stacks(
-    cluster: Cluster, stacks: dict[int, dict[str, Any]], pending: Sequence[int] = ()
-) -> str:
-    """Stacks labelled by rank and host; the main thread first, engine machinery threads summarised."""
-    out = []
-    for rank in sorted(stacks):
-        info = stacks[rank]
-        host = info.get("host", cluster.ranks[rank].host)
-        state = "still running" if rank in pending else "finished"
-        out.append(f"--- rank {rank} on {host} (pid {info.get('pid')}, {state}) ---")
-        if info.get("error"):
-            out.append(f"  {info['error']}")
-        fr = info.get("collectives") or {}
-        if fr.get("pending"):
-            from nbtrain.engine.faults import describe_entry
-
-            out.append(f"  not completed (flight recorder, {fr.get('recorder', 'torch')}):")
-            out.extend(f"    {describe_entry(e)}" for e in fr["pending"])
-        for t in info.get("threads", []):
-            if not t["user_frames"] and not t["main"]:
-                continue
-            out.append(f"  thread {t['thread']}{' (main)' if t['main'] else ''}:")
-            out.extend("  " + line for line in t["stack"].rstrip().splitlines())
-    return "\n".join(out)
+        return group.repair(cluster)

@@ -21,12 +21,13 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from nbtrain.cluster import group, procs, registry
+from nbtrain.cluster.diagnose import classify
+from nbtrain.cluster.session import Session
+from nbtrain.cluster.topology import describe_ranks
 from nbtrain.errors import ClusterError, RankDiedError
-
-if TYPE_CHECKING:
-    from nbtrain.cluster.core import Cluster
 
 # how long ranks that outlived a dead one get to leave their cell after SIGINT before their engines are
 # ended: a rank blocked in a gloo/NCCL collective waiting for the dead one never returns by itself
@@ -74,11 +75,11 @@ class RankDeath:
 
 
 # --------------------------------------------------------------------------------------- detection
-def _is_local(cluster: Cluster, host: str) -> bool:
+def _is_local(cluster: Session, host: str) -> bool:
     return host == socket.gethostname()
 
 
-def _launcher_for(cluster: Cluster, pid: int) -> Any:
+def _launcher_for(cluster: Session, pid: int) -> Any:
     ipc = getattr(cluster, "ipp_cluster", None)
     for engine_set in list(getattr(ipc, "engines", {}).values()):
         for launcher in list(getattr(engine_set, "launchers", {}).values()):
@@ -87,27 +88,12 @@ def _launcher_for(cluster: Cluster, pid: int) -> Any:
     return None
 
 
-def _process_gone(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:
-        return False
-
-
-def lost_ranks(cluster: Cluster) -> set[int]:
+def lost_ranks(cluster: Session) -> set[int]:
     """Ranks nbtrain already knows are gone (died, or ended because they were stuck)."""
-    lost = getattr(cluster, "_nbtrain_lost", None)
-    if lost is None:
-        lost = set()
-        cluster._nbtrain_lost = lost  # type: ignore[attr-defined]
-    return lost
+    return cluster.lost
 
 
-def dead_ranks(cluster: Cluster, which: Sequence[int] | None = None) -> list[int]:
+def dead_ranks(cluster: Session, which: Sequence[int] | None = None) -> list[int]:
     """Ranks (of `which`, default all) whose engine is gone: process exited, or the hub dropped it."""
     which = range(cluster.world_size) if which is None else which
     ids = set(cluster.client.ids)
@@ -116,12 +102,12 @@ def dead_ranks(cluster: Cluster, which: Sequence[int] | None = None) -> list[int
         info = cluster.ranks[r]
         if info.engine_id not in ids:
             out.append(r)
-        elif _is_local(cluster, info.host) and _process_gone(info.pid):
+        elif _is_local(cluster, info.host) and procs.gone(info.pid):
             out.append(r)
     return out
 
 
-def silent_ranks(cluster: Cluster, which: Sequence[int], timeout: float = 2.0) -> list[int]:
+def silent_ranks(cluster: Session, which: Sequence[int], timeout: float = 2.0) -> list[int]:
     """Ranks of `which` that are dead, or alive to the hub but not answering their control channel."""
     dead = dead_ranks(cluster, which)
     rest = [r for r in which if r not in dead]
@@ -134,7 +120,7 @@ def silent_ranks(cluster: Cluster, which: Sequence[int], timeout: float = 2.0) -
 class DeathWatch:
     """Checks for dead ranks at most every `CHECK_EVERY` seconds (cheap enough for every poll)."""
 
-    def __init__(self, cluster: Cluster, which: Sequence[int]) -> None:
+    def __init__(self, cluster: Session, which: Sequence[int]) -> None:
         self.cluster = cluster
         self.which = list(which)
         self._next = 0.0
@@ -150,15 +136,14 @@ class DeathWatch:
             return []
 
 
-def check_alive(cluster: Cluster, which: Sequence[int]) -> None:
+def check_alive(cluster: Session, which: Sequence[int]) -> None:
     """Before a cell: refuse to run on a cluster with dead ranks, saying what to do."""
     dead = sorted(set(dead_ranks(cluster)) | lost_ranks(cluster))
     if not dead:
         return
-    from nbtrain.cluster.core import _describe_ranks
 
     msg = (
-        f"{_describe_ranks(cluster.ranks, dead)} of this cluster died or were ended, so the process group "
+        f"{describe_ranks(cluster.ranks, dead)} of this cluster died or were ended, so the process group "
         "is broken. Run %nbtrain restart (cluster.restart()) to replace them; then re-run your set-up "
         "cells, and continue training with finetune(..., resume='latest')."
     )
@@ -166,25 +151,13 @@ def check_alive(cluster: Cluster, which: Sequence[int]) -> None:
 
 
 # -------------------------------------------------------------------------------------- description
-def _exit_code(cluster: Cluster, pid: int, wait: float = 1.0) -> int | None:
+def _exit_code(cluster: Session, pid: int, wait: float = 1.0) -> int | None:
     """The exit status of a local engine the launcher started (psutil caches it once reaped)."""
-    import psutil
-
     launcher = _launcher_for(cluster, pid)
     proc = getattr(launcher, "process", None)
     if proc is None:
         return None
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            code = proc.wait(timeout=0)
-            return code if code is not None else None
-        except psutil.TimeoutExpired:
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.02)
-        except psutil.Error:
-            return None
+    return procs.exit_code(proc, wait)
 
 
 def _how(code: int | None) -> tuple[str, str | None]:
@@ -236,7 +209,7 @@ def _filter_tail(lines: Sequence[str], n: int = TAIL_LINES) -> list[str]:
 
 
 def _log_tail(
-    cluster: Cluster, rank: int, survivors: Sequence[int]
+    cluster: Session, rank: int, survivors: Sequence[int]
 ) -> tuple[list[str], str | None]:
     from nbtrain.engine.faults import tail_file
 
@@ -262,7 +235,7 @@ def _log_tail(
 
 
 def describe_death(
-    cluster: Cluster, rank: int, cell_stderr: str = "", survivors: Sequence[int] = ()
+    cluster: Session, rank: int, cell_stderr: str = "", survivors: Sequence[int] = ()
 ) -> RankDeath:
     """What is known about how `rank` died, from the launcher, the hub and its log."""
     info = cluster.ranks[rank]
@@ -312,21 +285,12 @@ def describe_death(
 
 
 # ------------------------------------------------------------------------------------ the failed cell
-def end_engines(cluster: Cluster, ranks: Sequence[int]) -> None:
+def end_engines(cluster: Session, ranks: Sequence[int]) -> None:
     """Kill the engines of `ranks` (they are blocked for good); `restart` brings them back."""
-    import psutil
-
     for r in ranks:
         info = cluster.ranks[r]
         if _is_local(cluster, info.host):
-            try:
-                proc = psutil.Process(info.pid)
-                kids = proc.children(recursive=True)
-                proc.kill()
-                for k in kids:
-                    k.kill()
-            except psutil.Error:
-                pass
+            procs.kill_with_children([info.pid])
         else:
             try:
                 # the nanny on that host delivers it
@@ -338,7 +302,6 @@ def end_engines(cluster: Cluster, ranks: Sequence[int]) -> None:
 
 def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
     """A rank died while the cell ran: stop the others, then raise `RankDiedError` saying what happened."""
-    from nbtrain.cluster.core import _describe_ranks
 
     cluster = run.cluster
     detected = time.monotonic() - started
@@ -387,17 +350,17 @@ def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
         if err is not None:
             first = str(getattr(err, "evalue", err)).strip().splitlines()[:1]
             parts.append(
-                f"{_describe_ranks(cluster.ranks, [r])} failed first: {getattr(err, 'ename', type(err).__name__)}: "
+                f"{describe_ranks(cluster.ranks, [r])} failed first: {getattr(err, 'ename', type(err).__name__)}: "
                 f"{first[0] if first else ''}"
             )
     stopped = [r for r in survivors if r not in stuck]
     if stopped:
         parts.append(
-            f"Interrupted the other ranks ({_describe_ranks(cluster.ranks, stopped)}); they keep their variables."
+            f"Interrupted the other ranks ({describe_ranks(cluster.ranks, stopped)}); they keep their variables."
         )
     if stuck:
         parts.append(
-            f"Ended {_describe_ranks(cluster.ranks, stuck)}: still blocked {SURVIVOR_GRACE:g} s after an "
+            f"Ended {describe_ranks(cluster.ranks, stuck)}: still blocked {SURVIVOR_GRACE:g} s after an "
             "interrupt (waiting for the dead rank in a collective)."
         )
         parts.extend(f"  rank {r} was in {w}" for r, w in sorted(where.items()))
@@ -411,7 +374,7 @@ def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
 
 
 # ----------------------------------------------------------------------------------------- restart
-def _wedged(cluster: Cluster, alive: Sequence[int]) -> tuple[list[int], list[int]]:
+def _wedged(cluster: Session, alive: Sequence[int]) -> tuple[list[int], list[int]]:
     """(busy ranks that ignore SIGINT, ranks that do not answer the control channel)."""
     if not alive:
         return [], []
@@ -430,15 +393,13 @@ def _wedged(cluster: Cluster, alive: Sequence[int]) -> tuple[list[int], list[int
     return busy, silent
 
 
-def restart(cluster: Cluster, all_ranks: bool = False, timeout: float | None = None) -> str:
+def restart(cluster: Session, all_ranks: bool = False, timeout: float | None = None) -> str:
     """Replace dead or wedged engines with fresh ones and re-create the process group on every rank.
 
     Returns what was done, for the notebook. Replaced ranks lose their in-memory state.
     """
-    from nbtrain.cluster import registry
-    from nbtrain.cluster.core import _describe_ranks
 
-    cluster._check_usable()
+    cluster.check_usable()
     t0 = time.monotonic()
     world = range(cluster.world_size)
     dead = set(dead_ranks(cluster)) | lost_ranks(cluster)
@@ -447,7 +408,7 @@ def restart(cluster: Cluster, all_ranks: bool = False, timeout: float | None = N
     if replace:
         cluster.restart_ranks(replace, timeout=timeout)
     else:
-        cluster.reinit_group(timeout=timeout or 60.0)
+        group.reinit(cluster, timeout=timeout or 60.0)
     lost_ranks(cluster).clear()
     try:
         registry.write(cluster)
@@ -461,219 +422,21 @@ def restart(cluster: Cluster, all_ranks: bool = False, timeout: float | None = N
         )
     reasons = []
     if dead & set(replace):
-        reasons.append(f"dead: {_describe_ranks(cluster.ranks, sorted(dead))}")
+        reasons.append(f"dead: {describe_ranks(cluster.ranks, sorted(dead))}")
     if busy:
-        reasons.append(f"did not stop: {_describe_ranks(cluster.ranks, busy)}")
+        reasons.append(f"did not stop: {describe_ranks(cluster.ranks, busy)}")
     if silent:
-        reasons.append(f"did not answer: {_describe_ranks(cluster.ranks, silent)}")
+        reasons.append(f"did not answer: {describe_ranks(cluster.ranks, silent)}")
     why = f" ({'; '.join(reasons)})" if reasons else ""
     kept = [r for r in world if r not in replace]
     kept_note = (
-        f" {_describe_ranks(cluster.ranks, kept)} kept their variables, but rebuild objects that hold "
+        f" {describe_ranks(cluster.ranks, kept)} kept their variables, but rebuild objects that hold "
         "the old process group (e.g. DDP models)."
         if kept
         else ""
     )
     return (
-        f"nbtrain: replaced {_describe_ranks(cluster.ranks, replace)}{why} with fresh engines and re-created "
+        f"nbtrain: replaced {describe_ranks(cluster.ranks, replace)}{why} with fresh engines and re-created "
         f"the process group in {took:.1f} s. The in-memory state of the replaced ranks was lost: re-run "
         f"your set-up cells, and continue training with finetune(..., resume='latest').{kept_note}"
-    )
-
-
-# ---------------------------------------------------------------------------------------- diagnose
-COLLECTIVES = {
-    "all_reduce",
-    "all_gather",
-    "all_gather_object",
-    "all_gather_into_tensor",
-    "_all_gather_base",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "broadcast",
-    "broadcast_object_list",
-    "barrier",
-    "monitored_barrier",
-    "reduce",
-    "gather",
-    "gather_object",
-    "scatter",
-    "scatter_object_list",
-    "all_to_all",
-    "all_to_all_single",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "batch_isend_irecv",
-    "wait",
-}
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
-
-
-@dataclass
-class Diagnosis:
-    """Where every rank is, and which ranks wait in a collective (`Cluster.diagnose()`)."""
-
-    stacks: dict[int, dict[str, Any]]
-    waiting: dict[int, str]  #: rank -> "all_reduce at <cell>:5" for ranks blocked in a collective
-    other: dict[int, str]  #: rank -> what it does instead ("time.sleep at <cell>:7", "idle", ...)
-    behind: list[
-        int
-    ]  #: ranks that have not entered the collective others wait in (flight recorder)
-    text: str
-    took: float = 0.0
-
-    def __str__(self) -> str:
-        return self.text
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(self.text)
-
-
-def _frames(stack: str) -> list[tuple[str, int, str]]:
-    return [(m["file"], int(m["line"]), m["fn"]) for m in _FRAME.finditer(stack)]
-
-
-def _main_thread(info: dict[str, Any]) -> dict[str, Any] | None:
-    for t in info.get("threads", []):
-        if t.get("main"):
-            return t
-    return None
-
-
-def _user_site(frames: list[tuple[str, int, str]]) -> str:
-    for file, line, fn in reversed(frames):
-        if "/site-packages/" not in file and "/torch/" not in file:
-            short = "<cell>" if ("ipykernel_" in file or "<ipython-input" in file) else file
-            return f"{short}:{line} in {fn}"
-    return ""
-
-
-def classify(info: dict[str, Any]) -> tuple[str, str]:
-    """("collective" | "busy" | "idle" | "silent", what) for one rank's stacks."""
-    kind, what = _classify_stack(info)
-    if kind in ("busy", "idle"):
-        # an NCCL collective runs on the GPU after the CPU has moved on (to `.item()`, the next step,
-        # or the end of the cell): the flight recorder still lists it as not completed
-        pending = (info.get("collectives") or {}).get("pending") or []
-        if pending:
-            from nbtrain.engine.faults import describe_entry
-
-            return "collective", f"{describe_entry(pending[0])}, not completed; meanwhile {what}"
-    return kind, what
-
-
-def _classify_stack(info: dict[str, Any]) -> tuple[str, str]:
-    if info.get("error"):
-        return "silent", info["error"]
-    main = _main_thread(info)
-    if main is None or not main.get("user_frames"):
-        return "idle", "idle (no cell running)"
-    frames = _frames(main["stack"])
-    site = _user_site(frames)
-    for file, _line, fn in reversed(frames):
-        if "/torch/distributed/" in file and fn in COLLECTIVES:
-            return "collective", f"{fn}" + (f", called at {site}" if site else "")
-        if "/torch/autograd/" in file and fn in ("backward", "_engine_run_backward"):
-            return "collective", "backward (DDP's gradient all-reduce runs in it)" + (
-                f", called at {site}" if site else ""
-            )
-    file, line, fn = frames[-1] if frames else ("?", 0, "?")
-    code = main["stack"].rstrip().splitlines()[-1].strip() if main.get("stack") else ""
-    what = f"`{code}`" if code and not code.startswith("File ") else fn
-    return "busy", f"{what} ({site or f'{file}:{line}'})"
-
-
-def _seqs(stacks: dict[int, dict[str, Any]]) -> dict[int, tuple[int, str]]:
-    out = {}
-    for r, info in stacks.items():
-        fr = info.get("collectives") or {}
-        entries = fr.get("entries") or []
-        if fr.get("available") and not entries:
-            out[r] = (0, "none yet")  # recording, but this rank has run no collective
-        if entries:
-            last = entries[-1]
-            if last.get("seq") is not None:
-                out[r] = (int(last["seq"]), str(last.get("op", "")))
-    return out
-
-
-def diagnose(
-    cluster: Cluster, ranks: Any = None, timeout: float = 8.0, pending: Sequence[int] | None = None
-) -> Diagnosis:
-    """Every rank's Python stacks (all threads), and which ranks wait in a collective and which do not."""
-    from nbtrain.cluster.core import _describe_ranks
-    from nbtrain.cluster.ranges import parse_ranks
-
-    t0 = time.monotonic()
-    which = parse_ranks(ranks, cluster.world_size)
-    alive = [r for r in which if r not in lost_ranks(cluster)]
-    stacks = cluster.stacks(alive, timeout=timeout, all_threads=True)
-    for r in which:
-        if r not in stacks:
-            stacks[r] = {
-                "host": cluster.ranks[r].host,
-                "pid": cluster.ranks[r].pid,
-                "threads": [],
-                "error": "dead (ended or died earlier); run %nbtrain restart",
-            }
-    waiting: dict[int, str] = {}
-    other: dict[int, str] = {}
-    for r in sorted(stacks):
-        kind, what = classify(stacks[r])
-        (waiting if kind == "collective" else other)[r] = what
-    seqs = _seqs(stacks)
-    behind: list[int] = []
-    summary = []
-    if seqs:
-        top = max(s for s, _ in seqs.values())
-        ahead = sorted(r for r, (s, _) in seqs.items() if s == top)
-        behind = sorted(r for r, (s, _) in seqs.items() if s < top)
-        op = seqs[ahead[0]][1]
-        if behind:
-            summary.append(
-                f"flight recorder: {_describe_ranks(cluster.ranks, ahead)} entered collective #{top} "
-                f"({op}); {_describe_ranks(cluster.ranks, behind)} did not "
-                f"(last: {', '.join(f'rank {r} #{seqs[r][0]}' for r in behind)})."
-            )
-        else:
-            summary.append(f"flight recorder: every rank's last collective is #{top} ({op}).")
-    not_done = {
-        r: (info.get("collectives") or {}).get("pending") or []
-        for r, info in sorted(stacks.items())
-    }
-    if any(not_done.values()):
-        from nbtrain.engine.faults import describe_entry
-
-        summary.append(
-            "flight recorder, not completed: "
-            + "; ".join(
-                f"rank {r}: " + (", ".join(describe_entry(e) for e in p[:2]) if p else "none")
-                for r, p in not_done.items()
-            )
-        )
-    if waiting:
-        summary.insert(
-            0,
-            f"waiting in a collective: {'; '.join(f'rank {r}: {w}' for r, w in sorted(waiting.items()))}",
-        )
-    if other:
-        summary.insert(
-            1 if waiting else 0,
-            f"not in a collective: {'; '.join(f'rank {r}: {w}' for r, w in sorted(other.items()))}",
-        )
-    if waiting and [r for r in other if r not in lost_ranks(cluster)]:
-        summary.append(
-            "The waiting ranks are blocked until the others reach the same collective; look at where "
-            "those others are in the stacks below."
-        )
-    from nbtrain.cluster.cell import format_stacks
-
-    took = time.monotonic() - t0
-    if pending is None:
-        pending = [r for r in which if r in waiting or not other.get(r, "").startswith("idle")]
-    text = "\n".join(summary) + "\n\n" + format_stacks(cluster, stacks, pending=pending)
-    return Diagnosis(
-        stacks=stacks, waiting=waiting, other=other, behind=behind, text=text, took=took
     )

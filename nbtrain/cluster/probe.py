@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.cluster.topology import format_table
 from nbtrain.errors import ConfigError
 
 DEFAULT_MAX_BYTES = 64 * 2**20
@@ -73,8 +74,6 @@ class ProbeResult:
         return max(r["busbw"] for r in self.rows)
 
     def __str__(self) -> str:
-        from nbtrain.cluster.core import format_table
-
         rows = [("size", "time", "algbw GB/s", "busbw GB/s")]
         for r in self.rows:
             rows.append(

@@ -19,7 +19,8 @@ def _side_file(profile_dir: str | Path, cluster_id: str) -> Path:
     return Path(profile_dir) / "security" / f"nbtrain-{cluster_id}.json"
 
 
-def _path(ipp_cluster: Any) -> Path | None:
+def side_file(ipp_cluster: Any) -> Path | None:
+    """The side file (rank table, backend, attached kernel) of an ipyparallel cluster, or None."""
     profile_dir = getattr(ipp_cluster, "profile_dir", None)
     cluster_id = getattr(ipp_cluster, "cluster_id", None)
     if not profile_dir or not cluster_id:
@@ -33,7 +34,7 @@ def _notebook() -> str | None:
 
 
 def write(cluster: Any, state: str = "running") -> None:
-    path = _path(cluster.ipp_cluster)
+    path = side_file(cluster.ipp_cluster)
     if path is None:
         return
     data = {
@@ -78,5 +79,5 @@ def remove_files(profile_dir: str | Path, cluster_id: str) -> None:
 
 
 def forget(ipp_cluster: Any) -> None:
-    if _path(ipp_cluster) is not None:
+    if side_file(ipp_cluster) is not None:
         remove_files(ipp_cluster.profile_dir, ipp_cluster.cluster_id)

@@ -16,57 +16,14 @@ side file goes away and so does the watchdog.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_IDLE = 1800.0
-ENV = "NBTRAIN_IDLE_TIMEOUT"
-
-
-def idle_timeout() -> float:
-    """Seconds a cluster with no kernel and no job may idle: $NBTRAIN_IDLE_TIMEOUT, default 30 min."""
-    raw = os.environ.get(ENV)
-    if not raw:
-        return DEFAULT_IDLE
-    try:
-        value = float(raw)
-    except ValueError:
-        from nbtrain.errors import ConfigError
-
-        msg = f"{ENV}={raw!r} is not a number of seconds; e.g. {ENV}=1800 (30 min)."
-        raise ConfigError(msg) from None
-    return value if value > 0 else DEFAULT_IDLE
-
-
-def spawn(cluster: Any) -> int | None:
-    """Start the watchdog of a local cluster; returns its pid (stopping the cluster kills it too)."""
-    from nbtrain.cluster import registry
-
-    path = registry._path(cluster.ipp_cluster)
-    if path is None:
-        return None
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "nbtrain.cluster.watchdog", str(path), str(idle_timeout())],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        close_fds=True,
-    )
-    return proc.pid
-
-
-def _alive(pid: Any) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, TypeError, ValueError):
-        return False
+from nbtrain.cluster import procs, registry
+from nbtrain.cluster.options import idle_timeout
+from nbtrain.cluster.session import close_client
 
 
 def _busy(client: Any) -> bool:
@@ -80,11 +37,7 @@ def _busy(client: Any) -> bool:
 
 
 def _stop(side: dict[str, Any]) -> None:
-    import psutil
-
-    pids = []
-    for r in side.get("ranks", []):
-        pids.append(int(r["pid"]))
+    pids = [int(r["pid"]) for r in side.get("ranks", [])]
     try:
         import ipyparallel as ipp
 
@@ -92,26 +45,11 @@ def _stop(side: dict[str, Any]) -> None:
         ipc.stop_cluster_sync()
     except Exception:
         pass
-    procs = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            procs += [p, *p.children(recursive=True)]
-        except psutil.Error:
-            pass
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    from nbtrain.cluster import registry
-
+    procs.kill_with_children(pids)
     registry.remove_files(side["profile_dir"], side["cluster_id"])  # the side file too
 
 
 def watch(path: Path, idle: float) -> None:
-    from nbtrain.cluster.core import close_client
-
     every = max(0.5, min(15.0, idle / 4))
     # The hub is asked only while no kernel is attached: an ipyparallel Client subscribes to every
     # engine's output, so one held here for the whole session would take CPU from the ranks on each
@@ -127,7 +65,7 @@ def watch(path: Path, idle: float) -> None:
             return  # stopped normally
         except (OSError, json.JSONDecodeError):
             continue  # being rewritten
-        if _alive(side.get("client_pid")):
+        if procs.alive(side.get("client_pid")):
             close_client(client)  # a kernel attached again
             client = None
             last_active = time.monotonic()

@@ -111,7 +111,7 @@ def validate(s: PickerSettings) -> dict[str, str]:
 
     The checks are the API's own (`net.parse_hosts`, the port range), run before anything starts.
     """
-    from nbtrain.cluster import net
+    from nbtrain import net
 
     errors: dict[str, str] = {}
     if s.launcher not in LAUNCHERS:
@@ -141,17 +141,17 @@ def validate(s: PickerSettings) -> dict[str, str]:
 
 
 def validate_slurm(s: PickerSettings, skip_port: bool = False) -> dict[str, str]:
-    """The Slurm page's problems: the time limit (`slurm.check_time`), then the rest as
+    """The Slurm page's problems: the time limit (`options.check_time`), then the rest as
     `LaunchOptions(launcher="slurm", ...)` checks them (numbers, names, sbatch lines, --ip, and
     that sbatch is on PATH). One message for the rest: LaunchOptions stops at the first."""
-    from nbtrain.cluster import slurm
-    from nbtrain.cluster.launchers import LaunchOptions
+    from nbtrain.cluster import options
+    from nbtrain.cluster.options import LaunchOptions
     from nbtrain.errors import ConfigError
 
     errors: dict[str, str] = {}
     if s.time.strip():
         try:
-            slurm.check_time(s.time)
+            options.check_time(s.time)
         except ConfigError as e:
             errors["time"] = str(e)
     launch = slurm_launch(s)
@@ -242,10 +242,10 @@ def start_cluster(s: PickerSettings, force: bool = False) -> Any:
         raise ConfigError(msg)
     name, kwargs = api_call(s, force=force)
     if name == "start":
-        from nbtrain.cluster.core import start
+        from nbtrain.cluster.api import start
 
         return start(**kwargs)
-    from nbtrain.cluster.launchers import connect
+    from nbtrain.cluster.api import connect
 
     return connect(**kwargs)
 
@@ -297,7 +297,7 @@ def versions_html(cluster: Any) -> str:
 
     Clusters started over SSH or attached with connect ran preflight; local ones did not (one node).
     """
-    from nbtrain.cluster import preflight
+    from nbtrain.cluster.launch import preflight
 
     result = getattr(cluster, "preflight", None)
     if result is None:
@@ -307,7 +307,7 @@ def versions_html(cluster: Any) -> str:
 
 def interface_choices() -> list[str]:
     """'auto' and this machine's interfaces that are up (loopback last)."""
-    from nbtrain.cluster import net
+    from nbtrain import net
 
     return [AUTO, *(i.name for i in net.interfaces())]
 
@@ -325,11 +325,13 @@ def check_node_interfaces(
 
     Returns (host -> interfaces, host -> error message). Each host is asked on its own, so one host
     that cannot be reached does not hide the interfaces of the others, and every failing host is
-    named. The login and the question are `launchers.check_hosts`, the check `nbtrain.start` makes.
+    named. The login and the question are `nbtrain.cluster.launch.ssh.check_hosts`, the check `nbtrain.start` makes.
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from nbtrain.cluster import launchers, net
+    from nbtrain import net
+    from nbtrain.cluster.launch import ssh
+    from nbtrain.cluster.options import LaunchOptions
 
     specs = net.parse_hosts(s.hosts)
     extra: dict[str, Any] = {}
@@ -340,8 +342,8 @@ def check_node_interfaces(
 
     def one(spec: net.HostSpec) -> dict[str, list[str]]:
         # one host per LaunchOptions: an unknown host name fails here, naming that host only
-        lo = launchers.LaunchOptions(launcher="ssh", hosts=[spec], **extra)
-        return launchers.check_hosts(lo, timeout)[spec.host].interfaces
+        lo = LaunchOptions(launcher="ssh", hosts=[spec], **extra)
+        return ssh.check_hosts(lo, timeout)[spec.host].interfaces
 
     found: NodeInterfaces = {}
     errors: dict[str, str] = {}

@@ -5,7 +5,7 @@ that is running picks it up and draws the live loss and throughput plots. In a p
 notebook kernel, the rows drive the same live display directly. Other ranks' calls are ignored, so a
 user's own loop may call `log` on every rank.
 
-Wire format (the client's `nbtrain.display.live.MetricsFeed` reads it): published keys are
+Wire format (the client's `nbtrain.live.MetricsFeed` reads it): published keys are
 ``"nbtrain.metrics.<seq>"`` with a zero-padded sequence number, each value a dict with ``kind`` one of
 ``"begin"`` (``total_steps``, ``name``), ``"row"`` (``row``: the metrics dict) or ``"end"``.
 """
@@ -59,7 +59,7 @@ def _make_local_display() -> Any:
     ip = get_ipython()
     if ip is None or getattr(ip, "kernel", None) is None:
         return None
-    from nbtrain.display.live import LiveDisplay
+    from nbtrain.live import LiveDisplay
 
     return LiveDisplay()
 

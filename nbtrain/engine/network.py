@@ -12,7 +12,7 @@ from typing import Any
 
 def route(target: str) -> dict[str, Any]:
     """How this host reaches `target`: this host's source address and the interface it leaves by."""
-    from nbtrain.cluster import net
+    from nbtrain import net
 
     r = net.route_to(target)
     return {"address": r.source, "interface": r.interface, "local": r.local, "target": r.address}
@@ -20,7 +20,7 @@ def route(target: str) -> dict[str, Any]:
 
 def port_in_use(port: int) -> bool:
     """True when a listener cannot bind TCP `port` on this host (the rendezvous port is taken)."""
-    from nbtrain.cluster import net
+    from nbtrain import net
 
     return net.port_in_use(port)
 

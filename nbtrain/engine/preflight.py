@@ -1,7 +1,7 @@
 """What an engine runs on: versions, GPUs, network interfaces, InfiniBand. Runs on every engine.
 
 The client gathers `collect()` from every engine before the process group exists and compares the
-nodes (`nbtrain.cluster.preflight.compare`). Importing this module is cheap; torch loads inside
+nodes (`nbtrain.cluster.launch.preflight.compare`). Importing this module is cheap; torch loads inside
 `collect()`.
 """
 
@@ -131,7 +131,7 @@ def collect() -> dict[str, Any]:
     For tests, $NBTRAIN_PREFLIGHT_OVERRIDE (a JSON object) is merged over the report and its keys
     listed under "overridden".
     """
-    import nbtrain
+    from nbtrain.version import __version__
 
     report: dict[str, Any] = {
         "hostname": socket.gethostname(),
@@ -139,7 +139,7 @@ def collect() -> dict[str, Any]:
         "python": platform.python_version(),
         "python_executable": sys.executable,
         "platform": platform.platform(),
-        "nbtrain": nbtrain.__version__,
+        "nbtrain": __version__,
         "transformers": _dist_version("transformers"),
         "peft": _dist_version("peft"),
     }

@@ -102,7 +102,7 @@ def _user_ns() -> dict[str, Any]:
     return ip.user_ns if ip is not None else {}
 
 
-def _cuda_count() -> int:
+def cuda_count() -> int:
     # test hook: the GPU count a test wants the client's plan to see (tests/test_plan.py sets it in
     # the engines' environment); never set it otherwise
     fake = os.environ.get("NBTRAIN_TEST_GPU_COUNT")
@@ -136,7 +136,7 @@ def hello() -> dict[str, Any]:
         "pid": os.getpid(),
         "ppid": os.getppid(),
         "children": children,
-        "gpus": _cuda_count(),
+        "gpus": cuda_count(),
         "python": sys.executable,
         "log": log_file,
         "allocator": allocator_in_use(),

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 import nbtrain
-from nbtrain.cluster import core
-from nbtrain.cluster.launchers import _ssh_engine_set_class, connect
+from nbtrain.cluster import facade as core
+from nbtrain.cluster.api import connect
+from nbtrain.cluster.launch.ssh import ssh_engine_set_class
 from nbtrain.errors import ClusterError
 
 from .testbed import Testbed
@@ -24,7 +25,7 @@ def test_connect_to_a_cluster_started_with_ipyparallel(
     # started as a user would with ipyparallel alone (nbtrain's parallel SSH engine set only to keep
     # the test short; the stock "ssh" launcher behaves the same, one engine at a time)
     cluster = ipp.Cluster(
-        engine_launcher_class=_ssh_engine_set_class(),
+        engine_launcher_class=ssh_engine_set_class(),
         controller_ip=testbed.head_address,
         profile_dir=str(tmp_path / "profile"),
         log_level=40,

@@ -11,7 +11,8 @@ import time
 import psutil
 import pytest
 
-from nbtrain.cluster import core, mpi
+from nbtrain.cluster import facade as core
+from nbtrain.cluster.launch import mpi
 
 from .testbed import Testbed
 

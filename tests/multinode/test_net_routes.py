@@ -1,4 +1,4 @@
-"""nbtrain.cluster.net across simulated nodes: the routes and addresses a real cluster would see."""
+"""nbtrain.net across simulated nodes: the routes and addresses a real cluster would see."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from nbtrain.cluster import net
+from nbtrain import net
 
 from .testbed import REPO, Testbed
 
@@ -40,7 +40,7 @@ def test_controller_listens_on_the_bridge_address_when_a_host_is_remote(testbed:
 
 CODE = """
 import json, sys
-from nbtrain.cluster import net
+from nbtrain import net
 peers = sys.argv[1:]
 routes = {p: net.route_to(p) for p in peers}
 try:

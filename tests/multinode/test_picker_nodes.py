@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import nbtrain
-from nbtrain.cluster import net
+from nbtrain import net
 from nbtrain.display import picker as pk
 
 from .test_ssh_cluster import _assert_nothing_left, _local_ipp_pids

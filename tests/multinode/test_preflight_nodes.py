@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from nbtrain.cluster.preflight import compare, format_table
+from nbtrain.cluster.launch.preflight import compare, format_table
 from nbtrain.engine.preflight import collect
 
 from .testbed import REPO, Testbed

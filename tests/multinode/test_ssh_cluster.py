@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import nbtrain
-from nbtrain.cluster import core
-from nbtrain.cluster.preflight import VersionMismatchError
+from nbtrain.cluster import facade as core
+from nbtrain.cluster.launch.preflight import VersionMismatchError
 from nbtrain.errors import ClusterError, ConfigError
 from tests.conftest import cluster_processes
 

@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+# the nodes share this machine's filesystem: they run the Python that runs the tests
+NODE_PYTHON = Path(sys.executable)
 DEPS_SCRIPT = REPO / "scripts" / "testbed-deps.sh"
 
 # 192.168.213.0/24 is used for nothing else on this machine or in CI; change all three together.
@@ -226,7 +227,7 @@ class Testbed:
     head_name: str = HEAD_NAME
     bridge: str = BRIDGE
     subnet: str = SUBNET
-    remote_python: str = str(VENV_PYTHON)
+    remote_python: str = str(NODE_PYTHON)
     _pids: dict[str, int] = field(default_factory=dict, repr=False)
 
     __test__ = False  # not a pytest test class, despite the name
@@ -389,6 +390,13 @@ def _wait_port(host: str, port: int, timeout: float) -> None:
     raise TestbedError(msg)
 
 
+def _node_env() -> str:
+    """sshd's SetEnv for the tests' PYTHONPATH: a node then imports the nbtrain under test (a work
+    tree run with PYTHONPATH) rather than whatever the Python has installed."""
+    path = os.environ.get("PYTHONPATH")
+    return f"SetEnv PYTHONPATH={path}\n" if path and " " not in path else ""
+
+
 def _sshd_config(n: Node, state: Path, key: Path) -> str:
     return f"""\
 # sshd for simulated node {n.name}; written by tests/multinode/testbed.py
@@ -409,7 +417,7 @@ X11Forwarding no
 PrintMotd no
 PrintLastLog no
 LogLevel ERROR
-# scp speaks SFTP since OpenSSH 9; ipyparallel's SSH launcher uses scp for connection files
+{_node_env()}# scp speaks SFTP since OpenSSH 9; ipyparallel's SSH launcher uses scp for connection files
 Subsystem sftp internal-sftp
 # simulated nodes are CPU nodes: on a machine with a GPU they would all see the one real GPU
 SetEnv CUDA_VISIBLE_DEVICES=-1

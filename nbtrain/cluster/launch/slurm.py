@@ -18,31 +18,23 @@ import logging
 import os
 import re
 import shlex
-import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
 
-from nbtrain.cluster import net
+from nbtrain import net
+from nbtrain.cluster import procs
+from nbtrain.cluster.launch.base import EngineLaunch, start_engines, stop_here
+from nbtrain.cluster.options import LaunchOptions, StartOptions, engines_per_node, require_commands
+from nbtrain.cluster.session import Launched, close_client
 from nbtrain.errors import ClusterError, ConfigError
-
-if TYPE_CHECKING:
-    from nbtrain.cluster.core import StartOptions
-    from nbtrain.cluster.launchers import LaunchOptions
-
-from nbtrain.cluster.launchers import EngineLaunch
 
 log = logging.getLogger("nbtrain")
 
-COMMANDS = ("sbatch", "squeue", "scancel")
-# sbatch's --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
-# days-hours:minutes:seconds (man sbatch)
-_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
-_NAME = re.compile(r"[A-Za-z0-9_.+-]+(?:,[A-Za-z0-9_.+-]+)*")
 # job states after which the job runs nothing any more (squeue's long names)
 _ENDED = {
     "BOOT_FAIL",
@@ -57,100 +49,6 @@ _ENDED = {
     "SPECIAL_EXIT",
     "TIMEOUT",
 }
-
-
-def _positive(value: Any, flag: str, example: str, minimum: int = 1) -> int:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    if isinstance(value, bool) or number != number or number != int(number) or number < minimum:
-        least = "at least 1" if minimum else "0 or more"
-        msg = f"{flag} {value!r} is not a whole number {least}; e.g. {flag} {example}."
-        raise ConfigError(msg)
-    return int(number)
-
-
-def check_time(value: str) -> str:
-    """`value` if it is a time limit sbatch takes (02:00:00, 90, 1-12:00:00, UNLIMITED), else a
-    ConfigError saying which forms are."""
-    text = str(value).strip()
-    if text.upper() in ("UNLIMITED", "INFINITE"):
-        return text
-    m = _TIME.fullmatch(text)
-    ok = m is not None
-    if m is not None:
-        days, first, *rest = m.groups()
-        given = [int(x) for x in rest if x is not None]
-        # the last two fields of h:m:s / m:s / d-h:m(:s) are minutes and seconds
-        if days is not None:
-            ok = int(first) < 24 and all(x < 60 for x in given)
-        elif len(given) == 2:
-            ok = all(x < 60 for x in given)
-        elif len(given) == 1:
-            ok = given[0] < 60
-    if not ok:
-        msg = (
-            f"--time {value!r} is not a Slurm time limit. Write minutes (90), hours:minutes:seconds "
-            "(02:00:00) or days-hours:minutes:seconds (1-12:00:00)."
-        )
-        raise ConfigError(msg)
-    return text
-
-
-def require_commands(names: tuple[str, ...] = COMMANDS) -> None:
-    """Slurm's client commands must be here: this machine submits the job and watches it."""
-    missing = [c for c in names if shutil.which(c) is None]
-    if missing:
-        msg = (
-            f"--launcher slurm needs Slurm's commands on this machine, and {', '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not on PATH. Run the notebook on the cluster's "
-            "login node (or a node that can submit jobs), load the Slurm module (module load slurm), "
-            "or install Slurm's client set up for your cluster (Debian: apt install slurm-client). "
-            "Nothing was started."
-        )
-        raise ConfigError(msg)
-
-
-def validate(lo: LaunchOptions) -> None:
-    """Check and normalise the Slurm settings of `lo`, before anything runs."""
-    lo.nodes = 1 if lo.nodes is None else _positive(lo.nodes, "--nodes", "2")
-    if lo.gpus_per_node is not None:
-        lo.gpus_per_node = _positive(lo.gpus_per_node, "--gpus-per-node", "4", minimum=0)
-    if lo.engines_per_node is not None:
-        lo.engines_per_node = _positive(lo.engines_per_node, "--engines-per-node", "2")
-    if lo.gpus_per_node and lo.engines_per_node and lo.engines_per_node > lo.gpus_per_node:
-        msg = (
-            f"--engines-per-node {lo.engines_per_node} is more than --gpus-per-node "
-            f"{lo.gpus_per_node}; NCCL needs one GPU per engine. Leave --engines-per-node out (one "
-            "engine per GPU), or use --backend gloo with no --gpus-per-node."
-        )
-        raise ConfigError(msg)
-    for flag, value in (("--partition", lo.partition), ("--account", lo.account)):
-        if value is not None and not _NAME.fullmatch(str(value)):
-            msg = (
-                f"{flag} {value!r} is not a Slurm name (letters, digits, _ . + -; a comma-separated "
-                f"list for several partitions). `sinfo -s` lists the partitions, "
-                "`sacctmgr show assoc user=$USER` your accounts."
-            )
-            raise ConfigError(msg)
-    if lo.time is not None:
-        lo.time = check_time(lo.time)
-    for arg in lo.slurm_args:
-        if not arg.startswith("-") or "\n" in arg:
-            msg = (
-                f"--slurm-args {arg!r}: each one is an sbatch option such as --qos=high or "
-                "--constraint=a100, written as `--option=value`."
-            )
-            raise ConfigError(msg)
-    require_commands()
-
-
-def engines_per_node(lo: LaunchOptions) -> int:
-    """One engine per GPU where GPUs are asked for, else `--engines-per-node` (default 1)."""
-    if lo.engines_per_node is not None:
-        return int(lo.engines_per_node)
-    return max(1, int(lo.gpus_per_node or 0))
 
 
 def batch_script(lo: LaunchOptions) -> str:
@@ -209,7 +107,7 @@ class SlurmEngineSet(SlurmEngineSetLauncher):
     """
 
     # how ipyparallel names the class in the cluster file: a dotted path it can import back
-    entrypoint_name = "nbtrain.cluster.slurm.SlurmEngineSet"
+    entrypoint_name = "nbtrain.cluster.launch.slurm.SlurmEngineSet"
     # ipyparallel removes the output when the job stops; kept until nbtrain's teardown, since a
     # failed start quotes it and points at it
     keep_output = True
@@ -472,15 +370,13 @@ class SlurmLaunch(EngineLaunch):
     def teardown(
         self, ipp_cluster: Any, client: Any, engine_pids: dict[str, list[int]], remove_logs: bool
     ) -> None:
-        from nbtrain.cluster.launchers import close_client, controller_pids, stop_here
-
         close_client(client)
         es = self._engine_set(ipp_cluster)
         job_id = getattr(es, "job_id", None) or self.job_id
         if es is not None:
             es.keep_output = not remove_logs
         # ipyparallel's stop runs scancel JOB, then stops the controller
-        if not stop_here(ipp_cluster, controller_pids(ipp_cluster)) and job_id:
+        if not stop_here(ipp_cluster, procs.controller_pids(ipp_cluster)) and job_id:
             _run(["scancel", str(job_id)])
         batch_file = getattr(es, "batch_file", None)
         if batch_file:
@@ -513,3 +409,9 @@ def _wait_job_gone(job_id: str, timeout: float = 30.0) -> None:
         job_id,
         socket.gethostname(),
     )
+
+
+def start(options: StartOptions, lo: LaunchOptions | None, quiet: bool = True) -> Launched:
+    """Engines with --launcher slurm; a controller here; the group across them."""
+    assert lo is not None
+    return start_engines(SlurmLaunch(lo), options, quiet=quiet)

@@ -14,56 +14,25 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 import socket
 import subprocess
 from collections.abc import Callable
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import psutil
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher
 
-from nbtrain.cluster import net
-from nbtrain.cluster.launchers import EngineLaunch
-from nbtrain.errors import ClusterError, ConfigError
-
-if TYPE_CHECKING:
-    from nbtrain.cluster.core import StartOptions
-    from nbtrain.cluster.launchers import LaunchOptions
+from nbtrain import net
+from nbtrain.cluster import procs
+from nbtrain.cluster.launch.base import EngineLaunch, start_engines, stop_here
+from nbtrain.cluster.options import MPIEXEC, LaunchOptions, StartOptions
+from nbtrain.cluster.session import Launched, close_client
+from nbtrain.errors import ClusterError
 
 log = logging.getLogger("nbtrain")
 
-MPIEXEC = "mpiexec"
 # what the engines need from the kernel's side; Open MPI passes only what -x names to other hosts
 _EXPORT = ("IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR")
-
-
-def validate(lo: LaunchOptions) -> None:
-    """Check the MPI settings of `lo` and settle the rank count, before anything runs."""
-    if any(h.user for h in lo.hosts):
-        msg = (
-            "--launcher mpi takes host names without user@ (mpiexec logs in as you); set the user "
-            "for those hosts in ~/.ssh/config instead."
-        )
-        raise ConfigError(msg)
-    slots = sum(h.engines or 1 for h in lo.hosts)
-    if lo.n is None:
-        lo.n = slots or 1
-    elif lo.hosts and int(lo.n) != slots:
-        listed = ",".join(f"{h.host}:{h.engines or 1}" for h in lo.hosts)
-        msg = (
-            f"-n {lo.n} does not match --hosts {listed} ({slots} rank(s)); give the ranks per host "
-            "in --hosts and leave -n out, or make them agree."
-        )
-        raise ConfigError(msg)
-    if shutil.which(MPIEXEC) is None:
-        msg = (
-            f"--launcher mpi needs {MPIEXEC} on PATH, and there is none on this machine. Install an "
-            "MPI (Debian: apt install openmpi-bin, or mpich) or load its module (module load "
-            "openmpi), then start again. Nothing was started."
-        )
-        raise ConfigError(msg)
 
 
 @lru_cache(maxsize=4)
@@ -98,7 +67,7 @@ class MPIEngineSet(MPIEngineSetLauncher):
     numbers ranks itself (from the MPI rank in the environment), so engines need no mpi4py.
     """
 
-    entrypoint_name = "nbtrain.cluster.mpi.MPIEngineSet"
+    entrypoint_name = "nbtrain.cluster.launch.mpi.MPIEngineSet"
     # ipyparallel removes the output when mpiexec exits; kept until nbtrain's teardown, since a
     # failed start quotes it and points at it
     keep_output = True
@@ -116,10 +85,7 @@ def _exited(es: Any) -> bool:
     proc = getattr(es, "process", None)
     if proc is None:
         return False
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
+    return not procs.running(proc)
 
 
 def _exit_code(es: Any) -> int | None:
@@ -245,11 +211,8 @@ class MPILaunch(EngineLaunch):
     def teardown(
         self, ipp_cluster: Any, client: Any, engine_pids: dict[str, list[int]], remove_logs: bool
     ) -> None:
-        from nbtrain.cluster.core import _descendants, _terminate
-        from nbtrain.cluster.launchers import close_client, controller_pids, stop_here
-
         close_client(client)
-        ctl = controller_pids(ipp_cluster)
+        ctl = procs.controller_pids(ipp_cluster)
         local = list(ctl)
         es = self._engine_set(ipp_cluster)
         if es is not None and getattr(es, "pid", None):
@@ -261,7 +224,13 @@ class MPILaunch(EngineLaunch):
         # the engines here first, all at once: mpiexec then ends by itself instead of sitting out
         # ipyparallel's 5 s between TERM and KILL
         first = [p for p in local if p not in ctl]
-        _terminate(first + _descendants(first), grace=2.0)
+        procs.terminate(first + procs.descendants(first), grace=2.0)
         if es is not None:
             es.keep_output = not remove_logs
         stop_here(ipp_cluster, local)
+
+
+def start(options: StartOptions, lo: LaunchOptions | None, quiet: bool = True) -> Launched:
+    """Engines with --launcher mpi; a controller here; the group across them."""
+    assert lo is not None
+    return start_engines(MPILaunch(lo), options, quiet=quiet)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 import time
 from typing import Any
 
@@ -12,144 +11,26 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from nbtrain.errors import ConfigError, NbtrainError
+from nbtrain.magics import faults
+from nbtrain.magics.args import (
+    HelpShown,
+    Parser,
+    add_multinode_commands,
+    add_multinode_start_args,
+    engine_count,
+    positive_float,
+)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting the kernel."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        msg = f"{self.prog}: {message}\n\n{self.format_usage().strip()}\nSee %nbtrain? for help."
-        raise ConfigError(msg)
-
-    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
-        if message:
-            print(message, file=sys.stderr)
-        raise _HelpShown()
-
-
-class _HelpShown(Exception):
-    pass
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
-    return value
-
-
-def _engine_count(text: str) -> int:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a whole number of engines (e.g. -n 2)"
-        ) from None
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of engines (e.g. -n 2)")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: start at least one engine (e.g. -n 2)")
-    return int(value)
-
-
-def _add_multinode_start_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("multi-node (--launcher ssh, slurm or mpi)")
-    g.add_argument(
-        "--launcher",
-        choices=("local", "ssh", "slurm", "mpi"),
-        default="local",
-        help="local: engines on this machine; ssh: on --hosts; slurm: as one sbatch job; "
-        "mpi: with mpiexec -n N",
-    )
-    g.add_argument(
-        "--hosts",
-        default=None,
-        help="ssh, mpi: HOST[:ENGINES],... e.g. node1:2,node2:2 (ssh default engines: the host's "
-        "GPU count, 1 on CPU; mpi: 1)",
-    )
-    g.add_argument(
-        "--ip",
-        default=None,
-        help="controller listen address (default: the one routing to the hosts or Slurm nodes)",
-    )
-    g.add_argument(
-        "--iface",
-        default=None,
-        help="network interface for NCCL/gloo on every node (default: the one reaching rank 0)",
-    )
-    g.add_argument(
-        "--port", type=int, default=None, help="rendezvous port on rank 0's host (default: free)"
-    )
-    g.add_argument(
-        "--allow-version-mismatch",
-        action="store_true",
-        help="start although torch, NCCL or nbtrain versions differ across nodes",
-    )
-    g.add_argument(
-        "--python",
-        default=None,
-        help="Python with nbtrain on every host (default: this kernel's interpreter path)",
-    )
-    g.add_argument(
-        "--ssh-args", default=None, help='ssh: extra ssh arguments, e.g. "-F ~/.ssh/cluster"'
-    )
-    # their values are checked where they enter the Python API (nbtrain.cluster.slurm.validate),
-    # so the magic and nbtrain.start(launcher="slurm", ...) say the same thing
-    s = p.add_argument_group("slurm (--launcher slurm)")
-    s.add_argument("--nodes", default=None, help="nodes to allocate (default 1)")
-    s.add_argument(
-        "--gpus-per-node",
-        default=None,
-        help="GPUs per node (sbatch --gpus-per-node); one engine per GPU",
-    )
-    s.add_argument(
-        "--engines-per-node",
-        default=None,
-        help="engines per node (default: --gpus-per-node, or 1 on CPU nodes)",
-    )
-    s.add_argument("--partition", default=None, help="partition (default: the cluster's default)")
-    s.add_argument("--account", default=None, help="account to charge the job to")
-    s.add_argument("--time", default=None, help="time limit: 90 (minutes), 02:00:00, 1-12:00:00")
-    s.add_argument(
-        "--slurm-args",
-        default=None,
-        help='more sbatch options, e.g. "--qos=high --constraint=a100"',
-    )
-    m = p.add_argument_group("mpi (--launcher mpi)")
-    m.add_argument(
-        "--mpi-args", default=None, help='more mpiexec arguments, e.g. "--oversubscribe"'
-    )
-
-
-def _add_multinode_commands(sub: Any) -> None:
-    c = sub.add_parser("connect", help="attach to an ipyparallel cluster started any way")
-    c.add_argument("cluster_id", nargs="?", default=None, help="the ipyparallel cluster id")
-    c.add_argument("--profile", default=None, help="IPython profile of the cluster")
-    c.add_argument("--file", default=None, help="the cluster's JSON file (security/cluster-*.json)")
-    c.add_argument("--iface", default=None, help="network interface for NCCL/gloo on every node")
-    c.add_argument("--port", type=int, default=None, help="rendezvous port on rank 0's host")
-    c.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
-    c.add_argument("--timeout", type=_positive_float, default=120.0)
-    c.add_argument("--allow-version-mismatch", action="store_true")
-    c.add_argument("--force", action="store_true", help="stop a running cluster first")
-    pr = sub.add_parser("probe", help="all-reduce bandwidth and latency across the ranks")
-    pr.add_argument(
-        "--max-size", default="64M", help="largest all-reduce message, e.g. 64M (default)"
-    )
-    pr.add_argument("--iters", type=int, default=5, help="timed repetitions per size")
-
-
-def build_parser() -> _Parser:
-    parser = _Parser(prog="%nbtrain", description="Start, inspect and stop the nbtrain cluster.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+def build_parser() -> Parser:
+    """The parser of `%nbtrain` and every subcommand (raises ConfigError instead of exiting)."""
+    parser = Parser(prog="%nbtrain", description="Start, inspect and stop the nbtrain cluster.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
 
     p = sub.add_parser("start", help="start engines and a process group; prints the rank table")
     p.add_argument(
         "-n",
-        type=_engine_count,
+        type=engine_count,
         default=None,
         help="engines (ranks) to start on this machine (default: one per GPU, or 1 without GPUs); "
         "with --launcher mpi: mpiexec -n",
@@ -164,7 +45,7 @@ def build_parser() -> _Parser:
     )
     p.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_float,
         default=120.0,
         help="seconds to get every engine and the process group (default 120)",
     )
@@ -176,14 +57,12 @@ def build_parser() -> _Parser:
         help="malloc of local engines. auto (default, or $NBTRAIN_ALLOCATOR): tcmalloc on a machine "
         "without GPUs where installed, 3-10%% faster CPU training here; system: glibc's",
     )
-    _add_multinode_start_args(p)
+    add_multinode_start_args(p)
 
     sub.add_parser("stop", help="stop every engine and the controller")
     sub.add_parser("status", help="rank, host, local rank, device, pid, busy/idle")
-    _add_multinode_commands(sub)
-    from nbtrain.fault_magics import add_fault_commands
-
-    add_fault_commands(sub)
+    add_multinode_commands(sub)
+    faults.add_fault_commands(sub)
     return parser
 
 
@@ -206,7 +85,7 @@ class NbtrainMagics(Magics):
         try:
             # a `# comment` after the options is the user's note, as in any Python line
             args = _PARSER.parse_args(shlex.split(line, comments=True))
-        except _HelpShown:
+        except HelpShown:
             return None
         try:
             if args.command is None:
@@ -221,7 +100,8 @@ class NbtrainMagics(Magics):
     def _cmd_start(self, args: argparse.Namespace) -> None:
         if args.launcher != "local":
             return self._cmd_start_remote(args)
-        from nbtrain.cluster.core import default_engine_count, local_gpu_count, start
+        from nbtrain.cluster.api import start
+        from nbtrain.cluster.options import default_engine_count, local_gpu_count
 
         n = default_engine_count(args.n)
         print(f"nbtrain: starting {n} engine(s) on this machine...", flush=True)
@@ -249,7 +129,7 @@ class NbtrainMagics(Magics):
         print(cluster.table())
 
     def _cmd_start_remote(self, args: argparse.Namespace) -> None:
-        from nbtrain.cluster.core import start
+        from nbtrain.cluster.api import start
 
         launch: dict[str, Any] = {
             "ip": args.ip,
@@ -286,7 +166,7 @@ class NbtrainMagics(Magics):
         self._print_ready(cluster, time.monotonic() - t0)
 
     def _cmd_connect(self, args: argparse.Namespace) -> None:
-        from nbtrain.cluster.launchers import connect
+        from nbtrain.cluster.api import connect
 
         t0 = time.monotonic()
         cluster = connect(
@@ -311,14 +191,14 @@ class NbtrainMagics(Magics):
         print(cluster.table())
 
     def _cmd_probe(self, args: argparse.Namespace) -> None:
-        from nbtrain.cluster.core import require_cluster
+        from nbtrain.cluster.facade import require_cluster
         from nbtrain.cluster.probe import parse_size
 
         result = require_cluster().probe(max_bytes=parse_size(args.max_size), iters=args.iters)
         print(result)
 
     def _cmd_stop(self, args: argparse.Namespace) -> None:
-        from nbtrain.cluster.core import current_cluster
+        from nbtrain.cluster.facade import current_cluster
 
         cluster = current_cluster()
         if cluster is None:
@@ -328,22 +208,17 @@ class NbtrainMagics(Magics):
         print("nbtrain: cluster stopped; no engine or controller is left running.")
 
     def _cmd_restart(self, args: argparse.Namespace) -> None:
-        from nbtrain.fault_magics import cmd_restart
-
-        cmd_restart(args)
+        faults.cmd_restart(args)
 
     def _cmd_diagnose(self, args: argparse.Namespace) -> None:
-        from nbtrain.fault_magics import cmd_diagnose
-
-        cmd_diagnose(args)
+        faults.cmd_diagnose(args)
 
     def _cmd_attach(self, args: argparse.Namespace) -> None:
-        from nbtrain.fault_magics import cmd_attach
-
-        cmd_attach(args)
+        faults.cmd_attach(args)
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
-        from nbtrain.cluster.core import current_cluster, format_table
+        from nbtrain.cluster.facade import current_cluster
+        from nbtrain.cluster.topology import format_table
 
         cluster = current_cluster()
         if cluster is None:
@@ -397,7 +272,7 @@ class NbtrainMagics(Magics):
         A failure on any rank fails the cell, naming the rank(s), host and remote traceback.
         Interrupting the kernel interrupts every rank.
         """
-        from nbtrain.cluster.core import require_cluster
+        from nbtrain.cluster.facade import require_cluster
 
         try:
             args = parse_argstring(self.distributed, shlex.join(shlex.split(line, comments=True)))

@@ -2,7 +2,7 @@
 
 Runs in the notebook kernel (and is cheap enough for engines): psutil and the standard library only.
 
-In [1]: from nbtrain.cluster import net
+In [1]: from nbtrain import net
 In [2]: net.parse_hosts("node1:2,node2:2")
 Out[2]: [HostSpec(host='node1', engines=2, user=None), HostSpec(host='node2', engines=2, user=None)]
 In [3]: net.listen_address(["node1", "node2"])

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from nbtrain.magics.args import positive_float
+
 
 def add_fault_commands(sub: Any) -> None:
-    # magics.build_parser calls this once _positive_float exists, so the import finds it
-    from nbtrain.magics import _positive_float as _seconds
-
+    """`%nbtrain restart`, `diagnose` and `attach`."""
     p = sub.add_parser(
         "restart",
         help="replace dead or wedged engines and re-create the process group (their variables are lost)",
@@ -18,7 +18,10 @@ def add_fault_commands(sub: Any) -> None:
         "--all", action="store_true", help="replace every engine, not only dead or wedged ones"
     )
     p.add_argument(
-        "--timeout", type=_seconds, default=None, help="seconds to get the new engines and group"
+        "--timeout",
+        type=positive_float,
+        default=None,
+        help="seconds to get the new engines and group",
     )
     p = sub.add_parser(
         "diagnose",
@@ -26,7 +29,7 @@ def add_fault_commands(sub: Any) -> None:
     )
     p.add_argument("--ranks", default=None, help="only these ranks: 0, 0,2 or 1-3 (default: all)")
     p.add_argument(
-        "--timeout", type=_seconds, default=8.0, help="seconds to wait for the ranks' answers"
+        "--timeout", type=positive_float, default=8.0, help="seconds to wait for the ranks' answers"
     )
     p = sub.add_parser(
         "attach",
@@ -42,7 +45,7 @@ def add_fault_commands(sub: Any) -> None:
 
 
 def cmd_restart(args: argparse.Namespace) -> None:
-    from nbtrain.cluster.core import require_cluster
+    from nbtrain.cluster.facade import require_cluster
 
     cluster = require_cluster()
     print("nbtrain: restarting dead or wedged ranks...", flush=True)
@@ -51,7 +54,7 @@ def cmd_restart(args: argparse.Namespace) -> None:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> None:
-    from nbtrain.cluster.core import require_cluster
+    from nbtrain.cluster.facade import require_cluster
 
     cluster = require_cluster()
     diag = cluster.diagnose(ranks=args.ranks, timeout=args.timeout)
@@ -59,7 +62,7 @@ def cmd_diagnose(args: argparse.Namespace) -> None:
 
 
 def cmd_attach(args: argparse.Namespace) -> None:
-    from nbtrain.cluster.attach import attach
+    from nbtrain.cluster.api import attach
 
     kwargs: dict[str, Any] = {"live": not args.no_live}
     if args.profile:

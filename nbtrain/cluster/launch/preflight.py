@@ -11,11 +11,13 @@ In [3]: result.raise_if_fatal()             # VersionMismatchError naming the od
 from __future__ import annotations
 
 import html
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.cluster.topology import RankInfo
 from nbtrain.errors import ClusterError
 
 ALLOW_FLAG = "--allow-version-mismatch"
@@ -311,3 +313,36 @@ def format_html(result: PreflightResult) -> str:
         out.append(f"<tr{cls}>" + "".join(tds) + "</tr>")
     out.append("</tbody></table>")
     return "".join(out)
+
+
+@dataclass
+class PreflightRun:
+    """Preflight's verdict and every rank's report, in rank order."""
+
+    result: Any
+    reports_by_rank: list[dict[str, Any]]
+
+
+def run_preflight(
+    client: Any,
+    ranks: Sequence[RankInfo],
+    allow: bool,
+    remaining: Callable[[], float],
+    say: Callable[[str], None],
+) -> PreflightRun:
+    """Ask every rank for its versions, compare them; warn, or raise on a fatal mismatch."""
+    from nbtrain.engine import preflight as engine_preflight
+
+    ids = [r.engine_id for r in ranks]
+    reports = (
+        client.direct_view(targets=ids)
+        .apply_async(engine_preflight.collect)
+        .get(timeout=remaining())
+    )
+    result = compare(list(reports), allow_version_mismatch=allow)
+    result.raise_if_fatal()
+    if result.mismatches:
+        text = result.message()
+        say(text.splitlines()[0])
+        warnings.warn(text, stacklevel=4)
+    return PreflightRun(result, list(reports))

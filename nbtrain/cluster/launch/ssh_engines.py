@@ -25,7 +25,7 @@ class ParallelSSHEngineSetLauncher(SSHEngineSetLauncher):
     """
 
     # how ipyparallel names the class in the cluster file: a dotted path it can import back
-    entrypoint_name = "nbtrain.cluster.ssh_engines.ParallelSSHEngineSetLauncher"
+    entrypoint_name = "nbtrain.cluster.launch.ssh_engines.ParallelSSHEngineSetLauncher"
 
     def start(self, n: int) -> list[str]:
         engine_traits = self.launcher_class.class_traits(config=True)

@@ -1,0 +1,235 @@
+"""Where every rank is: stacks over the control channel, and which ranks wait in a collective.
+
+In [1]: cluster.diagnose()        # twin of %nbtrain diagnose; works while a cell runs
+
+Never stops anything: a report for the notebook, also shown when a cell passes its --timeout.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nbtrain.cluster.ranges import parse_ranks
+from nbtrain.cluster.session import Session
+from nbtrain.cluster.topology import describe_ranks
+
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "reduce",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "wait",
+}
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
+
+
+@dataclass
+class Diagnosis:
+    """Where every rank is, and which ranks wait in a collective (`Cluster.diagnose()`)."""
+
+    stacks: dict[int, dict[str, Any]]
+    waiting: dict[int, str]  #: rank -> "all_reduce at <cell>:5" for ranks blocked in a collective
+    other: dict[int, str]  #: rank -> what it does instead ("time.sleep at <cell>:7", "idle", ...)
+    behind: list[
+        int
+    ]  #: ranks that have not entered the collective others wait in (flight recorder)
+    text: str
+    took: float = 0.0
+
+    def __str__(self) -> str:
+        return self.text
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text)
+
+
+def _frames(stack: str) -> list[tuple[str, int, str]]:
+    return [(m["file"], int(m["line"]), m["fn"]) for m in _FRAME.finditer(stack)]
+
+
+def _main_thread(info: dict[str, Any]) -> dict[str, Any] | None:
+    for t in info.get("threads", []):
+        if t.get("main"):
+            return t
+    return None
+
+
+def _user_site(frames: list[tuple[str, int, str]]) -> str:
+    for file, line, fn in reversed(frames):
+        if "/site-packages/" not in file and "/torch/" not in file:
+            short = "<cell>" if ("ipykernel_" in file or "<ipython-input" in file) else file
+            return f"{short}:{line} in {fn}"
+    return ""
+
+
+def classify(info: dict[str, Any]) -> tuple[str, str]:
+    """("collective" | "busy" | "idle" | "silent", what) for one rank's stacks."""
+    kind, what = _classify_stack(info)
+    if kind in ("busy", "idle"):
+        # an NCCL collective runs on the GPU after the CPU has moved on (to `.item()`, the next step,
+        # or the end of the cell): the flight recorder still lists it as not completed
+        pending = (info.get("collectives") or {}).get("pending") or []
+        if pending:
+            from nbtrain.engine.faults import describe_entry
+
+            return "collective", f"{describe_entry(pending[0])}, not completed; meanwhile {what}"
+    return kind, what
+
+
+def _classify_stack(info: dict[str, Any]) -> tuple[str, str]:
+    if info.get("error"):
+        return "silent", info["error"]
+    main = _main_thread(info)
+    if main is None or not main.get("user_frames"):
+        return "idle", "idle (no cell running)"
+    frames = _frames(main["stack"])
+    site = _user_site(frames)
+    for file, _line, fn in reversed(frames):
+        if "/torch/distributed/" in file and fn in COLLECTIVES:
+            return "collective", f"{fn}" + (f", called at {site}" if site else "")
+        if "/torch/autograd/" in file and fn in ("backward", "_engine_run_backward"):
+            return "collective", "backward (DDP's gradient all-reduce runs in it)" + (
+                f", called at {site}" if site else ""
+            )
+    file, line, fn = frames[-1] if frames else ("?", 0, "?")
+    code = main["stack"].rstrip().splitlines()[-1].strip() if main.get("stack") else ""
+    what = f"`{code}`" if code and not code.startswith("File ") else fn
+    return "busy", f"{what} ({site or f'{file}:{line}'})"
+
+
+def _seqs(stacks: dict[int, dict[str, Any]]) -> dict[int, tuple[int, str]]:
+    out = {}
+    for r, info in stacks.items():
+        fr = info.get("collectives") or {}
+        entries = fr.get("entries") or []
+        if fr.get("available") and not entries:
+            out[r] = (0, "none yet")  # recording, but this rank has run no collective
+        if entries:
+            last = entries[-1]
+            if last.get("seq") is not None:
+                out[r] = (int(last["seq"]), str(last.get("op", "")))
+    return out
+
+
+def diagnose(
+    cluster: Session, ranks: Any = None, timeout: float = 8.0, pending: Sequence[int] | None = None
+) -> Diagnosis:
+    """Every rank's Python stacks (all threads), and which ranks wait in a collective and which do not."""
+    t0 = time.monotonic()
+    which = parse_ranks(ranks, cluster.world_size)
+    alive = [r for r in which if r not in cluster.lost]
+    stacks = cluster.stacks(alive, timeout=timeout, all_threads=True)
+    for r in which:
+        if r not in stacks:
+            stacks[r] = {
+                "host": cluster.ranks[r].host,
+                "pid": cluster.ranks[r].pid,
+                "threads": [],
+                "error": "dead (ended or died earlier); run %nbtrain restart",
+            }
+    waiting: dict[int, str] = {}
+    other: dict[int, str] = {}
+    for r in sorted(stacks):
+        kind, what = classify(stacks[r])
+        (waiting if kind == "collective" else other)[r] = what
+    seqs = _seqs(stacks)
+    behind: list[int] = []
+    summary = []
+    if seqs:
+        top = max(s for s, _ in seqs.values())
+        ahead = sorted(r for r, (s, _) in seqs.items() if s == top)
+        behind = sorted(r for r, (s, _) in seqs.items() if s < top)
+        op = seqs[ahead[0]][1]
+        if behind:
+            summary.append(
+                f"flight recorder: {describe_ranks(cluster.ranks, ahead)} entered collective #{top} "
+                f"({op}); {describe_ranks(cluster.ranks, behind)} did not "
+                f"(last: {', '.join(f'rank {r} #{seqs[r][0]}' for r in behind)})."
+            )
+        else:
+            summary.append(f"flight recorder: every rank's last collective is #{top} ({op}).")
+    not_done = {
+        r: (info.get("collectives") or {}).get("pending") or []
+        for r, info in sorted(stacks.items())
+    }
+    if any(not_done.values()):
+        from nbtrain.engine.faults import describe_entry
+
+        summary.append(
+            "flight recorder, not completed: "
+            + "; ".join(
+                f"rank {r}: " + (", ".join(describe_entry(e) for e in p[:2]) if p else "none")
+                for r, p in not_done.items()
+            )
+        )
+    if waiting:
+        summary.insert(
+            0,
+            f"waiting in a collective: {'; '.join(f'rank {r}: {w}' for r, w in sorted(waiting.items()))}",
+        )
+    if other:
+        summary.insert(
+            1 if waiting else 0,
+            f"not in a collective: {'; '.join(f'rank {r}: {w}' for r, w in sorted(other.items()))}",
+        )
+    if waiting and [r for r in other if r not in cluster.lost]:
+        summary.append(
+            "The waiting ranks are blocked until the others reach the same collective; look at where "
+            "those others are in the stacks below."
+        )
+    took = time.monotonic() - t0
+    if pending is None:
+        pending = [r for r in which if r in waiting or not other.get(r, "").startswith("idle")]
+    text = "\n".join(summary) + "\n\n" + format_stacks(cluster, stacks, pending=pending)
+    return Diagnosis(
+        stacks=stacks, waiting=waiting, other=other, behind=behind, text=text, took=took
+    )
+
+
+def format_stacks(
+    cluster: Session, stacks: dict[int, dict[str, Any]], pending: Sequence[int] = ()
+) -> str:
+    """Stacks labelled by rank and host; the main thread first, engine machinery threads summarised."""
+    out = []
+    for rank in sorted(stacks):
+        info = stacks[rank]
+        host = info.get("host", cluster.ranks[rank].host)
+        state = "still running" if rank in pending else "finished"
+        out.append(f"--- rank {rank} on {host} (pid {info.get('pid')}, {state}) ---")
+        if info.get("error"):
+            out.append(f"  {info['error']}")
+        fr = info.get("collectives") or {}
+        if fr.get("pending"):
+            from nbtrain.engine.faults import describe_entry
+
+            out.append(f"  not completed (flight recorder, {fr.get('recorder', 'torch')}):")
+            out.extend(f"    {describe_entry(e)}" for e in fr["pending"])
+        for t in info.get("threads", []):
+            if not t["user_frames"] and not t["main"]:
+                continue
+            out.append(f"  thread {t['thread']}{' (main)' if t['main'] else ''}:")
+            out.extend("  " + line for line in t["stack"].rstrip().splitlines())
+    return "\n".join(out)

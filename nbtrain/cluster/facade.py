@@ -1,0 +1,144 @@
+"""`Cluster`, the one public object: a session with everything a notebook does on it, delegated.
+
+Get one from `nbtrain.start()`; `nbtrain.current_cluster()` returns the one the magics use. The
+work happens below: the cell runner (`cell`), fault handling (`faults`, `diagnose`), the probe, the
+process group (`group`); the launcher that started the engines stops them (`launch`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from nbtrain.cluster import group
+from nbtrain.cluster.ranges import parse_ranks
+from nbtrain.cluster.session import Session
+from nbtrain.errors import ClusterError, NoClusterError
+
+_current: Cluster | None = None
+
+
+class Cluster(Session):
+    """A running set of engines, one per torch rank, joined in one process group.
+
+    Get one from `nbtrain.start()`; `nbtrain.current_cluster()` returns the one the magics use.
+    """
+
+    def __repr__(self) -> str:
+        state = "stopped" if self.stopped else "running"
+        return f"<nbtrain.Cluster {state}: {self.world_size} rank(s), backend {self.backend}, hosts {', '.join(self.hosts)}>"
+
+    def execute(
+        self,
+        code: str,
+        ranks: Any = None,
+        output: str = "rank0",
+        timeout: float | None = None,
+        live: bool = True,
+    ) -> list[Any]:
+        """Run `code` on every rank (or `ranks`) in its persistent namespace, like a `%%distributed` cell.
+
+        Streams the output as it comes (rank 0's, or every rank's with `output="all"`), draws live
+        plots from `nbtrain.log`, and raises `DistributedCellError` if any rank fails.
+        """
+        from nbtrain.cluster.cell import CellRun
+
+        which = parse_ranks(ranks, self.world_size)
+        return CellRun(self, code, which, output=output, timeout=timeout, live=live).run()
+
+    def check_group(
+        self, ranks: Sequence[int] | None = None, timeout: float = 10.0
+    ) -> list[dict[str, Any]]:
+        """Every rank's view of its process group (initialized, collectives so far)."""
+        return group.check(self, ranks=ranks, timeout=timeout)
+
+    def reinit_group(self, timeout: float = 60.0) -> None:
+        """Re-create the process group on every rank (after an interrupt broke it)."""
+        group.reinit(self, timeout=timeout)
+
+    def repair_group(self) -> str:
+        """After an interrupt: keep the process group if every rank agrees on it, else re-create it."""
+        return group.repair(self)
+
+    def probe(self, **kwargs: Any) -> Any:
+        """All-reduce bandwidth and latency across the ranks; see `nbtrain.cluster.probe.probe`."""
+        from nbtrain.cluster.probe import probe
+
+        return probe(self, **kwargs)
+
+    def restart(self, all_ranks: bool = False, timeout: float | None = None) -> str:
+        """Replace dead or wedged engines, re-create the process group; says what was lost.
+
+        In [1]: print(cluster.restart())     # twin of %nbtrain restart
+        nbtrain: replaced rank 1 on node2 (dead: ...) with fresh engines and re-created the process group ...
+        """
+        from nbtrain.cluster.faults import restart
+
+        return restart(self, all_ranks=all_ranks, timeout=timeout)
+
+    def diagnose(self, ranks: Any = None, timeout: float = 8.0) -> Any:
+        """Every rank's Python stacks (all threads) and which ranks wait in a collective; never stops a cell.
+
+        In [1]: cluster.diagnose()           # twin of %nbtrain diagnose; works while a cell runs
+        """
+        from nbtrain.cluster.diagnose import diagnose
+
+        return diagnose(self, ranks=ranks, timeout=timeout)
+
+    def stop(self) -> None:
+        """Stop every engine and the controller; nothing of this cluster keeps running."""
+        global _current
+        if _current is self:
+            _current = None
+        super().stop()
+
+
+def current_cluster() -> Cluster | None:
+    """The cluster `%%distributed` cells run on (the last one started), or None."""
+    if _current is not None and _current.stopped:
+        return None
+    return _current
+
+
+def require_cluster() -> Cluster:
+    """The current cluster; a `NoClusterError` saying how to start one if there is none."""
+    cluster = current_cluster()
+    if cluster is None:
+        msg = "no nbtrain cluster is running. Start one first: %nbtrain start -n 2 (or nbtrain.start(n=2))."
+        raise NoClusterError(msg)
+    return cluster
+
+
+def set_current(cluster: Cluster) -> None:
+    """Make `cluster` the one the magics use."""
+    global _current
+    _current = cluster
+
+
+def replace_current(force: bool, how: str) -> None:
+    """Before a new cluster: stop the current one with `force`, else refuse saying `how` to."""
+    existing = current_cluster()
+    if existing is None:
+        return
+    if not force:
+        msg = (
+            f"a cluster is already running ({existing.world_size} rank(s) on {', '.join(existing.hosts)}). "
+            f"Stop it with %nbtrain stop, or {how}."
+        )
+        raise ClusterError(msg)
+    existing.stop()
+
+
+def _stop_at_exit() -> None:
+    # a kernel shutdown or restart must not leave engines behind
+    cluster = _current
+    if cluster is not None and not cluster.stopped:
+        try:
+            cluster.stop()
+        except Exception as e:  # pragma: no cover - best effort at exit
+            print(f"nbtrain: stopping the cluster at exit failed: {e}", file=sys.stderr)
+
+
+atexit.register(_stop_at_exit)

@@ -1,0 +1,88 @@
+"""Many ranks failing at once, told as one message: identical failures shown once, with their ranks.
+
+A primitive on the rank table (`topology`), no client: used by every call that gathers results from
+the ranks (`Session.run`, `%%distributed` cells).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from nbtrain.cluster.topology import RankInfo, describe_ranks
+from nbtrain.engine import oom
+from nbtrain.errors import DistributedCellError
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CELL_FILE = re.compile(r"ipykernel_\d+/\d+\.py|<ipython-input-\d+-[0-9a-f]+>")
+
+
+def _normalise(text: str) -> str:
+    return _CELL_FILE.sub("<cell>", _ANSI.sub("", text))
+
+
+def raise_for_failures(
+    ranks: Sequence[RankInfo], which: Sequence[int], results: Sequence[Any], note: str = ""
+) -> None:
+    """Raise one `DistributedCellError` grouping identical remote failures, if any rank failed."""
+    failures = []
+    for r, res in zip(which, results):
+        if isinstance(res, BaseException):
+            failures.append((r, res))
+    if failures:
+        message, groups = group_failures(ranks, failures, total=len(which))
+        raise DistributedCellError(message + note, groups)
+
+
+def group_failures(
+    ranks: Sequence[RankInfo], failures: Sequence[tuple[int, BaseException]], total: int
+) -> tuple[str, list[dict[str, Any]]]:
+    """One message for many failing ranks: identical failures are shown once with all their ranks."""
+    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for rank, err in failures:
+        ename = getattr(err, "ename", type(err).__name__)
+        evalue = str(getattr(err, "evalue", err))
+        tb = getattr(err, "traceback", None)
+        if isinstance(tb, list):
+            tb = "\n".join(tb)
+        if not tb and hasattr(err, "render_traceback"):
+            tb = "\n".join(err.render_traceback())
+        tb = tb or f"{ename}: {evalue}"
+        is_oom = oom.is_oom(ename, evalue)
+        if is_oom:
+            # every rank's message has its own sizes, GPU and host: the same code running out of
+            # memory is one failure, keyed by the frames above the message
+            key = (ename, "out of memory", _normalise(tb).split("out of memory")[0])
+        else:
+            key = (ename, _normalise(evalue), _normalise(tb))
+        group = groups.setdefault(
+            key, {"ename": ename, "evalue": evalue, "traceback": tb, "ranks": [], "oom": is_oom}
+        )
+        group["ranks"].append(rank)
+        group.setdefault("evalues", {})[rank] = evalue
+    n_failed = len(failures)
+    head = f"the cell failed on {n_failed} of {total} rank(s)"
+    parts = [head]
+    for g in groups.values():
+        where = describe_ranks(ranks, g["ranks"])
+        parts.append(f"\n{g['ename']}: {g['evalue']}  [{where}]\n{g['traceback'].rstrip()}")
+        footer = _oom_footer(ranks, g) if g["oom"] else ""
+        if footer:
+            parts.append(footer)
+    return "\n".join(parts), list(groups.values())
+
+
+def _oom_footer(ranks: Sequence[RankInfo], group: dict[str, Any]) -> str:
+    """Under a group of ranks that ran out of GPU memory: each rank's sizes, and the fixes if the engine
+    did not add them (an engine without nbtrain's hook)."""
+    lines = []
+    if len(group["ranks"]) > 1:
+        lines.append("Out of GPU memory on each rank:")
+        lines.extend(
+            f"  {describe_ranks(ranks, [r])}: {oom.summary(group['evalues'][r])}"
+            for r in group["ranks"]
+        )
+    if oom.MARK not in group["evalue"]:
+        lines.append(oom.FIXES)
+    return "\n".join(lines)

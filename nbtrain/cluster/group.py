@@ -1,0 +1,193 @@
+"""The process group: plan the backend, have every rank join, re-create or repair it.
+
+The one place a process group is made: local, remote and connected starts, a re-init after an
+interrupt broke it, a restart that replaced engines. Works on the rank table and a client (or a
+`Session`); knows nothing of how the engines were started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nbtrain.cluster.options import StartOptions
+from nbtrain.cluster.plan import DevicePlan, Slot, plan_devices
+from nbtrain.cluster.session import Session
+from nbtrain.cluster.topology import RankInfo, describe_ranks
+from nbtrain.engine import setup
+from nbtrain.errors import ClusterError
+
+log = logging.getLogger("nbtrain")
+
+# how long the other ranks get to finish joining the group once one rank failed to (they are
+# usually blocked in the rendezvous, waiting for it)
+FAILED_GRACE_S = 2.0
+
+
+def free_local_port() -> int:
+    """A TCP port free on this machine's loopback right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def loopback_env(
+    ranks: Sequence[RankInfo], master_addr: str, port: int, options: StartOptions
+) -> dict[str, str]:
+    """A cluster on this machine alone keeps its process group off the network.
+
+    torch's TCPStore listens on every interface, so local ranks meet through a FileStore in the profile's
+    security folder (0700) instead, and gloo's pairs use the loopback interface.
+    """
+    if master_addr != "127.0.0.1" or any(r.host != socket.gethostname() for r in ranks):
+        return {}
+    from IPython.paths import get_ipython_dir
+
+    folder = os.path.join(get_ipython_dir(), f"profile_{options.profile}", "security")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    store = os.path.join(folder, f".nbtrain-store-{os.getpid()}-{port}")
+    return {"NBTRAIN_STORE_FILE": store, "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def init_group(
+    client: Any,
+    ranks: list[RankInfo],
+    options: StartOptions,
+    remaining: Callable[[], float],
+    master_addr: str,
+    port: int,
+    launcher: str = "local",
+    announce: bool = True,
+) -> DevicePlan:
+    """Plan the backend and every rank's device here, then have every rank join the group with them.
+
+    The one place a process group is made (local, remote and connected starts, re-init after an
+    interrupt or a restart). Prints the plan's why-line when `announce`.
+    """
+    plan = plan_devices(
+        [Slot(r.host, r.local_rank, r.gpus) for r in ranks], options.backend, launcher=launcher
+    )
+    if plan.why and announce:
+        log.info("nbtrain: %s", plan.why)
+        print(f"nbtrain: {plan.why}", flush=True)
+    world = len(ranks)
+    pending = []
+    for r in ranks:
+        env = {
+            "RANK": str(r.rank),
+            "LOCAL_RANK": str(r.local_rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(r.local_world_size),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(port),
+            **loopback_env(ranks, master_addr, port, options),
+            **options.extra_env,
+        }
+        r.address = master_addr if r.rank == 0 else r.address
+        ar = client[r.engine_id].apply_async(
+            setup.init_rank, env, plan.backend, plan.devices[r.rank], options.pg_timeout
+        )
+        pending.append((r, ar))
+    failures: list[tuple[RankInfo, BaseException]] = []
+    late: list[RankInfo] = []
+    # a rank that failed leaves the others waiting in the rendezvous for it: report the failure
+    # after a short grace instead of sitting out --timeout and blaming the network
+    failed_at: float | None = None
+    todo = list(pending)
+    while todo:
+        now = time.monotonic()
+        if remaining() <= 0.1 or (failed_at is not None and now - failed_at > FAILED_GRACE_S):
+            late = [r for r, _ in todo]
+            break
+        r, ar = todo[0]
+        if not ar.wait(min(0.1, remaining())):
+            todo.append(todo.pop(0))
+            continue
+        todo.pop(0)
+        try:
+            info = ar.get()
+        except Exception as err:
+            failures.append((r, err))
+            failed_at = failed_at or time.monotonic()
+            continue
+        r.device = info["device"]
+    if failures:
+        lines = []
+        for r, e in sorted(failures, key=lambda f: f[0].rank):
+            ename = getattr(e, "ename", type(e).__name__)
+            evalue = getattr(e, "evalue", str(e))
+            lines.append(f"  rank {r.rank} on {r.host}: {ename}: {evalue}")
+        if late:
+            who = describe_ranks(ranks, [r.rank for r in late])
+            lines.append(f"  {who}: still waiting for the failed rank(s) in the rendezvous")
+        msg = "the process group could not be created; nothing was left running.\n" + "\n".join(
+            lines
+        )
+        raise ClusterError(msg)
+    if late:
+        who = describe_ranks(ranks, [r.rank for r in late])
+        msg = (
+            f"the process group was not ready within --timeout {options.timeout:g} s: {who} did not join "
+            f"the rendezvous at {master_addr}:{port} (backend {plan.backend}). Nothing was left "
+            "running. A firewall or a wrong network interface between the nodes is the usual cause."
+        )
+        raise ClusterError(msg)
+    return plan
+
+
+def rendezvous_port(session: Session) -> int:
+    """A free port on rank 0's host for a new rendezvous (asked of rank 0 where it is elsewhere)."""
+    if session.ranks[0].host == socket.gethostname():
+        return free_local_port()
+    return int(session.run(setup.free_port, ranks=[0], timeout=30)[0])
+
+
+def check(
+    session: Session, ranks: Sequence[int] | None = None, timeout: float = 10.0
+) -> list[dict[str, Any]]:
+    """Every rank's view of its group: initialized, and the sequence number of its collectives."""
+    return session.run(setup.check_group, ranks=ranks, timeout=timeout)
+
+
+def reinit(session: Session, timeout: float = 60.0) -> None:
+    """Re-create the process group on every rank (after an interrupt broke it, or a restart)."""
+    deadline = time.monotonic() + timeout
+    master_addr = session.ranks[0].address
+    # planned again from the ranks' GPU counts: the same decision unless replaced engines differ
+    session.plan = init_group(
+        session.client,
+        session.ranks,
+        session.options,
+        lambda: max(0.1, deadline - time.monotonic()),
+        master_addr=master_addr,
+        port=rendezvous_port(session),
+        launcher=session.launcher,
+        announce=False,
+    )
+    session.backend = session.plan.backend
+
+
+def repair(session: Session) -> str:
+    """After an interrupt: keep the process group if every rank agrees on it, else re-create it."""
+    try:
+        info = check(session, timeout=10)
+    except Exception:
+        info = []
+    seqs = [i.get("seq") for i in info]
+    intact = (
+        bool(info)
+        and all(i.get("initialized") for i in info)
+        and None not in seqs
+        and len(set(seqs)) == 1
+    )
+    if intact:
+        return "The process group is intact and every rank kept its variables."
+    reinit(session)
+    return (
+        "The ranks stopped at different points of their collectives, so the process group was "
+        "re-created; variables are kept, but rebuild objects that hold the old group (e.g. DDP models)."
+    )

@@ -1,0 +1,141 @@
+"""The argument types and option groups the `%nbtrain` subcommands share (argparse, no kernel)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from nbtrain.errors import ConfigError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting the kernel."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        msg = f"{self.prog}: {message}\n\n{self.format_usage().strip()}\nSee %nbtrain? for help."
+        raise ConfigError(msg)
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        if message:
+            print(message, file=sys.stderr)
+        raise HelpShown()
+
+
+class HelpShown(Exception):
+    """`--help` was printed: the magic returns without running anything."""
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
+
+
+def engine_count(text: str) -> int:
+    """An argparse type: a whole number of engines, at least 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number of engines (e.g. -n 2)"
+        ) from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of engines (e.g. -n 2)")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: start at least one engine (e.g. -n 2)")
+    return int(value)
+
+
+def add_multinode_start_args(p: argparse.ArgumentParser) -> None:
+    """The --launcher ssh/slurm/mpi options of `%nbtrain start`."""
+    g = p.add_argument_group("multi-node (--launcher ssh, slurm or mpi)")
+    g.add_argument(
+        "--launcher",
+        choices=("local", "ssh", "slurm", "mpi"),
+        default="local",
+        help="local: engines on this machine; ssh: on --hosts; slurm: as one sbatch job; "
+        "mpi: with mpiexec -n N",
+    )
+    g.add_argument(
+        "--hosts",
+        default=None,
+        help="ssh, mpi: HOST[:ENGINES],... e.g. node1:2,node2:2 (ssh default engines: the host's "
+        "GPU count, 1 on CPU; mpi: 1)",
+    )
+    g.add_argument(
+        "--ip",
+        default=None,
+        help="controller listen address (default: the one routing to the hosts or Slurm nodes)",
+    )
+    g.add_argument(
+        "--iface",
+        default=None,
+        help="network interface for NCCL/gloo on every node (default: the one reaching rank 0)",
+    )
+    g.add_argument(
+        "--port", type=int, default=None, help="rendezvous port on rank 0's host (default: free)"
+    )
+    g.add_argument(
+        "--allow-version-mismatch",
+        action="store_true",
+        help="start although torch, NCCL or nbtrain versions differ across nodes",
+    )
+    g.add_argument(
+        "--python",
+        default=None,
+        help="Python with nbtrain on every host (default: this kernel's interpreter path)",
+    )
+    g.add_argument(
+        "--ssh-args", default=None, help='ssh: extra ssh arguments, e.g. "-F ~/.ssh/cluster"'
+    )
+    # their values are checked where they enter the Python API (nbtrain.cluster.options.validate_slurm),
+    # so the magic and nbtrain.start(launcher="slurm", ...) say the same thing
+    s = p.add_argument_group("slurm (--launcher slurm)")
+    s.add_argument("--nodes", default=None, help="nodes to allocate (default 1)")
+    s.add_argument(
+        "--gpus-per-node",
+        default=None,
+        help="GPUs per node (sbatch --gpus-per-node); one engine per GPU",
+    )
+    s.add_argument(
+        "--engines-per-node",
+        default=None,
+        help="engines per node (default: --gpus-per-node, or 1 on CPU nodes)",
+    )
+    s.add_argument("--partition", default=None, help="partition (default: the cluster's default)")
+    s.add_argument("--account", default=None, help="account to charge the job to")
+    s.add_argument("--time", default=None, help="time limit: 90 (minutes), 02:00:00, 1-12:00:00")
+    s.add_argument(
+        "--slurm-args",
+        default=None,
+        help='more sbatch options, e.g. "--qos=high --constraint=a100"',
+    )
+    m = p.add_argument_group("mpi (--launcher mpi)")
+    m.add_argument(
+        "--mpi-args", default=None, help='more mpiexec arguments, e.g. "--oversubscribe"'
+    )
+
+
+def add_multinode_commands(sub: Any) -> None:
+    """`%nbtrain connect` and `%nbtrain probe`."""
+    c = sub.add_parser("connect", help="attach to an ipyparallel cluster started any way")
+    c.add_argument("cluster_id", nargs="?", default=None, help="the ipyparallel cluster id")
+    c.add_argument("--profile", default=None, help="IPython profile of the cluster")
+    c.add_argument("--file", default=None, help="the cluster's JSON file (security/cluster-*.json)")
+    c.add_argument("--iface", default=None, help="network interface for NCCL/gloo on every node")
+    c.add_argument("--port", type=int, default=None, help="rendezvous port on rank 0's host")
+    c.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    c.add_argument("--timeout", type=positive_float, default=120.0)
+    c.add_argument("--allow-version-mismatch", action="store_true")
+    c.add_argument("--force", action="store_true", help="stop a running cluster first")
+    pr = sub.add_parser("probe", help="all-reduce bandwidth and latency across the ranks")
+    pr.add_argument(
+        "--max-size", default="64M", help="largest all-reduce message, e.g. 64M (default)"
+    )
+    pr.add_argument("--iters", type=int, default=5, help="timed repetitions per size")

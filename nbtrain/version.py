@@ -1,0 +1,3 @@
+"""nbtrain's version, in a module of its own so engines can read it without importing the package root."""
+
+__version__ = "0.1.0"
