@@ -94,9 +94,9 @@ def test_kernel_death_job_goes_on_and_attach_follows_it(tmp_path, ip):
         cluster.push({{"cfg": {cfg!r}}})
         # slow steps down so the job is still running when this kernel dies
         cluster.view().execute(
-            "import time, nbtrain, nbtrain.sft.train as T\\n"
-            "_o = T._loss_sum\\n"
-            "T._loss_sum = lambda *a, **k: (time.sleep(0.25), _o(*a, **k))[1]\\n"
+            "import time, nbtrain, nbtrain.sft.step as T\\n"
+            "_o = T.loss_sum\\n"
+            "T.loss_sum = lambda *a, **k: (time.sleep(0.25), _o(*a, **k))[1]\\n"
             "result = nbtrain.finetune(nbtrain.SFTConfig(**cfg))", block=False)
         m = pathlib.Path({str(out / "metrics.jsonl")!r})
         while not (m.exists() and len(m.read_text().splitlines()) >= 3):

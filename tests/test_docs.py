@@ -147,12 +147,12 @@ def test_config_doc_regenerates_a_stale_table(tmp_path):
 
 
 def test_history_columns_are_documented():
-    # every column finetune can write (train.py's _Meter.row) has a row in the history table
+    # every column finetune can write (report.py's Meter.row) has a row in the history table
     import inspect
 
-    from nbtrain.sft import train
+    from nbtrain.sft import report
 
-    source = inspect.getsource(train._Meter.row)
+    source = inspect.getsource(report.Meter.row)
     written = set(re.findall(r'row\[f?"(\w+)', source)) | set(re.findall(r'"(\w+)": ', source))
     written.discard("peak_memory_gb_rank")
     text = (DOCS / "fine-tuning.md").read_text(encoding="utf-8")

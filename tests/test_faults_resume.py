@@ -79,25 +79,25 @@ def test_rank_killed_mid_run_restart_resume_equals_uninterrupted(setup):
     cluster, model, tmp, ref = setup
     out = tmp / "killed"
     cluster.push({"cfg": _cfg(model, out)})
-    # rank 1 is SIGKILLed in the loss of step 5 (after checkpoint-4): _loss_sum runs once per micro-batch
+    # rank 1 is SIGKILLed in the loss of step 5 (after checkpoint-4): step.loss_sum runs once per micro-batch
     kill = (
-        "import os, signal, nbtrain.sft.train as T\n"
-        "_orig = T._loss_sum\n"
+        "import os, signal, nbtrain.sft.step as T\n"
+        "_orig = T.loss_sum\n"
         "_calls = [0]\n"
         "def _dying(*a, **k):\n"
         "    _calls[0] += 1\n"
         "    if rank == 1 and _calls[0] == 5:\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
         "    return _orig(*a, **k)\n"
-        "T._loss_sum = _dying\n"
+        "T.loss_sum = _dying\n"
     )
     with pytest.raises(RankDiedError) as info:
-        cluster.execute(kill + RUN + "\nT._loss_sum = _orig", live=False)
+        cluster.execute(kill + RUN + "\nT.loss_sum = _orig", live=False)
     assert "rank 1 on" in str(info.value) and "SIGKILL" in str(info.value)
     note = cluster.restart()
     assert "in-memory state of the replaced ranks was lost" in note
     # a rank that was only interrupted kept its patched function: put the real one back
-    cluster.execute("try:\n    T._loss_sum = _orig\nexcept NameError:\n    pass", live=False)
+    cluster.execute("try:\n    T.loss_sum = _orig\nexcept NameError:\n    pass", live=False)
     assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-2", "checkpoint-4"]
     result = _resume(cluster, model, out)
     assert result.global_step == STEPS
@@ -110,16 +110,16 @@ def test_interrupt_mid_finetune_stops_every_rank_then_resumes(setup):
     out = tmp / "interrupted"
     cluster.push({"cfg": _cfg(model, out)})
     slow = (
-        "import time, nbtrain.sft.train as T\n"
-        "_orig = T._loss_sum\n"
+        "import time, nbtrain.sft.step as T\n"
+        "_orig = T.loss_sum\n"
         "def _slow(*a, **k):\n"
         "    time.sleep(0.3)\n"
         "    return _orig(*a, **k)\n"
-        "T._loss_sum = _slow\n"
+        "T.loss_sum = _slow\n"
         "try:\n"
         "    result = nbtrain.finetune(nbtrain.SFTConfig(**cfg))\n"
         "finally:\n"
-        "    T._loss_sum = _orig\n"
+        "    T.loss_sum = _orig\n"
     )
     sent = {}
 

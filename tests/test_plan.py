@@ -120,7 +120,7 @@ def _rank_view():
     import torch.distributed as dist
     from IPython import get_ipython
 
-    from nbtrain.sft.train import _Dist
+    from nbtrain.sft.dist import Dist
 
     t = torch.tensor([1.0])
     dist.all_reduce(t)
@@ -129,7 +129,7 @@ def _rank_view():
         "backend": str(dist.get_backend()),
         "device": str(ns["device"]),
         "env": os.environ.get("NBTRAIN_DEVICE"),
-        "dist_device": str(_Dist().device),  # what finetune would train on
+        "dist_device": str(Dist().device),  # what finetune would train on
         "sum": t.item(),
     }
 
@@ -237,7 +237,7 @@ def _cuda_sum():
     import torch.distributed as dist
     from IPython import get_ipython
 
-    from nbtrain.sft.train import _Dist
+    from nbtrain.sft.dist import Dist
 
     device = get_ipython().user_ns["device"]
     t = torch.full((4,), float(dist.get_rank() + 1), device=device)
@@ -246,7 +246,7 @@ def _cuda_sum():
         "backend": str(dist.get_backend()),
         "device": str(t.device),
         "current": torch.cuda.current_device(),
-        "dist_device": str(_Dist().device),
+        "dist_device": str(Dist().device),
         "sum": t.tolist(),
     }
 
@@ -315,18 +315,18 @@ def test_gpu_start_without_n_gives_one_engine_per_gpu():
 def test_gpu_dist_fallback_never_puts_two_ranks_on_one_gpu(monkeypatch, capsys):
     """finetune outside nbtrain (torchrun, no NBTRAIN_DEVICE): more local ranks than GPUs train on
     CPU and say so, instead of sharing a GPU."""
-    from nbtrain.sft.train import _Dist
+    from nbtrain.sft.dist import Dist
 
     gpus = _gpus()
     monkeypatch.delenv("NBTRAIN_DEVICE", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", str(gpus))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(gpus + 1))
-    assert str(_Dist().device) == "cpu"
+    assert str(Dist().device) == "cpu"
     said = f"{gpus + 1} ranks on {HOST} but {gpus} GPU(s): training on CPU"
     assert said in capsys.readouterr().err
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(gpus))
-    assert str(_Dist().device) == "cuda:0"
+    assert str(Dist().device) == "cuda:0"
     monkeypatch.setenv("NBTRAIN_DEVICE", "cpu")  # the plan wins over what the GPUs would allow
-    assert str(_Dist().device) == "cpu"
+    assert str(Dist().device) == "cpu"

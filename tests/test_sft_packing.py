@@ -1,7 +1,7 @@
 """Packing and padding-free batches: documents stay apart, and the loss is the loss of each row alone.
 
 Every number is computed on a tiny Llama loaded through from_pretrained, in fp32, with the loss function
-the training loop uses (`_token_loss_sum`), for both attention implementations that build masks
+the training loop uses (`nbtrain.sft.step.token_loss_sum`), for both attention implementations that build masks
 (SDPA and eager).
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nbtrain.sft.data import IGNORE, ShardedBatches, collate, encode_row, pack
-from nbtrain.sft.train import _token_loss_sum
+from nbtrain.sft.step import token_loss_sum
 
 ATTN = ["sdpa", "eager"]
 DOC = {"text": "the cat sat on the mat and looked at the sun"}
@@ -52,7 +52,7 @@ def model(request, tiny):
 
 
 def _loss_sum(model, batch):
-    return _token_loss_sum(model, batch, contextlib.nullcontext)
+    return token_loss_sum(model, batch, contextlib.nullcontext)
 
 
 def _batches(rows, tok, **kw):

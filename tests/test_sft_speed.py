@@ -11,7 +11,8 @@ import torch
 from nbtrain.errors import ConfigError
 from nbtrain.sft.batch import BatchPlan, MemoryProbe, auto_plan, fixed_plan, split_global
 from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.train import finetune, peak_bf16_flops
+from nbtrain.sft.report import peak_bf16_flops
+from nbtrain.sft.train import finetune
 from tests.test_sft_train import make_cfg
 
 DATA = str(Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl")

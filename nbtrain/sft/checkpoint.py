@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nbtrain.errors import ConfigError
+
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
 
@@ -227,3 +229,51 @@ def export_merged(
         tokenizer.save_pretrained(tmp)
 
     return write_atomic_dir(Path(output_dir) / "merged", fill)
+
+
+def check_output_dir(cfg: Any) -> str | None:
+    """Rank 0: the checkpoint to resume from, or a ConfigError when the folder holds another run."""
+    out = Path(cfg.output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        msg = f"output_dir {cfg.output_dir!r} is a file; pass a folder path"
+        raise ConfigError(msg)
+    if cfg.resume == "latest":
+        found = list_checkpoints(out)
+        if not found:
+            msg = (
+                f"resume='latest' but output_dir {cfg.output_dir!r} holds no complete checkpoint; "
+                "drop resume to start a new run, or point output_dir at the run to continue"
+            )
+            raise ConfigError(msg)
+        return str(found[-1])
+    if cfg.resume is not None:
+        path = Path(cfg.resume).expanduser()
+        if not (path / STATE_FILE).is_file():
+            msg = (
+                f"resume={cfg.resume!r} is not a complete checkpoint (no {STATE_FILE}); pass a "
+                "checkpoint-<step> folder written by finetune, or resume='latest'"
+            )
+            raise ConfigError(msg)
+        return str(path)
+    existing = any_checkpoint_dirs(out)
+    if existing and not cfg.overwrite:
+        shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
+        msg = (
+            f"output_dir {cfg.output_dir!r} holds another run's checkpoints ({shown}); pass "
+            "resume='latest' to continue that run, overwrite=True to start over, or a new output_dir"
+        )
+        raise ConfigError(msg)
+    return None
+
+
+def clear_output_dir(out: Path) -> None:
+    """overwrite=True: remove what an earlier run wrote (only nbtrain's own files)."""
+    for p in out.iterdir() if out.is_dir() else []:
+        if (
+            CHECKPOINT_RE.match(p.name)
+            or p.name in ("adapter", "merged")
+            or p.name.startswith(".tmp-")
+        ):
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.name == "metrics.jsonl":
+            p.unlink()

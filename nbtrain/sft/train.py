@@ -14,57 +14,22 @@ in the whole global batch, so N ranks with batch B train exactly like 1 rank wit
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import shutil
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nbtrain.engine import metrics as live
-from nbtrain.engine.rank import get_local_rank, get_rank, get_world_size
 from nbtrain.errors import ConfigError
 from nbtrain.sft import checkpoint as ckpt
 from nbtrain.sft import speed
+from nbtrain.sft import step as one_step
 from nbtrain.sft.batch import BatchPlan, split_global
 from nbtrain.sft.config import SFTConfig
-
-# Dense bf16 peak FLOP/s per GPU (no sparsity), for MFU. A name is matched on whole words, so an L40 is
-# not an L4 and an H100 PCIe or NVL is not an SXM; a GPU not listed reports no MFU rather than a wrong one.
-_PEAK_BF16: tuple[tuple[set[str], set[str], float], ...] = (
-    # (words that must all be in the name, words that must not, FLOP/s)
-    ({"h100", "nvl"}, set(), 835e12),
-    ({"h100", "pcie"}, set(), 756e12),
-    ({"h100"}, set(), 989e12),  # SXM (the name says "80GB HBM3")
-    ({"h200", "nvl"}, set(), 835e12),
-    ({"h200"}, set(), 989e12),
-    ({"gh200"}, set(), 989e12),
-    ({"b200"}, set(), 2250e12),
-    ({"a100"}, set(), 312e12),
-    ({"l40s"}, set(), 362e12),
-    ({"l40"}, set(), 181e12),
-    ({"l4"}, set(), 121e12),
-    ({"a10"}, set(), 125e12),
-    ({"rtx", "4090"}, set(), 165e12),
-)
-
-
-def peak_bf16_flops(device_name: str) -> float | None:
-    """The dense bf16 peak of a GPU from its name as torch reports it, or None when not known.
-
-    In [1]: peak_bf16_flops("NVIDIA H100 80GB HBM3")
-    Out[1]: 989000000000000.0
-    """
-    import re
-
-    words = set(re.split(r"[^a-z0-9]+", device_name.lower()))
-    for need, never, flops in _PEAK_BF16:
-        if need <= words and not (never & words):
-            return flops
-    return None
+from nbtrain.sft.dist import Dist
+from nbtrain.sft.report import Meter, RunLog, peak_flops, read_history
 
 
 @dataclass
@@ -89,238 +54,6 @@ class TrainResult:
             f"TrainResult(state={self.state!r}, global_step={self.global_step}{loss_s}, "
             f"adapter_dir={self.adapter_dir!r}, rows={len(self.history)})"
         )
-
-
-# ------------------------------------------------------------------------------------ process group
-class _Dist:
-    """The process group as this run sees it; every method also works alone (world size 1)."""
-
-    def __init__(self) -> None:
-        import torch
-        import torch.distributed as dist
-
-        self.dist = dist
-        world = get_world_size()
-        # on an nbtrain engine the client planned the device for every rank (NBTRAIN_DEVICE); else
-        # (torchrun) a GPU only where every rank on this host gets its own, never two on one GPU
-        planned = os.environ.get("NBTRAIN_DEVICE")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        own_gpu = torch.cuda.is_available() and local_world <= torch.cuda.device_count()
-        if world > 1 and not dist.is_initialized():
-            # launched by torchrun or by hand: nbtrain's cluster would have set the group up already
-            backend = "nccl" if own_gpu else "gloo"
-            dist.init_process_group(backend=backend, init_method="env://")
-        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.rank = dist.get_rank() if self.active else get_rank()
-        self.world = dist.get_world_size() if self.active else 1
-        if self.world == 1:
-            self.rank = 0
-        self.local_rank = get_local_rank()
-        if planned:
-            self.device = torch.device(planned)
-        elif own_gpu:
-            self.device = torch.device("cuda", self.local_rank)
-        else:
-            if torch.cuda.is_available():
-                import sys
-
-                print(
-                    f"nbtrain: {local_world} ranks on {socket.gethostname()} but "
-                    f"{torch.cuda.device_count()} GPU(s): training on CPU; start one rank per GPU.",
-                    file=sys.stderr,
-                )
-            self.device = torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        backend = dist.get_backend() if self.active else "gloo"
-        self.comm_device = self.device if backend == "nccl" else torch.device("cpu")
-        # the step's small bookkeeping (token counts, stop flag, logged figures) goes over gloo on the
-        # CPU: over NCCL it would have to wait for the GPU, a host synchronisation in every step
-        self.meta_group = _cpu_group(dist) if self.active and backend == "nccl" else None
-        self.host = socket.gethostname()
-
-    @property
-    def is_zero(self) -> bool:
-        # the one rank-0 flag (nbtrain.is_rank_zero reads the env; the group is the truth here)
-        return self.rank == 0
-
-    def sum_(self, t: Any) -> Any:
-        """All-reduce (sum) a tensor in place; returns it on the compute device's side of comms."""
-        if self.active:
-            moved = t.to(self.comm_device)
-            self.dist.all_reduce(moved)
-            return moved.to(t.device)
-        return t
-
-    def sum_meta(self, t: Any) -> Any:
-        """All-reduce (sum) a small CPU tensor in place without waiting for the GPU."""
-        if self.active:
-            self.dist.all_reduce(t, group=self.meta_group)
-        return t
-
-    def gather_objects(self, obj: Any) -> list[Any]:
-        if not self.active:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        self.dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast_object(self, obj: Any) -> Any:
-        if not self.active:
-            return obj
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def min_int(self, value: int) -> int:
-        import torch
-
-        if not self.active:
-            return value
-        t = torch.tensor([value], dtype=torch.long, device=self.comm_device)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN)
-        return int(t.item())
-
-    def barrier(self) -> None:
-        if self.active:
-            self.dist.barrier()
-
-    def agree(self, fn: Any) -> Any:
-        """Run a set-up phase on every rank; if it fails on any rank, raise on all of them, not hang."""
-        err: BaseException | None = None
-        value = None
-        try:
-            value = fn()
-        except Exception as e:
-            err = e
-        report = (
-            None if err is None else (type(err).__name__, str(err), isinstance(err, ConfigError))
-        )
-        reports = self.gather_objects((report, self.host))
-        if err is not None:
-            raise err
-        failed = [(r, rep, host) for r, (rep, host) in enumerate(reports) if rep is not None]
-        if failed:
-            r, (kind, text, is_config), host = failed[0]
-            msg = f"rank {r} on {host} failed during set-up: {text}"
-            raise ConfigError(msg) if is_config else RuntimeError(f"{kind}: {msg}")
-        return value
-
-
-_CPU_GROUP: list[Any] = []  # [the default group it was made for, the gloo group]
-
-
-def _cpu_group(dist: Any) -> Any:
-    """A gloo group over every rank of the default group, made once per default group (the default
-    group is held here, so a re-created one is never mistaken for it)."""
-    default = dist.distributed_c10d._get_default_group()
-    if not _CPU_GROUP or _CPU_GROUP[0] is not default:
-        _CPU_GROUP[:] = [default, dist.new_group(backend="gloo")]
-    return _CPU_GROUP[1]
-
-
-# ------------------------------------------------------------------------------------------- helpers
-class _RunLog:
-    """Rank 0's record of a run: the log line, metrics.jsonl and the runs registry, row by row."""
-
-    def __init__(self, out: Path, history: list[dict[str, Any]], name: str, total: int, world: int):
-        from nbtrain.runs import register_run
-
-        self.total = total
-        # a resumed run drops the rows logged after its checkpoint, which it is about to redo
-        tmp = out / ".metrics.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
-        os.replace(tmp, out / "metrics.jsonl")
-        self.file = (out / "metrics.jsonl").open("a")
-        self.run_id = register_run(
-            out,
-            name=name,
-            total_steps=total,
-            world_size=world,
-            cluster_id=os.environ.get("NBTRAIN_CLUSTER_ID"),
-        )
-
-    def stop_requested(self) -> bool:
-        from nbtrain.runs import stop_requested
-
-        return stop_requested(self.run_id)
-
-    def row(self, row: dict[str, Any]) -> None:
-        from nbtrain.runs import update_run
-
-        print(_fmt_line(row, self.total), flush=True)
-        # one line per row, flushed, so a crashed run keeps its history
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        update_run(
-            self.run_id, step=row["step"], loss=row["loss"], tokens_per_s=row["tokens_per_s"]
-        )
-
-    def finish(self, state: str) -> None:
-        from nbtrain.runs import finish_run
-
-        self.file.close()
-        finish_run(self.run_id, state)
-
-
-def _compute_dtype(cfg: SFTConfig, device: Any) -> Any:
-    import torch
-
-    if cfg.dtype == "float32":
-        return None
-    if cfg.dtype == "bfloat16":
-        return torch.bfloat16
-    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
-        return torch.bfloat16
-    return None  # fp32 on CPU
-
-
-def _check_output_dir(cfg: SFTConfig) -> str | None:
-    """Rank 0: the checkpoint to resume from, or a ConfigError when the folder holds another run."""
-    out = Path(cfg.output_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        msg = f"output_dir {cfg.output_dir!r} is a file; pass a folder path"
-        raise ConfigError(msg)
-    if cfg.resume == "latest":
-        found = ckpt.list_checkpoints(out)
-        if not found:
-            msg = (
-                f"resume='latest' but output_dir {cfg.output_dir!r} holds no complete checkpoint; "
-                "drop resume to start a new run, or point output_dir at the run to continue"
-            )
-            raise ConfigError(msg)
-        return str(found[-1])
-    if cfg.resume is not None:
-        path = Path(cfg.resume).expanduser()
-        if not (path / ckpt.STATE_FILE).is_file():
-            msg = (
-                f"resume={cfg.resume!r} is not a complete checkpoint (no {ckpt.STATE_FILE}); pass a "
-                "checkpoint-<step> folder written by finetune, or resume='latest'"
-            )
-            raise ConfigError(msg)
-        return str(path)
-    existing = ckpt.any_checkpoint_dirs(out)
-    if existing and not cfg.overwrite:
-        shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
-        msg = (
-            f"output_dir {cfg.output_dir!r} holds another run's checkpoints ({shown}); pass "
-            "resume='latest' to continue that run, overwrite=True to start over, or a new output_dir"
-        )
-        raise ConfigError(msg)
-    return None
-
-
-def _clear_output_dir(out: Path) -> None:
-    """overwrite=True: remove what an earlier run wrote (only nbtrain's own files)."""
-    for p in out.iterdir() if out.is_dir() else []:
-        if (
-            ckpt.CHECKPOINT_RE.match(p.name)
-            or p.name in ("adapter", "merged")
-            or p.name.startswith(".tmp-")
-        ):
-            shutil.rmtree(p, ignore_errors=True)
-        elif p.name == "metrics.jsonl":
-            p.unlink()
 
 
 def _total_steps(
@@ -364,138 +97,6 @@ def _total_steps(
     return total
 
 
-def _read_history(out: Path, upto_step: int) -> list[dict[str, Any]]:
-    path = out / "metrics.jsonl"
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash
-            if row.get("step", 0) <= upto_step:
-                rows.append(row)
-    return rows
-
-
-def _peak_flops(device: Any) -> float | None:
-    import torch
-
-    if device.type != "cuda":
-        return None
-    return peak_bf16_flops(torch.cuda.get_device_name(device))
-
-
-def _fmt_line(row: dict[str, Any], total: int) -> str:
-    parts = [f"step {row['step']}/{total}", f"loss {row['loss']:.4f}"]
-    if row.get("grad_norm") is not None:
-        parts.append(f"grad_norm {row['grad_norm']:.2f}")
-    parts += [
-        f"lr {row['learning_rate']:.2e}",
-        f"{row['step_time']:.2f} s",
-        f"{row['tokens_per_s']:,.0f} tok/s",
-    ]
-    if row.get("eval_loss") is not None:
-        parts.append(f"eval_loss {row['eval_loss']:.4f}")
-    return " | ".join(parts)
-
-
-def _token_loss_sum(model: Any, batch: dict[str, Any], autocast: Any) -> Any:
-    """Summed cross-entropy over target tokens (labels shifted by one)."""
-    import torch.nn.functional as F
-
-    from nbtrain.sft.loss import model_inputs
-
-    with autocast():
-        logits = model(**model_inputs(batch)).logits
-    logits = logits[:, :-1].float()
-    labels = batch["labels"][:, 1:]
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
-    )
-
-
-def _to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
-    """A collated batch on `device`, with the flat indices of its target tokens (found here on the CPU,
-    so the loss need not ask the GPU for them); on a GPU through pinned memory, so the copy does not
-    wait for the work queued before it."""
-    import torch
-
-    shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
-    batch = {**batch, "target_rows": (shifted.reshape(-1) != -100).nonzero().squeeze(1)}
-    if device.type != "cuda":
-        return batch
-    return {
-        k: v if v is None else v.pin_memory().to(device, non_blocking=True)
-        for k, v in batch.items()
-    }
-
-
-def _loss_impl(
-    cfg: SFTConfig, model: Any, device: Any, autocast: Any
-) -> tuple[str, Any, str | None]:
-    """The loss this run computes: ("liger" | "chunked", fn) from the hidden states, or ("logits",
-    None) the plain way; and a note when the config asked for a fused loss that cannot apply."""
-    if not cfg.fused_cross_entropy:
-        return "logits", None, None
-    from nbtrain.sft import loss
-
-    ok, why = loss.fused_loss_supported(model, autocast=autocast)
-    if not ok:
-        return "logits", None, f"fused_cross_entropy off: {why}"
-    name, fn = loss.select_loss_impl(device)
-    note = None
-    if device.type == "cuda" and name != "liger":
-        note = "Liger's fused loss not installed: using nbtrain's chunked one (pip install 'nbtrain[gpu]')"
-    return name, fn, note
-
-
-def _loss_sum(net: Any, batch: dict[str, Any], autocast: Any, fn: Any) -> Any:
-    """Summed cross-entropy over the batch's target tokens, through `net` (the model, or DDP around it)."""
-    if fn is None:
-        return _token_loss_sum(net, batch, autocast)
-    from nbtrain.sft import loss
-
-    return loss.causal_lm_loss_sum(net, batch, autocast, fn)
-
-
-def _plan_batch(cfg: SFTConfig, d: _Dist, model: Any, loss_sum: Any, n_rows: int) -> Any:
-    """This rank's batch plan: as configured, or measured with probe steps for 'auto'."""
-    import torch
-
-    from nbtrain.sft.batch import MemoryProbe, auto_plan, fixed_plan
-
-    if cfg.per_device_train_batch_size != "auto":
-        return fixed_plan(
-            int(cfg.per_device_train_batch_size),
-            cfg.gradient_accumulation_steps,
-            cfg.global_batch_size,
-            d.world,
-        )
-    vocab = model.get_input_embeddings().num_embeddings
-
-    def step(rows: int) -> None:
-        # the worst case a micro-batch can be: every row max_length tokens, every token a target
-        ids = torch.randint(0, vocab, (rows, cfg.max_length))
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-        batch = _to_device({k: v.cpu() for k, v in batch.items()}, d.device)
-        try:
-            loss_sum(model, batch).backward()
-        finally:
-            model.zero_grad(set_to_none=True)
-
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    probe = MemoryProbe(step, d.device, local_world=local_world)
-    return auto_plan(
-        probe,
-        world=d.world,
-        rows_per_rank=max(1, n_rows // d.world),
-        grad_accum=cfg.gradient_accumulation_steps,
-        global_batch=cfg.global_batch_size,
-    )
-
-
-# ------------------------------------------------------------------------------------------ finetune
 def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
     """Fine-tune `cfg.model` with LoRA on `cfg.data`, on every rank; export the adapter on rank 0.
 
@@ -513,7 +114,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
     from nbtrain.sft.data import ShardedBatches, eval_batches, load_rows
     from nbtrain.sft.model import apply_lora, check_causal_lm, load_model, load_tokenizer
 
-    d = _Dist()
+    d = Dist()
     out = Path(cfg.output_dir).expanduser()
 
     # ---- set-up phase: everything that can be wrong is found here, on every rank, before any write
@@ -525,12 +126,12 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
-        resume_from = _check_output_dir(cfg) if d.is_zero else None
+        resume_from = ckpt.check_output_dir(cfg) if d.is_zero else None
         rows = load_rows(cfg.data, "data")
         eval_rows = load_rows(cfg.eval_data, "eval_data") if cfg.eval_data is not None else None
         base_config = check_causal_lm(cfg.model)
         tokenizer = load_tokenizer(cfg.model)
-        compute_dtype = _compute_dtype(cfg, d.device)
+        compute_dtype = one_step.compute_dtype(cfg, d.device)
         weights_dtype = (
             compute_dtype if d.device.type == "cuda" and compute_dtype else torch.float32
         )
@@ -545,6 +146,9 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
                 raise ConfigError(f"use_liger_kernel=True, but {why_not.split(': ', 1)[1]}")
             else:
                 notes.append(why_not)
+        elif d.device.type == "cuda" and cfg.use_liger_kernel is True:
+            # seen on an H100: dynamo fails to trace Liger's RMSNorm kernel, and compile fuses the same work
+            notes.append("use_liger_kernel off: torch_compile fuses what Liger's kernels would")
         # same LoRA init on every rank and world size
         torch.manual_seed(cfg.seed)
         model = apply_lora(base, cfg)
@@ -573,15 +177,16 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             return contextlib.nullcontext()
         return torch.autocast(device_type=d.device.type, dtype=compute_dtype)
 
-    loss_name, loss_fn, loss_note = _loss_impl(cfg, model, d.device, autocast)
+    loss_name, loss_fn, loss_note = one_step.loss_impl(cfg, model, d.device, autocast)
     notes: list[str] = s["notes"] + ([loss_note] if loss_note else [])
     levers.append(f"loss {loss_name}")
 
     def loss_sum(net: Any, batch: dict[str, Any]) -> Any:
-        return _loss_sum(net, batch, autocast, loss_fn)
+        # through the module, so a test can wrap nbtrain.sft.step.loss_sum to slow or kill a rank mid-step
+        return one_step.loss_sum(net, batch, autocast, loss_fn)
 
     # ---- the batch plan: micro-batch and accumulation steps (measured where 'auto')
-    plan = d.agree(lambda: _plan_batch(cfg, d, model, loss_sum, len(s["rows"])))
+    plan = d.agree(lambda: one_step.plan_batch(cfg, d, model, loss_sum, len(s["rows"])))
     if cfg.per_device_train_batch_size == "auto":
         agreed = d.min_int(plan.micro_batch)
         if agreed != plan.micro_batch:
@@ -655,14 +260,14 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
 
     # ---- from here on rank 0 writes to output_dir
     history: list[dict[str, Any]] = []
-    runlog: _RunLog | None = None
+    runlog: RunLog | None = None
     name = cfg.run_name or out.name
     if d.is_zero:
         if cfg.overwrite:
-            _clear_output_dir(out)
+            ckpt.clear_output_dir(out)
         out.mkdir(parents=True, exist_ok=True)
-        history = _read_history(out, start_step) if resumed else []
-        runlog = _RunLog(out, history, name, total_steps, d.world)
+        history = read_history(out, start_step) if resumed else []
+        runlog = RunLog(out, history, name, total_steps, d.world)
     history = d.broadcast_object(history)
 
     # ---- model, optimizer, schedule
@@ -709,7 +314,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
     n_params = sum(p.numel() for p in peft_model.parameters())
     # LoRA training FLOPs: forward 2N, backward 2N for activations; frozen weights need no weight grads
     flops_per_token = 4 * n_params + 2 * sum(p.numel() for p in trainable)
-    peak_flops = _peak_flops(d.device) if compute_dtype is not None else None
+    peak = peak_flops(d.device) if compute_dtype is not None else None
     GA = plan.grad_accum
 
     def evaluate() -> float:
@@ -720,7 +325,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
         with torch.no_grad():
             for exs in evals or []:
                 pad = max(len(e.input_ids) for e in exs)
-                b = _to_device(collate(exs, pad, tokenizer.pad_token_id), d.device)
+                b = one_step.to_device(collate(exs, pad, tokenizer.pad_token_id), d.device)
                 sums[0] += loss_sum(peft_model, b).double().item()
                 sums[1] += sum(e.n_targets for e in exs)
         peft_model.train()
@@ -767,7 +372,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
     if d.device.type == "cuda":
         # the peak of this run's training, not of the set-up's probes or an earlier cell's work
         torch.cuda.reset_peak_memory_stats(d.device)
-    meter = _Meter(d, spe, flops_per_token, peak_flops)
+    meter = Meter(d, spe, flops_per_token, peak)
     clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
 
     def log(row: dict[str, Any]) -> None:
@@ -798,7 +403,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             for a, exs in enumerate(micro):
                 # pad to the longest row across ranks: the same shapes as one rank with the whole batch
                 batch = batches.collate(exs, int(stats[:, GA + a].max()))
-                batch = _to_device(batch, d.device)
+                batch = one_step.to_device(batch, d.device)
                 # gradients are all-reduced once per step, on the last micro-batch
                 sync = a == GA - 1 or not d.active
                 with contextlib.nullcontext() if sync else model.no_sync():
@@ -871,63 +476,3 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
             "notes": notes,
         },
     )
-
-
-class _Meter:
-    """Accumulates the steps between two logged rows and turns them into one row, the same on every rank."""
-
-    def __init__(self, d: _Dist, spe: int, flops_per_token: float, peak_flops: float | None):
-        import torch
-
-        self.d, self.spe = d, spe
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.on_gpu = d.device.type == "cuda"
-        self.loss = torch.zeros(
-            (), dtype=torch.float64, device=d.device
-        )  # sum of this rank's loss shares
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss.zero_()
-        self.steps = 0
-        self.tokens = 0.0
-        self.start = time.perf_counter()
-
-    def exclude(self, seconds: float) -> None:
-        """Leave time spent outside training (evaluation) out of tokens/s and step time."""
-        self.start += seconds
-
-    def row(self, step: int, grad_norm: Any, lr: float, eval_loss: float | None) -> dict[str, Any]:
-        import torch
-
-        d = self.d
-        if self.on_gpu:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - self.start
-        # ranks' loss shares add up to the global mean; each rank's peak memory rides along
-        vec = torch.zeros(1 + d.world, dtype=torch.float64)
-        vec[0] = self.loss.item()
-        if self.on_gpu:
-            vec[1 + d.rank] = torch.cuda.max_memory_allocated() / 2**30
-        vec = d.sum_meta(vec)
-        steps = max(self.steps, 1)
-        tokens_per_s = self.tokens / elapsed if elapsed > 0 else 0.0
-        row: dict[str, Any] = {
-            "step": step,
-            "loss": float(vec[0]) / steps,
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "learning_rate": float(lr),
-            "tokens_per_s": tokens_per_s,
-            "step_time": elapsed / steps,
-            "epoch": step / self.spe,
-        }
-        if eval_loss is not None:
-            row["eval_loss"] = eval_loss
-        if self.on_gpu:
-            if self.peak_flops:
-                row["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * d.world)
-            row["peak_memory_gb"] = float(vec[1:].max())
-            for r in range(d.world):
-                row[f"peak_memory_gb_rank{r}"] = float(vec[1 + r])
-        self.reset()
-        return row

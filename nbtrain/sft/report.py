@@ -1,0 +1,185 @@
+"""What a run reports: MFU's GPU peaks, the per-step meter, and rank 0's log line, metrics.jsonl and
+runs-registry record."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from nbtrain.sft.dist import Dist
+
+# Dense bf16 peak FLOP/s per GPU (no sparsity), for MFU. A name is matched on whole words, so an L40 is
+# not an L4 and an H100 PCIe or NVL is not an SXM; a GPU not listed reports no MFU rather than a wrong one.
+_PEAK_BF16: tuple[tuple[set[str], set[str], float], ...] = (
+    # (words that must all be in the name, words that must not, FLOP/s)
+    ({"h100", "nvl"}, set(), 835e12),
+    ({"h100", "pcie"}, set(), 756e12),
+    ({"h100"}, set(), 989e12),  # SXM (the name says "80GB HBM3")
+    ({"h200", "nvl"}, set(), 835e12),
+    ({"h200"}, set(), 989e12),
+    ({"gh200"}, set(), 989e12),
+    ({"b200"}, set(), 2250e12),
+    ({"a100"}, set(), 312e12),
+    ({"l40s"}, set(), 362e12),
+    ({"l40"}, set(), 181e12),
+    ({"l4"}, set(), 121e12),
+    ({"a10"}, set(), 125e12),
+    ({"rtx", "4090"}, set(), 165e12),
+)
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU from its name as torch reports it, or None when not known.
+
+    In [1]: peak_bf16_flops("NVIDIA H100 80GB HBM3")
+    Out[1]: 989000000000000.0
+    """
+    import re
+
+    words = set(re.split(r"[^a-z0-9]+", device_name.lower()))
+    for need, never, flops in _PEAK_BF16:
+        if need <= words and not (never & words):
+            return flops
+    return None
+
+
+def peak_flops(device: Any) -> float | None:
+    import torch
+
+    if device.type != "cuda":
+        return None
+    return peak_bf16_flops(torch.cuda.get_device_name(device))
+
+
+class RunLog:
+    """Rank 0's record of a run: the log line, metrics.jsonl and the runs registry, row by row."""
+
+    def __init__(self, out: Path, history: list[dict[str, Any]], name: str, total: int, world: int):
+        from nbtrain.runs import register_run
+
+        self.total = total
+        # a resumed run drops the rows logged after its checkpoint, which it is about to redo
+        tmp = out / ".metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
+        os.replace(tmp, out / "metrics.jsonl")
+        self.file = (out / "metrics.jsonl").open("a")
+        self.run_id = register_run(
+            out,
+            name=name,
+            total_steps=total,
+            world_size=world,
+            cluster_id=os.environ.get("NBTRAIN_CLUSTER_ID"),
+        )
+
+    def stop_requested(self) -> bool:
+        from nbtrain.runs import stop_requested
+
+        return stop_requested(self.run_id)
+
+    def row(self, row: dict[str, Any]) -> None:
+        from nbtrain.runs import update_run
+
+        print(fmt_line(row, self.total), flush=True)
+        # one line per row, flushed, so a crashed run keeps its history
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        update_run(
+            self.run_id, step=row["step"], loss=row["loss"], tokens_per_s=row["tokens_per_s"]
+        )
+
+    def finish(self, state: str) -> None:
+        from nbtrain.runs import finish_run
+
+        self.file.close()
+        finish_run(self.run_id, state)
+
+
+def read_history(out: Path, upto_step: int) -> list[dict[str, Any]]:
+    path = out / "metrics.jsonl"
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            if row.get("step", 0) <= upto_step:
+                rows.append(row)
+    return rows
+
+
+def fmt_line(row: dict[str, Any], total: int) -> str:
+    parts = [f"step {row['step']}/{total}", f"loss {row['loss']:.4f}"]
+    if row.get("grad_norm") is not None:
+        parts.append(f"grad_norm {row['grad_norm']:.2f}")
+    parts += [
+        f"lr {row['learning_rate']:.2e}",
+        f"{row['step_time']:.2f} s",
+        f"{row['tokens_per_s']:,.0f} tok/s",
+    ]
+    if row.get("eval_loss") is not None:
+        parts.append(f"eval_loss {row['eval_loss']:.4f}")
+    return " | ".join(parts)
+
+
+class Meter:
+    """Accumulates the steps between two logged rows and turns them into one row, the same on every rank."""
+
+    def __init__(self, d: Dist, spe: int, flops_per_token: float, peak_flops: float | None):
+        import torch
+
+        self.d, self.spe = d, spe
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.on_gpu = d.device.type == "cuda"
+        self.loss = torch.zeros(
+            (), dtype=torch.float64, device=d.device
+        )  # sum of this rank's loss shares
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.steps = 0
+        self.tokens = 0.0
+        self.start = time.perf_counter()
+
+    def exclude(self, seconds: float) -> None:
+        """Leave time spent outside training (evaluation) out of tokens/s and step time."""
+        self.start += seconds
+
+    def row(self, step: int, grad_norm: Any, lr: float, eval_loss: float | None) -> dict[str, Any]:
+        import torch
+
+        d = self.d
+        if self.on_gpu:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self.start
+        # ranks' loss shares add up to the global mean; each rank's peak memory rides along
+        vec = torch.zeros(1 + d.world, dtype=torch.float64)
+        vec[0] = self.loss.item()
+        if self.on_gpu:
+            vec[1 + d.rank] = torch.cuda.max_memory_allocated() / 2**30
+        vec = d.sum_meta(vec)
+        steps = max(self.steps, 1)
+        tokens_per_s = self.tokens / elapsed if elapsed > 0 else 0.0
+        row: dict[str, Any] = {
+            "step": step,
+            "loss": float(vec[0]) / steps,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "learning_rate": float(lr),
+            "tokens_per_s": tokens_per_s,
+            "step_time": elapsed / steps,
+            "epoch": step / self.spe,
+        }
+        if eval_loss is not None:
+            row["eval_loss"] = eval_loss
+        if self.on_gpu:
+            if self.peak_flops:
+                row["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * d.world)
+            row["peak_memory_gb"] = float(vec[1:].max())
+            for r in range(d.world):
+                row[f"peak_memory_gb_rank{r}"] = float(vec[1 + r])
+        self.reset()
+        return row

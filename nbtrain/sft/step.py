@@ -1,0 +1,117 @@
+"""What one micro-batch needs: its copy to the device, the loss (fused from hidden states, or through the
+logits), and the batch plan that sizes it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from nbtrain.sft.config import SFTConfig
+from nbtrain.sft.dist import Dist
+
+
+def compute_dtype(cfg: SFTConfig, device: Any) -> Any:
+    import torch
+
+    if cfg.dtype == "float32":
+        return None
+    if cfg.dtype == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16
+    return None  # fp32 on CPU
+
+
+def token_loss_sum(model: Any, batch: dict[str, Any], autocast: Any) -> Any:
+    """Summed cross-entropy over target tokens (labels shifted by one)."""
+    import torch.nn.functional as F
+
+    from nbtrain.sft.loss import model_inputs
+
+    with autocast():
+        logits = model(**model_inputs(batch)).logits
+    logits = logits[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+
+
+def to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
+    """A collated batch on `device`, with the flat indices of its target tokens (found here on the CPU,
+    so the loss need not ask the GPU for them); on a GPU through pinned memory, so the copy does not
+    wait for the work queued before it."""
+    import torch
+
+    shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    batch = {**batch, "target_rows": (shifted.reshape(-1) != -100).nonzero().squeeze(1)}
+    if device.type != "cuda":
+        return batch
+    return {
+        k: v if v is None else v.pin_memory().to(device, non_blocking=True)
+        for k, v in batch.items()
+    }
+
+
+def loss_impl(
+    cfg: SFTConfig, model: Any, device: Any, autocast: Any
+) -> tuple[str, Any, str | None]:
+    """The loss this run computes: ("liger" | "chunked", fn) from the hidden states, or ("logits",
+    None) the plain way; and a note when the config asked for a fused loss that cannot apply."""
+    if not cfg.fused_cross_entropy:
+        return "logits", None, None
+    from nbtrain.sft import loss
+
+    ok, why = loss.fused_loss_supported(model, autocast=autocast)
+    if not ok:
+        return "logits", None, f"fused_cross_entropy off: {why}"
+    name, fn = loss.select_loss_impl(device)
+    note = None
+    if device.type == "cuda" and name != "liger":
+        note = "Liger's fused loss not installed: using nbtrain's chunked one (pip install 'nbtrain[gpu]')"
+    return name, fn, note
+
+
+def loss_sum(net: Any, batch: dict[str, Any], autocast: Any, fn: Any) -> Any:
+    """Summed cross-entropy over the batch's target tokens, through `net` (the model, or DDP around it)."""
+    if fn is None:
+        return token_loss_sum(net, batch, autocast)
+    from nbtrain.sft import loss
+
+    return loss.causal_lm_loss_sum(net, batch, autocast, fn)
+
+
+def plan_batch(cfg: SFTConfig, d: Dist, model: Any, loss_sum: Any, n_rows: int) -> Any:
+    """This rank's batch plan: as configured, or measured with probe steps for 'auto'."""
+    import torch
+
+    from nbtrain.sft.batch import MemoryProbe, auto_plan, fixed_plan
+
+    if cfg.per_device_train_batch_size != "auto":
+        return fixed_plan(
+            int(cfg.per_device_train_batch_size),
+            cfg.gradient_accumulation_steps,
+            cfg.global_batch_size,
+            d.world,
+        )
+    vocab = model.get_input_embeddings().num_embeddings
+
+    def step(rows: int) -> None:
+        # the worst case a micro-batch can be: every row max_length tokens, every token a target
+        ids = torch.randint(0, vocab, (rows, cfg.max_length))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        batch = to_device({k: v.cpu() for k, v in batch.items()}, d.device)
+        try:
+            loss_sum(model, batch).backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    probe = MemoryProbe(step, d.device, local_world=local_world)
+    return auto_plan(
+        probe,
+        world=d.world,
+        rows_per_rank=max(1, n_rows // d.world),
+        grad_accum=cfg.gradient_accumulation_steps,
+        global_batch=cfg.global_batch_size,
+    )
