@@ -13,7 +13,7 @@ W = 980
 
 # (title, [(row label, modules)]) per place code runs; rows top to bottom = layers, imports go down
 KERNEL = [
-    ("magics, widgets", "magics/ (cluster, faults, args) · display/picker.py"),
+    ("magics, widgets", "magics/ (cluster, faults, args) · display/picker/ (a module per page)"),
     ("facade", "cluster/api.py (start, connect, attach) · cluster/facade.py (Cluster)"),
     ("workers on a session", "attach · cell · probe · watchdog · faults · diagnose"),
     ("launchers", "launch/ local · ssh · slurm · mpi · connect  (+ base · network · preflight)"),
