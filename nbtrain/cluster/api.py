@@ -122,16 +122,15 @@ def connect(
 
     Stopping the returned cluster leaves its engines running (whoever started them stops them).
     """
-    StartOptions(backend=backend, timeout=timeout, force=force)  # checked before anything stops
+    options = StartOptions(backend=backend, timeout=timeout, force=force)  # before anything stops
     replace_current(force, "pass --force")
     launched = connecting.connect(
         cluster_id,
+        options,
         profile=profile,
         file=file,
         iface=iface,
         port=port,
-        backend=backend,
-        timeout=timeout,
         allow_version_mismatch=allow_version_mismatch,
         quiet=quiet,
     )

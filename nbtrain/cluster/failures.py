@@ -12,7 +12,7 @@ from typing import Any
 
 from nbtrain.cluster.topology import RankInfo, describe_ranks
 from nbtrain.engine import oom
-from nbtrain.errors import DistributedCellError
+from nbtrain.errors import ClusterError, DistributedCellError, NbtrainError
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _CELL_FILE = re.compile(r"ipykernel_\d+/\d+\.py|<ipython-input-\d+-[0-9a-f]+>")
@@ -86,3 +86,15 @@ def _oom_footer(ranks: Sequence[RankInfo], group: dict[str, Any]) -> str:
     if oom.MARK not in group["evalue"]:
         lines.append(oom.FIXES)
     return "\n".join(lines)
+
+
+def start_failed(step: str, error: BaseException) -> BaseException:
+    """What a launcher raises once it has torn down a start that failed while `step`.
+
+    nbtrain's own errors and Ctrl-C go through as they are; anything else becomes a ClusterError
+    that names the step (the launcher has already left nothing running).
+    """
+    if isinstance(error, (NbtrainError, KeyboardInterrupt)):
+        return error
+    msg = f"starting the cluster failed while {step}: {type(error).__name__}: {error}. Nothing was left running."
+    return ClusterError(msg)

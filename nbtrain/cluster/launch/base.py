@@ -20,6 +20,7 @@ from typing import Any
 
 from nbtrain import net
 from nbtrain.cluster import procs, registry
+from nbtrain.cluster.failures import start_failed
 from nbtrain.cluster.group import init_group
 from nbtrain.cluster.launch.network import plan_network, rendezvous_port
 from nbtrain.cluster.launch.preflight import run_preflight
@@ -27,7 +28,7 @@ from nbtrain.cluster.options import HEARTBEAT_MS, LaunchOptions, StartOptions
 from nbtrain.cluster.session import Launched, Session, close_client
 from nbtrain.cluster.topology import RankInfo, assign_ranks
 from nbtrain.engine import network, setup
-from nbtrain.errors import ClusterError, NbtrainError
+from nbtrain.errors import ClusterError
 
 log = logging.getLogger("nbtrain")
 
@@ -202,10 +203,10 @@ def start_engines(launch: EngineLaunch, options: StartOptions, quiet: bool = Tru
         )
     except BaseException as e:
         launch.teardown(ipp_cluster, client, engine_pids, False)
-        if isinstance(e, (NbtrainError, KeyboardInterrupt)):
+        error = start_failed(step, e)
+        if error is e:
             raise
-        msg = f"starting the cluster failed while {step}: {type(e).__name__}: {e}. Nothing was left running."
-        raise ClusterError(msg) from e
+        raise error from e
     return Launched(
         client,
         ipp_cluster,

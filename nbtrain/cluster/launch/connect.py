@@ -64,25 +64,21 @@ def find_ipp_cluster(cluster_id: str | None, profile: str | None, file: str | No
 
 
 def connect(
-    cluster_id: str | None = None,
+    cluster_id: str | None,
+    options: StartOptions,
     *,
     profile: str | None = None,
     file: str | None = None,
     iface: str | None = None,
     port: int | None = None,
-    backend: str = "auto",
-    timeout: float = 120.0,
     allow_version_mismatch: bool = False,
-    force: bool = False,
     quiet: bool = True,
 ) -> Launched:
-    """Attach to an ipyparallel cluster started any way; give its engines ranks and a process group.
+    """The connect launcher: rank the engines of a running ipyparallel cluster and join their group.
 
-    In [1]: cluster = nbtrain.connect(profile="mpi")      # twin of %nbtrain connect --profile mpi
-
-    Stopping the returned cluster leaves its engines running (whoever started them stops them).
+    `nbtrain.connect` (the public twin of %nbtrain connect) checks the options and calls this.
     """
-    options = StartOptions(backend=backend, timeout=timeout, force=force)
+    timeout = options.timeout
     deadline = time.monotonic() + timeout
 
     def remaining() -> float:

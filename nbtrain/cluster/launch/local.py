@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nbtrain.cluster import allocator, procs, registry
+from nbtrain.cluster.failures import start_failed
 from nbtrain.cluster.group import free_local_port, init_group, reinit
 from nbtrain.cluster.options import (
     HEARTBEAT_MS,
@@ -28,7 +29,7 @@ from nbtrain.cluster.options import (
 from nbtrain.cluster.session import Launched, Session, close_client
 from nbtrain.cluster.topology import assign_ranks, compact
 from nbtrain.engine import setup
-from nbtrain.errors import ClusterError, ConfigError, DistributedCellError
+from nbtrain.errors import ClusterError
 
 log = logging.getLogger("nbtrain")
 
@@ -111,12 +112,10 @@ def start(options: StartOptions, lo: LaunchOptions | None = None, quiet: bool = 
         )
     except BaseException as e:
         teardown(ipp_cluster, client, pids)
-        if isinstance(e, (ClusterError, ConfigError, DistributedCellError)):
+        error = start_failed(step, e)
+        if error is e:
             raise
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        msg = f"starting the cluster failed while {step}: {type(e).__name__}: {e}. Nothing was left running."
-        raise ClusterError(msg) from e
+        raise error from e
     return Launched(
         client,
         ipp_cluster,
