@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _token_loss_sum(model, batch, autocast):
-    """The reference: nbtrain.sft.train._token_loss_sum as it was before the fused loss (full logits)."""
+    """The reference: nbtrain.sft.train._token_loss_sum (now nbtrain.sft.step.token_loss_sum) as it was before the fused loss (full logits)."""
     with autocast():
         logits = model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
