@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from nbtrain.cluster import group
 from nbtrain.cluster.failures import raise_for_failures
 from nbtrain.cluster.topology import describe_ranks
+from nbtrain.engine import groups as engine_groups
 from nbtrain.engine.metrics import KEY_PREFIX
 from nbtrain.errors import CellTimeoutError
 
@@ -58,6 +59,7 @@ class CellRun:
         output: str = "rank0",
         timeout: float | None = None,
         live: bool = True,
+        group: str | None = None,
     ) -> None:
         if output not in OUTPUT_MODES:
             from nbtrain.errors import ConfigError
@@ -75,6 +77,7 @@ class CellRun:
         self.output = output
         self.timeout = timeout
         self.live = live
+        self.group = group  # the named group the cell runs on (`group` in the cell), or None: WORLD
         # rank whose output is shown in rank0 mode: rank 0, or the lowest rank the cell runs on
         self.lead = which[0]
         self._queue: deque[tuple[Any, ...]] = deque()
@@ -189,6 +192,9 @@ class CellRun:
         from nbtrain.cluster import faults
 
         faults.check_alive(self.cluster, self.which)
+        if self.cluster.group_specs:
+            # `group` in the cell: this cell's group, or the world group for a cell without one
+            self.cluster.run(engine_groups.enter, self.group, ranks=self.which, timeout=30)
         view = self.cluster.view(self.which)
         ar = view.execute(self.code, silent=False, block=False)
         self._hook(ar)

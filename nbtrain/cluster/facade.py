@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from nbtrain.cluster import group
+from nbtrain.cluster.group import define_groups, group_ranks
 from nbtrain.cluster.ranges import parse_ranks
 from nbtrain.cluster.session import Session
-from nbtrain.errors import ClusterError, NoClusterError
+from nbtrain.errors import ClusterError, ConfigError, NoClusterError
 
 _current: Cluster | None = None
 
@@ -37,16 +38,39 @@ class Cluster(Session):
         output: str = "rank0",
         timeout: float | None = None,
         live: bool = True,
+        group: str | None = None,
     ) -> list[Any]:
-        """Run `code` on every rank (or `ranks`) in its persistent namespace, like a `%%distributed` cell.
+        """Run `code` on every rank (or `ranks`, or named `group`'s) in its persistent namespace,
+        like a `%%distributed` cell; `group` in the code is that group's process group (else WORLD).
 
         Streams the output as it comes (rank 0's, or every rank's with `output="all"`), draws live
         plots from `nbtrain.log`, and raises `DistributedCellError` if any rank fails.
         """
         from nbtrain.cluster.cell import CellRun
 
-        which = parse_ranks(ranks, self.world_size)
-        return CellRun(self, code, which, output=output, timeout=timeout, live=live).run()
+        if group is not None and ranks is not None:
+            msg = "--ranks and --group cannot be used together: --group runs the cell on its group's ranks."
+            raise ConfigError(msg)
+        which = (
+            group_ranks(self, group) if group is not None else parse_ranks(ranks, self.world_size)
+        )
+        run = CellRun(self, code, which, output=output, timeout=timeout, live=live, group=group)
+        return run.run()
+
+    def groups(self, **named: Any) -> dict[str, list[int]]:
+        """Named sub-groups of the process group, e.g. `cluster.groups(actor="0-3", rollout=[4, 5])`.
+
+        Replaces the previous set on every rank (each rank then has `groups[name]`, and
+        `%%distributed --group name` cells get `group`); re-created after a restart. With no
+        arguments, changes nothing. Returns name -> world ranks. Twin of `%nbtrain groups`.
+        """
+        if named:
+            return define_groups(self, named)
+        return {n: list(r) for n, r in self.group_specs.items()}
+
+    def clear_groups(self) -> None:
+        """Destroy every named group on every rank (`%nbtrain groups --clear`)."""
+        define_groups(self, {})
 
     def check_group(
         self, ranks: Sequence[int] | None = None, timeout: float = 10.0

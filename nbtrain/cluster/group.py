@@ -16,10 +16,12 @@ from typing import Any
 
 from nbtrain.cluster.options import StartOptions
 from nbtrain.cluster.plan import DevicePlan, Slot, plan_devices
+from nbtrain.cluster.ranges import parse_ranks
 from nbtrain.cluster.session import Session
-from nbtrain.cluster.topology import RankInfo, describe_ranks
+from nbtrain.cluster.topology import RankInfo, compact, describe_ranks
+from nbtrain.engine import groups as engine_groups
 from nbtrain.engine import setup
-from nbtrain.errors import ClusterError
+from nbtrain.errors import ClusterError, ConfigError
 
 log = logging.getLogger("nbtrain")
 
@@ -169,6 +171,19 @@ def reinit(session: Session, timeout: float = 60.0) -> None:
         announce=False,
     )
     session.backend = session.plan.backend
+    if session.group_specs:
+        # the named groups died with the old world group: the same names, on every rank again
+        create_groups(session, session.group_specs, timeout=max(10.0, deadline - time.monotonic()))
+
+
+def _named_groups_agree(info: list[dict[str, Any]]) -> bool:
+    """Whether the members of every named group ran as many collectives in it (an interrupt can
+    stop them at different points of one group while the world group stays in step)."""
+    per_group: dict[str, set[Any]] = {}
+    for i in info:
+        for name, seq in (i.get("groups") or {}).items():
+            per_group.setdefault(name, set()).add(seq)
+    return all(None not in seqs and len(seqs) == 1 for seqs in per_group.values())
 
 
 def repair(session: Session) -> str:
@@ -183,6 +198,7 @@ def repair(session: Session) -> str:
         and all(i.get("initialized") for i in info)
         and None not in seqs
         and len(set(seqs)) == 1
+        and _named_groups_agree(info)
     )
     if intact:
         return "The process group is intact and every rank kept its variables."
@@ -191,3 +207,53 @@ def repair(session: Session) -> str:
         "The ranks stopped at different points of their collectives, so the process group was "
         "re-created; variables are kept, but rebuild objects that hold the old group (e.g. DDP models)."
     )
+
+
+# ----------------------------------------------------------------------------- named sub-groups
+def parse_groups(named: dict[str, Any], world_size: int) -> dict[str, list[int]]:
+    """Group name -> its sorted world ranks, from rank specs as `--ranks` takes them (or lists)."""
+    out: dict[str, list[int]] = {}
+    for name, spec in named.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            msg = f"group name {name!r}: use a Python identifier such as actor or rollout."
+            raise ConfigError(msg)
+        if spec is None or (isinstance(spec, str) and not spec.strip()):
+            msg = f"group {name!r} names no ranks; give ranks such as 0-3, 0,2 or [0, 1]."
+            raise ConfigError(msg)
+        try:
+            out[name] = parse_ranks(spec, world_size)
+        except ConfigError as e:
+            raise ConfigError(f"group {name}: {str(e).replace('--ranks ', '', 1)}") from None
+    return out
+
+
+def create_groups(session: Session, specs: dict[str, list[int]], timeout: float = 60.0) -> None:
+    """Create `specs` on every rank, in one order (`new_group` is a collective of the whole world);
+    the previous named groups are destroyed first."""
+    session.run(engine_groups.define, list(specs.items()), timeout=timeout)
+
+
+def define_groups(
+    session: Session, named: dict[str, Any], timeout: float = 60.0
+) -> dict[str, list[int]]:
+    """Replace the named groups with `named` (name -> rank spec) on every rank; remembered here so a
+    re-init re-creates them. Returns name -> world ranks."""
+    specs = parse_groups(named, session.world_size)
+    create_groups(session, specs, timeout=timeout)
+    session.group_specs = specs
+    return dict(specs)
+
+
+def group_ranks(session: Session, name: str) -> list[int]:
+    """The world ranks of group `name`; a `ConfigError` listing the defined groups if none is."""
+    if name not in session.group_specs:
+        if not session.group_specs:
+            msg = (
+                f"--group {name}: no groups are defined. Define them first: "
+                f"%nbtrain groups {name}=0-1 (or cluster.groups({name}='0-1'))."
+            )
+        else:
+            defined = ", ".join(f"{n} ({compact(r)})" for n, r in session.group_specs.items())
+            msg = f"--group {name}: no such group. Defined: {defined}."
+        raise ConfigError(msg)
+    return list(session.group_specs[name])

@@ -81,6 +81,8 @@ class Session:
         self._stopped = False
         self._views: dict[tuple[int, ...], Any] = {}
         self.lost: set[int] = set()  # ranks known to be gone (died, or ended because stuck)
+        # named sub-groups (name -> world ranks), replayed on every rank after a re-init (`group`)
+        self.group_specs: dict[str, list[int]] = {}
 
     @classmethod
     def from_launched(cls, launched: Launched) -> Any:

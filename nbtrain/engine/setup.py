@@ -217,11 +217,15 @@ def init_rank(env: dict[str, str], backend: str, device: str, timeout_s: float) 
         device_id=dev if backend == "nccl" else None,
     )
     _install_torchrun_shims()
+    from nbtrain.engine.groups import GROUPS  # the client re-creates the named groups next
+
     _user_ns().update(
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
         device=dev,
+        group=dist.group.WORLD,
+        groups=GROUPS,
     )
     return {"backend": backend, "device": str(dev)}
 
@@ -240,7 +244,9 @@ def check_group() -> dict[str, Any]:
         seq = int(pg._get_sequence_number_for_group())  # type: ignore[attr-defined]
     except Exception:  # older torch, or a backend that does not count
         seq = None
-    return {"initialized": True, "seq": seq}
+    from nbtrain.engine.groups import sequence_numbers
+
+    return {"initialized": True, "seq": seq, "groups": sequence_numbers()}
 
 
 def shutdown_group() -> None:

@@ -11,7 +11,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from nbtrain.errors import ConfigError, NbtrainError
-from nbtrain.magics import faults
+from nbtrain.magics import faults, groups
 from nbtrain.magics.args import (
     HelpShown,
     Parser,
@@ -63,6 +63,7 @@ def build_parser() -> Parser:
     sub.add_parser("status", help="rank, host, local rank, device, pid, busy/idle")
     add_multinode_commands(sub)
     faults.add_fault_commands(sub)
+    groups.add_group_commands(sub)
     return parser
 
 
@@ -216,6 +217,9 @@ class NbtrainMagics(Magics):
     def _cmd_attach(self, args: argparse.Namespace) -> None:
         faults.cmd_attach(args)
 
+    def _cmd_groups(self, args: argparse.Namespace) -> None:
+        groups.cmd_groups(args)
+
     def _cmd_status(self, args: argparse.Namespace) -> None:
         from nbtrain.cluster.facade import current_cluster
         from nbtrain.cluster.topology import format_table
@@ -244,6 +248,11 @@ class NbtrainMagics(Magics):
 
     @magic_arguments()
     @argument("--ranks", default=None, help="run on these ranks only: 0, 0,2 or 1-3 (default: all)")
+    @argument(
+        "--group",
+        default=None,
+        help="run on this named group's ranks only (%%nbtrain groups); `group` is its process group",
+    )
     @argument(
         "--timeout",
         type=float,
@@ -283,6 +292,7 @@ class NbtrainMagics(Magics):
             cluster.execute(
                 cell,
                 ranks=args.ranks,
+                group=args.group,
                 output=args.output,
                 timeout=args.timeout,
                 live=not args.no_live,
@@ -299,6 +309,7 @@ NbtrainMagics.nbtrain.__doc__ = f"""Start, inspect and stop the nbtrain cluster.
     %nbtrain start --launcher mpi -n 8                      # engines started by mpiexec
     %nbtrain connect --profile P # attach to an ipyparallel cluster started any way
     %nbtrain probe               # all-reduce bandwidth and latency across the ranks
+    %nbtrain groups actor=0-1 rollout=2-3   # named sub-groups; %%distributed --group actor
     %nbtrain status              # rank, host, local rank, device, pid, busy/idle
     %nbtrain stop
 

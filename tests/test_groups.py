@@ -1,0 +1,188 @@
+"""Named rank groups (`%nbtrain groups`, `cluster.groups`, `%%distributed --group`) on a real
+4-rank gloo cluster: collectives inside disjoint and overlapping groups, cells on one group, the
+errors, and the groups surviving a re-init and a replaced engine."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+
+from nbtrain.errors import ConfigError
+from tests.conftest import wait_gone
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _capture(fn, *args):
+    out = io.StringIO()
+    old = sys.stdout
+    sys.stdout = out
+    try:
+        fn(*args)
+    finally:
+        sys.stdout = old
+    return out.getvalue()
+
+
+def run_cell(ip, code, line=""):
+    return _capture(ip.run_cell_magic, "distributed", line, code)
+
+
+@pytest.fixture(scope="module")
+def cluster(ip):
+    """One 4-rank gloo cluster for the module, started and stopped with the magics."""
+    import nbtrain
+
+    ip.run_line_magic("nbtrain", "stop")
+    _capture(ip.run_line_magic, "nbtrain", "start -n 4 --backend gloo")
+    c = nbtrain.current_cluster()
+    assert c is not None and c.world_size == 4
+    run_cell(ip, "import torch, torch.distributed as dist")
+    yield c
+    pids = list(c.pids)
+    ip.run_line_magic("nbtrain", "stop")
+    assert wait_gone(pids) == []
+
+
+# every rank all-reduces its rank + 1 in each group it belongs to, in the order given
+REDUCE = (
+    "sums = {}\n"
+    "for name in order:\n"
+    "    if groups.member(name):\n"
+    "        t = torch.tensor([float(rank + 1)])\n"
+    "        dist.all_reduce(t, group=groups[name])\n"
+    "        sums[name] = t.item()\n"
+)
+
+
+def test_disjoint_groups_reduce_at_the_same_time(ip, cluster):
+    out = _capture(ip.run_line_magic, "nbtrain", "groups actor=0-1 rollout=2-3")
+    assert "actor" in out and "0-1" in out and "rollout" in out and "2-3" in out
+    assert cluster.groups() == {"actor": [0, 1], "rollout": [2, 3]}
+    # one cell on every rank: each rank reduces in its own group while the other group does too
+    cluster.push({"order": ["actor", "rollout"]})
+    run_cell(ip, REDUCE)
+    assert cluster.pull("sums") == [
+        {"actor": 3.0},
+        {"actor": 3.0},
+        {"rollout": 7.0},
+        {"rollout": 7.0},
+    ]
+    # non-members hold torch's marker, not a process group
+    member = cluster.execute(
+        "m = [groups.member('actor'), groups['actor'] is dist.GroupMember.NON_GROUP_MEMBER]",
+        output="none",
+    )
+    assert member and cluster.pull("m") == [
+        [True, False],
+        [True, False],
+        [False, True],
+        [False, True],
+    ]
+
+
+def test_overlapping_groups(ip, cluster):
+    # collocated: ranks 1 and 2 are in both groups
+    assert cluster.groups(a="0-2", b=[1, 2, 3]) == {"a": [0, 1, 2], "b": [1, 2, 3]}
+    cluster.push({"order": ["a", "b"]})
+    run_cell(ip, REDUCE)
+    assert cluster.pull("sums") == [
+        {"a": 6.0},
+        {"a": 6.0, "b": 9.0},
+        {"a": 6.0, "b": 9.0},
+        {"b": 9.0},
+    ]
+    out = _capture(ip.run_line_magic, "nbtrain", "groups")
+    assert "a" in out and "0-2" in out and "1-3" in out and "shares ranks with" in out
+
+
+def test_group_cell_runs_on_its_ranks_with_its_group(ip, cluster):
+    cluster.groups(actor="0-1", rollout="2-3")
+    out = run_cell(
+        ip,
+        "t = torch.ones(1); dist.all_reduce(t, group=group)\n"
+        "print('on', rank, dist.get_rank(group), dist.get_world_size(group), t.item())",
+        "--group rollout --output all",
+    )
+    assert out.splitlines() == ["[rank 2] on 2 0 2 2.0", "[rank 3] on 3 1 2 2.0"]
+    out = run_cell(ip, "print('lead', rank)", "--group rollout")
+    assert out.strip() == "lead 2"
+    # a cell without --group: `group` is the world group again
+    out = run_cell(
+        ip,
+        "print(group is dist.group.WORLD, dist.get_world_size(group))",
+        "--output all",
+    )
+    assert out.count("True 4") == 4
+    # the Python twin
+    cluster.execute("who = rank", group="actor", output="none")
+    cluster.execute("who = -1", group="rollout", output="none")
+    assert cluster.pull("who") == [0, 1, -1, -1]
+
+
+def test_group_errors(ip, cluster):
+    cluster.groups(actor="0-1", rollout="2-3")
+    with pytest.raises(ConfigError, match="--ranks and --group cannot be used together"):
+        run_cell(ip, "pass", "--ranks 0 --group actor")
+    with pytest.raises(ConfigError, match=r"no such group.*actor \(0-1\), rollout \(2-3\)"):
+        run_cell(ip, "pass", "--group critic")
+    with pytest.raises(ConfigError, match="outside the world of 4"):
+        cluster.groups(big="0-7")
+    with pytest.raises(ConfigError, match="not NAME=RANKS"):
+        ip.run_line_magic("nbtrain", "groups actor")
+    # a refused definition leaves the previous groups in place
+    assert cluster.groups() == {"actor": [0, 1], "rollout": [2, 3]}
+    cluster.clear_groups()
+    assert cluster.groups() == {}
+    with pytest.raises(ConfigError, match="no groups are defined"):
+        cluster.execute("pass", group="actor")
+
+
+def test_groups_survive_reinit_and_a_replaced_engine(ip, cluster):
+    cluster.groups(actor="0-1", rollout="2-3")
+    cluster.push({"order": ["actor", "rollout"]})
+    # every rank alive: restart only re-creates the process group, then the groups
+    assert "re-created" in cluster.restart()
+    run_cell(ip, REDUCE)
+    assert cluster.pull("sums") == [
+        {"actor": 3.0},
+        {"actor": 3.0},
+        {"rollout": 7.0},
+        {"rollout": 7.0},
+    ]
+    # a fresh engine for rank 3: it gets the groups like the others
+    cluster.restart_ranks([3])
+    cluster.push({"order": ["actor", "rollout"]}, ranks=3)
+    run_cell(ip, "import torch, torch.distributed as dist", "--ranks 3")
+    run_cell(ip, REDUCE)
+    assert cluster.pull("sums") == [
+        {"actor": 3.0},
+        {"actor": 3.0},
+        {"rollout": 7.0},
+        {"rollout": 7.0},
+    ]
+    out = run_cell(ip, "print(rank, dist.get_world_size(group))", "--group rollout --output all")
+    assert "[rank 3] 3 2" in out
+
+
+def test_repair_re_creates_when_a_named_group_is_out_of_step(ip, cluster):
+    cluster.groups(actor="0-1", rollout="2-3")
+    assert cluster.repair_group().startswith("The process group is intact")
+    # rank 0 starts a collective in `actor` that rank 1 never joins: the world group is in step,
+    # the named group is not (what an interrupt inside a group's collective leaves)
+    cluster.execute(
+        "work = dist.all_reduce(torch.ones(1), group=group, async_op=True) if rank == 0 else None",
+        group="actor",
+        output="none",
+    )
+    assert "re-created" in cluster.repair_group()
+    cluster.push({"order": ["actor", "rollout"]})
+    run_cell(ip, REDUCE)
+    assert cluster.pull("sums") == [
+        {"actor": 3.0},
+        {"actor": 3.0},
+        {"rollout": 7.0},
+        {"rollout": 7.0},
+    ]
