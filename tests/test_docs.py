@@ -40,6 +40,11 @@ def snippets(path: Path) -> list[tuple[int, str]]:
 EXPECT = {
     "fine-tuning.md": ["[5, 10, 15, 20, 25, 30]", "TrainResult(state='done', global_step=20"],
     "magics.md": ["rank 0 of 2 on cpu: sum 1.0", "[0, 10]", "[10]", "cluster stopped"],
+    "groups.md": [
+        "[rank 2] rollout 5.0",
+        "[rank 3] 3 is 1 of 2 in rollout: 2.0",
+        "cluster stopped",
+    ],
     "own-loop.md": ["world size 2, 6 steps", "final loss", "cluster stopped"],
     "install.md": ["0.1.0"],
     "README.md": ["tensor([1.])", "cluster stopped"],

@@ -186,3 +186,23 @@ def test_repair_re_creates_when_a_named_group_is_out_of_step(ip, cluster):
         {"rollout": 7.0},
         {"rollout": 7.0},
     ]
+
+
+def test_a_kernel_that_attaches_knows_the_groups(ip, cluster):
+    import json
+
+    from nbtrain.cluster import attach, registry
+    from nbtrain.cluster.facade import Cluster
+    from nbtrain.cluster.session import close_client
+
+    cluster.groups(actor="0-1", rollout="2-3")
+    side = json.loads(registry.side_file(cluster.ipp_cluster).read_text())
+    assert side["groups"] == {"actor": [0, 1], "rollout": [2, 3]}
+    # what a new kernel's %nbtrain attach builds from the side file (without making it current)
+    other = Cluster.from_launched(attach.reconnect(side, 30))
+    try:
+        assert other.groups() == {"actor": [0, 1], "rollout": [2, 3]}
+        other.execute("seen = dist.get_world_size(group)", group="rollout", output="none")
+        assert other.pull("seen", ranks="2-3") == [2, 2]
+    finally:
+        close_client(other.client)

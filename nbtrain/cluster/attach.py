@@ -136,6 +136,8 @@ def reconnect(side: dict[str, Any], timeout: float = 30.0) -> Launched:
     def ready(session: Session) -> None:
         session.started = side.get("started") or session.started
         lost_ranks(session).update(missing)
+        # the engines still hold the named groups the last kernel made: know them here too
+        session.group_specs = {n: list(r) for n, r in (side.get("groups") or {}).items()}
         registry.write(session)  # this kernel is now the one attached (client_pid)
 
     return Launched(

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nbtrain.cluster import registry
 from nbtrain.cluster.options import StartOptions
 from nbtrain.cluster.plan import DevicePlan, Slot, plan_devices
 from nbtrain.cluster.ranges import parse_ranks
@@ -241,6 +242,10 @@ def define_groups(
     specs = parse_groups(named, session.world_size)
     create_groups(session, specs, timeout=timeout)
     session.group_specs = specs
+    try:
+        registry.write(session)  # a kernel that attaches later knows them
+    except Exception:
+        pass
     return dict(specs)
 
 

@@ -48,6 +48,8 @@ def write(cluster: Any, state: str = "running") -> None:
         "notebook": _notebook(),
         "client_pid": os.getpid(),
         "started": cluster.started,
+        # named sub-groups, so a kernel that attaches later knows them (`cluster.groups`)
+        "groups": getattr(cluster, "group_specs", {}),
         "updated": time.time(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)

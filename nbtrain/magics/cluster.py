@@ -251,6 +251,7 @@ class NbtrainMagics(Magics):
     @argument(
         "--group",
         default=None,
+        metavar="NAME",
         help="run on this named group's ranks only (%%nbtrain groups); `group` is its process group",
     )
     @argument(
@@ -277,6 +278,9 @@ class NbtrainMagics(Magics):
             import torch, torch.distributed as dist
             t = torch.tensor([float(rank)]); dist.all_reduce(t)
             print(t)        # rank 0's output is shown; --output all shows every rank's
+
+        With --group NAME the cell runs on the ranks of a group made by %nbtrain groups, and `group`
+        is that group's process group (the world group in a cell without --group).
 
         A failure on any rank fails the cell, naming the rank(s), host and remote traceback.
         Interrupting the kernel interrupts every rank.
