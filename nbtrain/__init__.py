@@ -22,6 +22,7 @@ __all__ = [
     "SFTConfig",
     "TrainResult",
     "__version__",
+    "check",
     "connect",
     "current_cluster",
     "finetune",
@@ -37,6 +38,7 @@ _LAZY = {
     "Cluster": "nbtrain.cluster.facade",
     "ClusterPicker": "nbtrain.display.picker",
     "DistributedCellError": "nbtrain.errors",
+    "check": "nbtrain.cluster.check",
     "connect": "nbtrain.cluster.api",
     "current_cluster": "nbtrain.cluster.facade",
     "start": "nbtrain.cluster.api",
@@ -49,6 +51,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from nbtrain.cluster.api import connect, start
+    from nbtrain.cluster.check import check
     from nbtrain.cluster.facade import Cluster, current_cluster
     from nbtrain.display.picker import ClusterPicker
     from nbtrain.engine.metrics import log

@@ -411,3 +411,24 @@ def test_job_that_fails_shows_its_output(slurm_bed):
     Path(log.group(1)).unlink()
     assert time.monotonic() - t0 < 30
     assert _squeue() == ""
+
+
+@pytest.mark.slurm
+def test_check_runs_the_probe_on_each_node_through_srun(ip, slurm_bed, capsys):
+    """`%nbtrain check --partition`: one srun task per node, no job left; a partition that never
+    runs anything fails after --timeout naming it, and leaves no job behind."""
+    r = nbtrain.check(partition="debug", nodes=1, time="5")
+    (facts,) = r.nodes
+    assert r.source == "slurm" and r.ok
+    assert facts["hostname"] == socket.gethostname()
+    assert 1 <= facts["cpus_usable"] <= facts["cpus"]
+    assert facts["nbtrain"] == nbtrain.__version__
+    ip.run_line_magic("nbtrain", "check --partition debug --time 5")
+    assert socket.gethostname() in capsys.readouterr().out
+    assert "nbtrain-check" not in _squeue()
+    with pytest.raises(ClusterError, match="got no nodes or no answer within 3 s"):
+        nbtrain.check(partition="closed", timeout=3)
+    deadline = time.monotonic() + 10
+    while "nbtrain-check" in _squeue() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "nbtrain-check" not in _squeue()

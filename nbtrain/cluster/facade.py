@@ -92,6 +92,15 @@ class Cluster(Session):
 
         return probe(self, **kwargs)
 
+    def check(self, timeout: float = 30.0) -> Any:
+        """Every node's host, CPUs, GPUs and versions, the odd ones marked; twin of %nbtrain check.
+
+        In [1]: print(cluster.check())       # one row per host; .odd says what differs where
+        """
+        from nbtrain.cluster.check import check_cluster
+
+        return check_cluster(self, timeout=timeout)
+
     def restart(self, all_ranks: bool = False, timeout: float | None = None) -> str:
         """Replace dead or wedged engines, re-create the process group; says what was lost.
 

@@ -11,7 +11,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from nbtrain.errors import ConfigError, NbtrainError
-from nbtrain.magics import faults, groups
+from nbtrain.magics import check, faults, groups
 from nbtrain.magics.args import (
     HelpShown,
     Parser,
@@ -64,6 +64,7 @@ def build_parser() -> Parser:
     add_multinode_commands(sub)
     faults.add_fault_commands(sub)
     groups.add_group_commands(sub)
+    check.add_check_command(sub)
     return parser
 
 
@@ -220,6 +221,9 @@ class NbtrainMagics(Magics):
     def _cmd_groups(self, args: argparse.Namespace) -> None:
         groups.cmd_groups(args)
 
+    def _cmd_check(self, args: argparse.Namespace) -> None:
+        check.cmd_check(args)
+
     def _cmd_status(self, args: argparse.Namespace) -> None:
         from nbtrain.cluster.facade import current_cluster
         from nbtrain.cluster.topology import format_table
@@ -314,6 +318,7 @@ NbtrainMagics.nbtrain.__doc__ = f"""Start, inspect and stop the nbtrain cluster.
     %nbtrain connect --profile P # attach to an ipyparallel cluster started any way
     %nbtrain probe               # all-reduce bandwidth and latency across the ranks
     %nbtrain groups actor=0-1 rollout=2-3   # named sub-groups; %%distributed --group actor
+    %nbtrain check               # each node's CPUs, GPUs and versions; --hosts n1,n2 before a start
     %nbtrain status              # rank, host, local rank, device, pid, busy/idle
     %nbtrain stop
 

@@ -168,7 +168,9 @@ class PreflightResult:
         return format_html(self)
 
 
-def _labels(reports: Sequence[Mapping[str, Any]]) -> tuple[dict[str, dict], dict[str, int]]:
+def _labels(
+    reports: Sequence[Mapping[str, Any]], checks: Sequence[Check]
+) -> tuple[dict[str, dict], dict[str, int]]:
     """Collapse the engines of one host into one node when they agree; keep them apart if not."""
     by_host: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
     for i, r in enumerate(reports):
@@ -178,7 +180,7 @@ def _labels(reports: Sequence[Mapping[str, Any]]) -> tuple[dict[str, dict], dict
     for host, items in by_host.items():
         groups: dict[tuple, list[tuple[int, Mapping[str, Any]]]] = {}
         for i, r in items:
-            groups.setdefault(tuple(c.value(r) for c in CHECKS), []).append((i, r))
+            groups.setdefault(tuple(c.value(r) for c in checks), []).append((i, r))
         # the group of the host's first engine keeps the plain host name; others are told apart
         for n, group in enumerate(groups.values()):
             ids = ", ".join(str(i) for i, _ in group)
@@ -192,22 +194,23 @@ def compare(
     reports: Mapping[str, Mapping[str, Any]] | Sequence[Mapping[str, Any]],
     *,
     allow_version_mismatch: bool = False,
+    checks: Sequence[Check] = CHECKS,
 ) -> PreflightResult:
     """Compare preflight reports (one per engine in rank order, or node label -> report).
 
     Engines on one host that agree count as one node. A node is odd for a property when its value
     differs from the one most nodes have; on a tie, the first node's (rank 0's host) counts as
-    expected.
+    expected. `checks` are the compared properties (`%nbtrain check` adds the GPUs).
     """
     if isinstance(reports, Mapping):
         nodes = {str(k): dict(v) for k, v in reports.items()}
         engines = dict.fromkeys(nodes, 1)
     else:
-        nodes, engines = _labels(list(reports))
+        nodes, engines = _labels(list(reports), checks)
     result = PreflightResult(nodes, engines, allow_version_mismatch=allow_version_mismatch)
     if len(nodes) < 2:
         return result
-    for check in CHECKS:
+    for check in checks:
         values = {n: check.value(r) for n, r in nodes.items()}
         counts = Counter(values.values())
         if len(counts) == 1:
@@ -224,9 +227,11 @@ def compare(
 
 FATAL_MARK = "*"
 WARN_MARK = "~"
+Rows = list[tuple[str, list[tuple[str, str]]]]  # per node: (row mark, [(cell, mark)])
 
 
-def _gpus(r: Mapping[str, Any]) -> str:
+def gpu_summary(r: Mapping[str, Any]) -> str:
+    """A report's GPUs in one cell: "2x NVIDIA H100 80 GiB", or "none"."""
     gpus = r.get("gpus") or []
     if not gpus:
         return "none"
@@ -246,7 +251,7 @@ def _rdma(r: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _rows(result: PreflightResult) -> tuple[list[str], list[tuple[str, list[tuple[str, str]]]]]:
+def _rows(result: PreflightResult) -> tuple[list[str], Rows]:
     """Header, and per node (row mark, [(cell, mark)]) with mark "", FATAL_MARK or WARN_MARK."""
     header = ["node", "engines"] + [c.label for c in CHECKS] + ["GPUs", "IB/RoCE"]
     rows = []
@@ -257,7 +262,7 @@ def _rows(result: PreflightResult) -> tuple[list[str], list[tuple[str, list[tupl
             m = result.odd_value(node, c.key)
             mark = "" if m is None else FATAL_MARK if m.fatal else WARN_MARK
             cells.append((_v(value) if value is not None else "-", mark))
-        cells += [(_gpus(r), ""), (_rdma(r), "")]
+        cells += [(gpu_summary(r), ""), (_rdma(r), "")]
         marks = {mark for _, mark in cells}
         row_mark = "!" if FATAL_MARK in marks else "?" if WARN_MARK in marks else ""
         rows.append((row_mark, cells))
@@ -270,17 +275,23 @@ def format_table(result: PreflightResult) -> str:
     A value marked '*' differs from the other nodes and refuses to start; '~' only warns.
     """
     header, rows = _rows(result)
+    lines = [render_text(header, rows)]
+    if result.mismatches:
+        lines.append(
+            f"{FATAL_MARK} differs from the other nodes: refuses to start unless {ALLOW_FLAG}; "
+            f"{WARN_MARK} differs: warning only"
+        )
+    return "\n".join(lines)
+
+
+def render_text(header: Sequence[str], rows: Rows) -> str:
+    """Rows as aligned plain text: a row's mark in front of it, a cell's mark in front of the cell."""
     text_rows = [[f"{mark}{cell}" for cell, mark in cells] for _, cells in rows]
     widths = [max(len(h), *(len(r[i]) for r in text_rows)) for i, h in enumerate(header)]
     lines = ["  " + "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
     for (row_mark, _), cells in zip(rows, text_rows, strict=True):
         line = "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
         lines.append(f"{row_mark or ' '} {line}")
-    if result.mismatches:
-        lines.append(
-            f"{FATAL_MARK} differs from the other nodes: refuses to start unless {ALLOW_FLAG}; "
-            f"{WARN_MARK} differs: warning only"
-        )
     return "\n".join(lines)
 
 
@@ -293,11 +304,17 @@ _CELL_STYLE = {
 def format_html(result: PreflightResult) -> str:
     """The same table as HTML for the notebook, odd values highlighted (red: refuses, amber: warns)."""
     header, rows = _rows(result)
-    out = ['<table class="nbtrain-preflight">']
-    message = result.message()
-    if message:
+    return render_html(header, rows, result.message())
+
+
+def render_html(
+    header: Sequence[str], rows: Rows, caption: str = "", table_class: str = "nbtrain-preflight"
+) -> str:
+    """Rows as an HTML table, marked cells highlighted (red: '*', amber: '~'), `caption` above."""
+    out = [f'<table class="{table_class}">']
+    if caption:
         out.append(
-            f'<caption style="text-align:left;white-space:pre-wrap">{html.escape(message)}</caption>'
+            f'<caption style="text-align:left;white-space:pre-wrap">{html.escape(caption)}</caption>'
         )
     out.append(
         "<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr></thead>"
