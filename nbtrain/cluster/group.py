@@ -72,7 +72,9 @@ def init_group(
     interrupt or a restart). Prints the plan's why-line when `announce`.
     """
     plan = plan_devices(
-        [Slot(r.host, r.local_rank, r.gpus) for r in ranks], options.backend, launcher=launcher
+        [Slot(r.host, r.local_rank, r.gpus, r.pinned) for r in ranks],
+        options.backend,
+        launcher=launcher,
     )
     if plan.why and announce:
         log.info("nbtrain: %s", plan.why)

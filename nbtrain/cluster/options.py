@@ -36,6 +36,7 @@ LAUNCHERS = {
     "ssh": "ssh",
     "slurm": "slurm",
     "mpi": "mpi",
+    "ray": "ray",  # engines as Ray actors in one placement group
     "connect": "connect",  # an ipyparallel cluster started elsewhere (nbtrain.connect)
 }
 STARTABLE = tuple(name for name in LAUNCHERS if name != "connect")  # what --launcher takes
@@ -103,20 +104,25 @@ _ONLY = {
     "hosts": ("ssh", "mpi"),
     "ssh_args": ("ssh",),
     "host_env": ("ssh",),
-    "nodes": ("slurm",),
+    "nodes": ("slurm", "ray"),
     "gpus_per_node": ("slurm",),
-    "engines_per_node": ("slurm",),
+    "engines_per_node": ("slurm", "ray"),
     "partition": ("slurm",),
     "account": ("slurm",),
     "time": ("slurm",),
     "slurm_args": ("slurm",),
-    "n": ("local", "mpi"),
+    "n": ("local", "mpi", "ray"),
     "mpi_args": ("mpi",),
+    "address": ("ray",),
+    "placement": ("ray",),
+    "gpus_per_rank": ("ray",),
+    "cpus_per_rank": ("ray",),
 }
 _FLAG_HINT = {
     "ssh": "give the engines per host in --hosts (node1:2,node2:2)",
     "slurm": "give --nodes and --gpus-per-node (or --engines-per-node)",
     "mpi": "give the ranks with -n (and --hosts for several hosts)",
+    "ray": "give -n (or --nodes and --engines-per-node), --gpus-per-rank and --placement",
 }
 
 
@@ -126,9 +132,9 @@ def _flag(name: str) -> str:
 
 @dataclass
 class LaunchOptions:
-    """Settings of a multi-node start (`%nbtrain start --launcher ssh|slurm|mpi ...`), validated on entry."""
+    """Settings of a multi-node start (`%nbtrain start --launcher ssh|slurm|mpi|ray ...`), validated on entry."""
 
-    launcher: str = "ssh"  # ssh, slurm or mpi
+    launcher: str = "ssh"  # ssh, slurm, mpi or ray
     hosts: Any = (
         None  # "node1:2,node2:2" or a list of net.HostSpec; engines default to the GPU count
     )
@@ -150,6 +156,10 @@ class LaunchOptions:
     slurm_args: list[str] = field(default_factory=list)  # slurm: more sbatch options, one per line
     n: int | None = None  # mpi: ranks (mpiexec -n; default: the slots in --hosts, else 1)
     mpi_args: list[str] = field(default_factory=list)  # mpi: more mpiexec arguments
+    address: str | None = None  # ray: auto (this machine's Ray cluster), local, or ray://head:10001
+    placement: str | None = None  # ray: PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD
+    gpus_per_rank: float | None = None  # ray: GPUs in each rank's bundle (default 0: CPU ranks)
+    cpus_per_rank: float | None = None  # ray: CPUs in each rank's bundle (default 1)
 
     def __post_init__(self) -> None:
         if self.launcher == "local":
@@ -203,6 +213,8 @@ class LaunchOptions:
             validate_slurm(self)
         elif self.launcher == "mpi":
             validate_mpi(self)
+        elif self.launcher == "ray":
+            validate_ray(self)
         for h in self.hosts:
             net.resolve(h.host)  # an unknown host fails here, naming it, before anything starts
         known = {h.host for h in self.hosts}
@@ -350,6 +362,73 @@ def validate_mpi(lo: LaunchOptions) -> None:
             "openmpi), then start again. Nothing was started."
         )
         raise ConfigError(msg)
+
+
+# -- the Ray settings --------------------------------------------------------------------------
+
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def _amount(value: Any, flag: str, example: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if isinstance(value, bool) or number != number or number < 0:
+        msg = f"{flag} {value!r} is not a number of 0 or more; e.g. {flag} {example}."
+        raise ConfigError(msg)
+    return number
+
+
+def validate_ray(lo: LaunchOptions) -> None:
+    """Check and normalise the Ray settings of `lo`: address, placement, ranks and their bundles.
+
+    Ranks come from -n, or from --nodes and --engines-per-node (one bundle per node holding that
+    node's ranks, the nodes STRICT_SPREAD; --placement then says how a node's ranks sit: PACK or
+    STRICT_PACK, the only ways a node's ranks can share one bundle).
+    """
+    address = (lo.address or "auto").strip()
+    if address not in ("auto", "local") and not re.fullmatch(
+        r"(ray://)?[\w.\-\[\]:]+:\d+", address
+    ):
+        msg = (
+            f"--address {lo.address!r} is not a Ray address. Give auto (the Ray cluster this "
+            "machine belongs to), local (a private one-machine Ray cluster, stopped with nbtrain's) "
+            "or ray://HEAD:10001 (a remote head's Ray Client port)."
+        )
+        raise ConfigError(msg)
+    lo.address = address
+    placement = str(lo.placement or "PACK").upper().replace("-", "_")
+    if placement not in PLACEMENTS:
+        msg = f"--placement {lo.placement!r}: choose one of {', '.join(PLACEMENTS)}."
+        raise ConfigError(msg)
+    lo.placement = placement
+    lo.gpus_per_rank = _amount(lo.gpus_per_rank or 0, "--gpus-per-rank", "1")
+    cpus = 1.0 if lo.cpus_per_rank is None else lo.cpus_per_rank
+    lo.cpus_per_rank = _amount(cpus, "--cpus-per-rank", "2")
+    if lo.gpus_per_rank > 1 and lo.gpus_per_rank != int(lo.gpus_per_rank):
+        msg = f"--gpus-per-rank {lo.gpus_per_rank:g}: above 1, give a whole number of GPUs."
+        raise ConfigError(msg)
+    if lo.nodes is not None or lo.engines_per_node is not None:
+        lo.nodes = 1 if lo.nodes is None else _positive(lo.nodes, "--nodes", "2")
+        per = 1 if lo.engines_per_node is None else lo.engines_per_node
+        lo.engines_per_node = _positive(per, "--engines-per-node", "4")
+        total = lo.nodes * lo.engines_per_node
+        if lo.n is not None and int(lo.n) != total:
+            msg = (
+                f"-n {lo.n} does not match --nodes {lo.nodes} x --engines-per-node "
+                f"{lo.engines_per_node} ({total} ranks); give one or the other."
+            )
+            raise ConfigError(msg)
+        if lo.placement not in ("PACK", "STRICT_PACK"):
+            msg = (
+                f"--placement {lo.placement} with --nodes: each node's ranks share one bundle on one "
+                "node, and the nodes are always STRICT_SPREAD. Use --placement STRICT_PACK (or "
+                f"leave it out), or give -n {total} without --nodes to {lo.placement} single ranks."
+            )
+            raise ConfigError(msg)
+        lo.n = total
+    lo.n = _positive(1 if lo.n is None else lo.n, "-n", "4")
 
 
 def idle_timeout() -> float:

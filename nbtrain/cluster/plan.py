@@ -8,7 +8,8 @@ Every rank must use the same backend, so no rank may choose alone (a rank with a
 while its neighbour without one takes gloo hangs the rendezvous). The rules:
 
 * NCCL needs a GPU of its own for every rank: local rank i on a host uses cuda:i, so a host must
-  have at least as many GPUs as ranks.
+  have at least as many GPUs as ranks. A rank whose launcher gave it its own GPU and hid the others
+  (`pinned`: Ray sets CUDA_VISIBLE_DEVICES per actor) uses cuda:0.
 * `auto`: NCCL on cuda:<local rank> where that holds for every rank; else gloo on CPU for every
   rank, with one line saying why and what to change (unless no rank has a GPU at all: a CPU cluster
   needs no explanation).
@@ -35,6 +36,7 @@ class Slot:
     host: str
     local_rank: int
     gpus: int  # GPUs this rank's engine sees on its host (hello()'s "gpus")
+    pinned: bool = False  # the engine sees only GPUs given to it alone (Ray): it owns cuda:0
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ def _hosts(slots: Sequence[Slot]) -> dict[str, tuple[int, int]]:
     out: dict[str, tuple[int, int]] = {}
     for s in slots:
         ranks, gpus = out.get(s.host, (0, 0))
-        out[s.host] = (ranks + 1, max(gpus, s.gpus))
+        # pinned engines each see only their own GPUs: the host has their sum
+        out[s.host] = (ranks + 1, gpus + s.gpus if s.pinned else max(gpus, s.gpus))
     return out
 
 
@@ -67,6 +70,8 @@ def _fewer(hosts: dict[str, tuple[int, int]], launcher: str) -> str:
         return "--hosts " + ",".join(f"{h}:{min(r, g)}" for h, (r, g) in hosts.items() if g)
     if launcher == "slurm":
         return "--engines-per-node " + str(min(g for _, g in hosts.values()))
+    if launcher == "ray":
+        return "--gpus-per-rank 1"
     return "one engine per GPU on each host"
 
 
@@ -81,8 +86,8 @@ def plan_devices(
     if backend not in ("auto", "gloo", "nccl"):
         msg = f"unknown backend {backend!r}; choose one of auto, gloo, nccl."
         raise ConfigError(msg)
-    own_gpu = [s.local_rank < s.gpus for s in slots]
-    cuda = tuple(f"cuda:{s.local_rank}" for s in slots)
+    own_gpu = [s.gpus > 0 if s.pinned else s.local_rank < s.gpus for s in slots]
+    cuda = tuple("cuda:0" if s.pinned else f"cuda:{s.local_rank}" for s in slots)
     cpu = ("cpu",) * len(slots)
     hosts = _hosts(slots)
     if all(own_gpu):

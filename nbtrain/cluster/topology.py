@@ -26,6 +26,7 @@ class RankInfo:
     interface: str | None = None
     log: str | None = None  # the engine's log file on its host (its stderr and crash dumps)
     gpus: int = 0  # GPUs the engine sees on its host (setup.hello); the device plan's input
+    pinned: bool = False  # the launcher gave this engine its own GPU(s) only (Ray): it uses cuda:0
 
 
 def assign_ranks(
@@ -54,6 +55,7 @@ def assign_ranks(
                     pid=int(hellos[eid]["pid"]),
                     log=hellos[eid].get("log"),
                     gpus=int(hellos[eid].get("gpus", 0)),
+                    pinned=bool(hellos[eid].get("pinned", False)),
                 )
             )
     return ranks

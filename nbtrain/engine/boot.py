@@ -7,7 +7,9 @@ group is ready that much sooner. The import lock makes a later `import torch` si
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 
 def _warm() -> None:
@@ -21,8 +23,25 @@ def _warm() -> None:
 _STOPPED = "Event loop stopped before Future completed"
 
 
+# set by a launcher whose engine must not outlive the process that started it (Ray: the actor
+# holding the rank's resources); the engine checks its parent and exits when it has gone
+EXIT_WITH_PARENT_ENV = "NBTRAIN_EXIT_WITH_PARENT"
+
+
+def _exit_with_parent(parent: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
 def main() -> None:
     threading.Thread(target=_warm, name="nbtrain-warm-torch", daemon=True).start()
+    if os.environ.get(EXIT_WITH_PARENT_ENV) == "1":
+        watcher = threading.Thread(
+            target=_exit_with_parent, args=(os.getppid(),), name="nbtrain-parent", daemon=True
+        )
+        watcher.start()
     from ipyparallel.engine.app import main as engine_main
 
     try:

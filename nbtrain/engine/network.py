@@ -37,7 +37,9 @@ def launch_host() -> str | None:
 
 # the launcher's own number for this process: Slurm's task id, or the MPI rank (Open MPI, MPICH and
 # Intel MPI, PMIx); nbtrain orders hosts and a host's engines by it, and numbers ranks itself
-_TASK_VARS = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+# set by launchers that number their engines themselves (Ray: in placement order)
+TASK_ENV = "NBTRAIN_LAUNCH_TASK"
+_TASK_VARS = (TASK_ENV, "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 
 def launch_slot() -> dict[str, Any]:

@@ -102,6 +102,9 @@ def _user_ns() -> dict[str, Any]:
     return ip.user_ns if ip is not None else {}
 
 
+PINNED_ENV = "NBTRAIN_GPU_PINNED"  # set to "1" by a launcher that gives each engine its own GPUs
+
+
 def cuda_count() -> int:
     # test hook: the GPU count a test wants the client's plan to see (tests/test_plan.py sets it in
     # the engines' environment); never set it otherwise
@@ -137,6 +140,9 @@ def hello() -> dict[str, Any]:
         "ppid": os.getppid(),
         "children": children,
         "gpus": cuda_count(),
+        # the launcher gave this engine its own GPU(s) and hid the rest (Ray sets
+        # CUDA_VISIBLE_DEVICES per actor): the rank uses cuda:0, whatever its local rank
+        "pinned": os.environ.get(PINNED_ENV) == "1",
         "python": sys.executable,
         "log": log_file,
         "allocator": allocator_in_use(),

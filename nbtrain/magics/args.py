@@ -57,10 +57,10 @@ def add_multinode_start_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-node (--launcher ssh, slurm or mpi)")
     g.add_argument(
         "--launcher",
-        choices=("local", "ssh", "slurm", "mpi"),
+        choices=("local", "ssh", "slurm", "mpi", "ray"),
         default="local",
         help="local: engines on this machine; ssh: on --hosts; slurm: as one sbatch job; "
-        "mpi: with mpiexec -n N",
+        "mpi: with mpiexec -n N; ray: as actors in a Ray placement group",
     )
     g.add_argument(
         "--hosts",
@@ -97,7 +97,9 @@ def add_multinode_start_args(p: argparse.ArgumentParser) -> None:
     # their values are checked where they enter the Python API (nbtrain.cluster.options.validate_slurm),
     # so the magic and nbtrain.start(launcher="slurm", ...) say the same thing
     s = p.add_argument_group("slurm (--launcher slurm)")
-    s.add_argument("--nodes", default=None, help="nodes to allocate (default 1)")
+    s.add_argument(
+        "--nodes", default=None, help="nodes to allocate (default 1); ray: nodes to spread over"
+    )
     s.add_argument(
         "--gpus-per-node",
         default=None,
@@ -106,7 +108,7 @@ def add_multinode_start_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--engines-per-node",
         default=None,
-        help="engines per node (default: --gpus-per-node, or 1 on CPU nodes)",
+        help="engines per node (default: --gpus-per-node, or 1 on CPU nodes; ray: 1)",
     )
     s.add_argument("--partition", default=None, help="partition (default: the cluster's default)")
     s.add_argument("--account", default=None, help="account to charge the job to")
@@ -120,6 +122,20 @@ def add_multinode_start_args(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--mpi-args", default=None, help='more mpiexec arguments, e.g. "--oversubscribe"'
     )
+    r = p.add_argument_group("ray (--launcher ray; also -n, or --nodes and --engines-per-node)")
+    r.add_argument(
+        "--address",
+        default=None,
+        help="auto: the Ray cluster this machine is in (default); local: a private one here; "
+        "ray://HEAD:10001: a remote head",
+    )
+    r.add_argument(
+        "--placement",
+        default=None,
+        help="PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD: how Ray places the ranks",
+    )
+    r.add_argument("--gpus-per-rank", default=None, help="GPUs for each rank (default 0)")
+    r.add_argument("--cpus-per-rank", default=None, help="CPUs for each rank (default 1)")
 
 
 def add_multinode_commands(sub: Any) -> None:

@@ -152,6 +152,10 @@ class NbtrainMagics(Magics):
             "time": args.time,
             "slurm_args": args.slurm_args,
             "mpi_args": args.mpi_args,
+            "address": args.address,
+            "placement": args.placement,
+            "gpus_per_rank": args.gpus_per_rank,
+            "cpus_per_rank": args.cpus_per_rank,
         }
         launch.update({k: v for k, v in given.items() if v is not None})
         t0 = time.monotonic()
@@ -315,6 +319,7 @@ NbtrainMagics.nbtrain.__doc__ = f"""Start, inspect and stop the nbtrain cluster.
     %nbtrain start --launcher ssh --hosts node1:2,node2:2   # engines on other hosts over SSH
     %nbtrain start --launcher slurm --nodes 2 --gpus-per-node 4 --partition gpu --time 02:00:00
     %nbtrain start --launcher mpi -n 8                      # engines started by mpiexec
+    %nbtrain start --launcher ray --address auto -n 8 --gpus-per-rank 1 --placement SPREAD
     %nbtrain connect --profile P # attach to an ipyparallel cluster started any way
     %nbtrain probe               # all-reduce bandwidth and latency across the ranks
     %nbtrain groups actor=0-1 rollout=2-3   # named sub-groups; %%distributed --group actor
