@@ -12,11 +12,9 @@ do not have is marked, and `CheckResult.advice()` says how to fix it.
 
 Pre-start sources are a registry, `CHECKERS`: launcher name -> a function taking that launcher's
 settings as keywords (and `timeout`) and returning one facts dict per node (a node that could not
-be asked: `{"hostname": ..., "error": "why"}`). A launcher adds its own in one line. The Ray
-launcher, for example, writes `check_nodes(address: str | None = None, timeout: float = 60.0)` in
-`launch/ray.py` (one Ray task per node, pinned to it, returning `node_facts()`; Ray imported inside
-the function), adds `"ray": ray.check_nodes` below, and `--address` to the `check` subcommand's
-parser (`nbtrain/magics/check.py`).
+be asked: `{"hostname": ..., "error": "why"}`). A launcher adds its own in one line, as the Ray
+launcher does with `launch.ray.check_nodes` (one Ray task per node, pinned to it, returning
+`node_facts()`), plus its options in the `check` subcommand's parser (`nbtrain/magics/check.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ from typing import Any
 
 from nbtrain import net
 from nbtrain.cluster.launch import preflight
+from nbtrain.cluster.launch import ray as ray_launch
 from nbtrain.cluster.launch.base import ssh_base
 from nbtrain.cluster.launch.preflight import FATAL_MARK, WARN_MARK, Check, Mismatch
 from nbtrain.cluster.options import LaunchOptions, require_commands
@@ -318,6 +317,7 @@ CHECKERS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "local": check_local,
     "ssh": check_ssh,
     "slurm": check_slurm,
+    "ray": ray_launch.check_nodes,
 }
 
 
@@ -329,15 +329,18 @@ def check(
     In [1]: print(nbtrain.check(hosts="node1,node2"))
     In [2]: nbtrain.check(launcher="slurm", partition="gpu", nodes=4).odd
 
-    The launcher defaults to "ssh" with `hosts`, "slurm" with `partition` or `nodes`, else "local".
-    Settings are the launcher's (as `nbtrain.start` takes them): hosts, ssh_args, remote_python;
-    partition, nodes, account, time, slurm_args. Twin of `%nbtrain check --hosts ...`; a running
+    The launcher defaults to "ray" with `address`, "ssh" with `hosts`, "slurm" with `partition`
+    or `nodes`, else "local". Settings are the launcher's (as `nbtrain.start` takes them): hosts,
+    ssh_args, remote_python; partition, nodes, account, time, slurm_args; address (auto, local,
+    ray://head:10001: each alive Ray node, through a Ray task pinned to it). Twin of `%nbtrain check --hosts ...`; a running
     cluster checks itself with `cluster.check()`.
     """
     given = {k: v for k, v in settings.items() if v is not None}
     if launcher is None:
         launcher = (
-            "ssh"
+            "ray"
+            if "address" in given
+            else "ssh"
             if "hosts" in given
             else "slurm"
             if {"partition", "nodes"} & set(given)

@@ -19,10 +19,11 @@ def add_check_command(sub: Any) -> None:
     )
     p.add_argument(
         "--launcher",
-        choices=("local", "ssh", "slurm"),
+        choices=("local", "ssh", "slurm", "ray"),
         default=None,
         help="check before a start: local (this machine), ssh (--hosts), slurm (--partition, "
-        "--nodes); default: the running cluster, else what the options name, else local",
+        "--nodes), ray (--address); default: the running cluster, else what the options name, "
+        "else local",
     )
     p.add_argument("--hosts", default=None, help="ssh: HOST,... e.g. node1,node2")
     p.add_argument("--ssh-args", default=None, help='ssh: extra ssh arguments, e.g. "-F cfg"')
@@ -36,6 +37,9 @@ def add_check_command(sub: Any) -> None:
     p.add_argument("--account", default=None, help="slurm: account to charge")
     p.add_argument("--time", default=None, help="slurm: time limit of the probe's job")
     p.add_argument("--slurm-args", default=None, help='slurm: more srun options, e.g. "--qos=high"')
+    p.add_argument(
+        "--address", default=None, help="ray: auto, local or ray://HEAD:10001 (every alive node)"
+    )
     p.add_argument(
         "--timeout",
         type=positive_float,
@@ -58,6 +62,7 @@ def cmd_check(args: argparse.Namespace) -> Any:
         "account": args.account,
         "time": args.time,
         "slurm_args": args.slurm_args,
+        "address": args.address,
     }
     given = {k: v for k, v in settings.items() if v is not None}
     cluster = current_cluster()

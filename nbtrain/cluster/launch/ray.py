@@ -142,7 +142,8 @@ class RayLaunch(EngineLaunch):
 
     # -- connecting -----------------------------------------------------------------------------
 
-    def _connect(self) -> Any:
+    def connect(self) -> Any:
+        """Ray, connected to `--address` (already connected: as it is); a clear error if not."""
         try:
             import ray
         except ImportError:
@@ -180,7 +181,8 @@ class RayLaunch(EngineLaunch):
         self.started_ray = True
         return ray
 
-    def _disconnect(self) -> None:
+    def disconnect(self) -> None:
+        """Disconnect from Ray (stopping a `local` one) if this start connected."""
         if self.started_ray:
             import ray
 
@@ -202,14 +204,14 @@ class RayLaunch(EngineLaunch):
     # -- the EngineLaunch contract --------------------------------------------------------------
 
     def listen(self) -> net.ListenChoice:
-        ray = self._connect()
+        ray = self.connect()
         try:
             self.nodes = self._alive_nodes(ray)
             if self.lo.ip:
                 return net.ListenChoice(self.lo.ip, net.interface_of(self.lo.ip), "given with --ip")
             return net.listen_address([n.address for n in self.nodes])
         except BaseException:
-            self._disconnect()
+            self.disconnect()
             raise
 
     def prepare(self, options: StartOptions, remaining: Callable[[], float], say: Any) -> int:
@@ -217,7 +219,7 @@ class RayLaunch(EngineLaunch):
             return self._place(options, remaining, say)
         except BaseException:
             self._remove_group()
-            self._disconnect()
+            self.disconnect()
             raise
 
     def _place(self, options: StartOptions, remaining: Callable[[], float], say: Any) -> int:
@@ -298,7 +300,7 @@ class RayLaunch(EngineLaunch):
             es.stop_actors()
         self._remove_group()
         stop_here(ipp_cluster, procs.controller_pids(ipp_cluster))
-        self._disconnect()
+        self.disconnect()
 
     def _remove_group(self) -> None:
         if self.group is None:
@@ -315,10 +317,49 @@ class RayLaunch(EngineLaunch):
         return "%nbtrain start --force --launcher ray with the same settings"
 
 
+def check_nodes(address: str | None = None, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Each alive node's facts (`%nbtrain check --address ...`): one Ray task per node, pinned to
+    it, running `nbtrain.engine.facts.node_facts`, before any engine starts."""
+    lo = LaunchOptions(launcher="ray", address=address)
+    launch = RayLaunch(lo)
+    ray = launch.connect()
+    try:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from nbtrain.engine.facts import node_facts
+
+        probe = ray.remote(num_cpus=0)(node_facts)
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        refs = [
+            probe.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False)
+            ).remote()
+            for n in nodes
+        ]
+        out: list[dict[str, Any]] = []
+        for n, ref in zip(nodes, refs):
+            name = n.get("NodeManagerHostname") or n.get("NodeManagerAddress", "?")
+            try:
+                out.append(dict(ray.get(ref, timeout=timeout)))
+            except Exception as e:
+                out.append({"hostname": name, "error": f"{type(e).__name__}: {e}"})
+        return out
+    finally:
+        launch.disconnect()
+
+
 def start(options: StartOptions, lo: LaunchOptions | None, quiet: bool = True) -> Launched:
     """Start engines as Ray actors (see the module docstring) and form their process group."""
     assert lo is not None
     return start_engines(RayLaunch(lo), options, quiet=quiet)
 
 
-__all__ = ["RayLaunch", "RayNode", "bundles", "explain_pending", "rank_order", "start"]
+__all__ = [
+    "RayLaunch",
+    "RayNode",
+    "bundles",
+    "check_nodes",
+    "explain_pending",
+    "rank_order",
+    "start",
+]
