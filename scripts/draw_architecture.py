@@ -16,7 +16,7 @@ KERNEL = [
     ("magics, widgets", "magics/ (cluster, faults, args) · display/picker/ (a module per page)"),
     ("facade", "cluster/api.py (start, connect, attach) · cluster/facade.py (Cluster)"),
     ("workers on a session", "attach · cell · probe · watchdog · faults · diagnose"),
-    ("launchers", "launch/ local · ssh · slurm · mpi · connect  (+ base · network · preflight)"),
+    ("launchers", "launch/ local · ssh · slurm · mpi · ray · connect  (+ base · network · preflight)"),
     ("process group, session", "cluster/group.py · cluster/session.py"),
     ("primitives", "options · topology · procs · failures · plan · registry · ranges · allocator"),
     ("shared, no client", "nbtrain/live.py · nbtrain/net.py · nbtrain/errors.py · nbtrain/runs.py"),

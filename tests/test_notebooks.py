@@ -231,3 +231,40 @@ def test_gpu_notebook_runs_on_cpu_and_shows_the_plan(tmp_path, monkeypatch):
     assert "global_batch: 8" in text
     assert "auto batch:" in text and "loss chunked" in text
     assert (tmp_path / "out" / "runs" / "packed" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("ray") is None,
+    reason='no ray here (pip install "ray[default]")',
+)
+def test_ray_and_groups_notebook_runs(tmp_path):
+    """notebooks/04-ray-and-groups.ipynb top to bottom in a real kernel: four ranks as actors of a
+    private Ray, the node check, two disjoint groups reducing at once, a cell on one group, stop."""
+    nb = nbformat.read(ROOT / "notebooks" / "04-ray-and-groups.ipynb", as_version=4)
+    client = NotebookClient(
+        nb,
+        km=_kernel_manager(JUPYTER_SHUTDOWN_WAIT),
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute(cleanup_kc=True)
+    text = "\n".join(
+        ANSI.sub("", out.get("text", "") or json.dumps(out.get("data", {})))
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.outputs
+    )
+    assert "placement group nbtrain-" in text and "PACK" in text
+    for rank, role, total in (
+        (0, "actor", 1),
+        (1, "actor", 1),
+        (2, "rollout", 5),
+        (3, "rollout", 5),
+    ):
+        assert f"rank {rank} ({role}): sum in my group = {total}" in text, text
+    assert "rank 2: rank 0 of 2 in the rollout group" in text
+    assert "rank 3: rank 1 of 2 in the rollout group" in text
+    only = next(c for c in nb.cells if c.source.startswith("%%distributed --group rollout"))
+    shown = "".join(o.get("text", "") for o in only.outputs)
+    assert "rank 0:" not in shown and "rank 1:" not in shown, shown
