@@ -179,22 +179,45 @@ test('the palette has the open, stop and refresh commands', async ({
   page
 }) => {
   await openLab(page);
-  await page.locator('.lm-MenuBar-itemLabel', { hasText: 'View' }).click();
-  await page
-    .locator('.lm-Menu-itemLabel', { hasText: 'Activate Command Palette' })
-    .click();
   const search = page.locator('.lm-CommandPalette-input:visible');
-  await expect(search).toBeVisible();
-  await search.fill('Training');
   const items = page.locator('.lm-CommandPalette-item:visible');
-  await expect(items.filter({ hasText: 'Open Training Run…' })).toHaveCount(1);
-  await expect(items.filter({ hasText: 'Stop Training Run…' })).toHaveCount(1);
-  await expect(
-    items.filter({ hasText: 'Refresh Training Runs and Clusters' })
-  ).toHaveCount(1);
+  // the palette is modal and closes when focus moves (Lab may still be restoring its layout on a
+  // loaded machine): open it again until it stays open long enough to use
+  const openPalette = async (): Promise<void> => {
+    if (await search.isVisible()) {
+      return;
+    }
+    await page.locator('.lm-MenuBar-itemLabel', { hasText: 'View' }).click();
+    await page
+      .locator('.lm-Menu-itemLabel', { hasText: 'Activate Command Palette' })
+      .click();
+    await expect(search).toBeVisible({ timeout: 5_000 });
+  };
+  await expect(async () => {
+    await openPalette();
+    await search.fill('Training');
+    await expect(items.filter({ hasText: 'Open Training Run…' })).toHaveCount(
+      1,
+      { timeout: 5_000 }
+    );
+    await expect(items.filter({ hasText: 'Stop Training Run…' })).toHaveCount(
+      1,
+      { timeout: 5_000 }
+    );
+    await expect(
+      items.filter({ hasText: 'Refresh Training Runs and Clusters' })
+    ).toHaveCount(1, { timeout: 5_000 });
+  }).toPass({ timeout: 60_000 });
   // open a run through the palette's dialog
-  await items.filter({ hasText: 'Open Training Run…' }).click();
   const dialog = page.locator('.jp-Dialog');
+  await expect(async () => {
+    await openPalette();
+    await search.fill('Open Training Run');
+    await items
+      .filter({ hasText: 'Open Training Run…' })
+      .click({ timeout: 5_000 });
+    await expect(dialog).toBeVisible({ timeout: 5_000 });
+  }).toPass({ timeout: 60_000 });
   const select = dialog.locator('select');
   const label = (await select.locator('option').nth(1).textContent())!;
   await select.selectOption({ index: 1 });
