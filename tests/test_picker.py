@@ -148,7 +148,7 @@ def _slurm_page(p: pk.ClusterPicker) -> None:
 
 def test_slurm_page_builds_the_start_call(home):
     p = pk.ClusterPicker(remember=False)
-    assert [v for _, v in p.launcher.options] == ["local", "ssh", "slurm", "connect"]
+    assert [v for _, v in p.launcher.options] == ["local", "ssh", "slurm", "ray", "connect"]
     _slurm_page(p)
     # only what was filled in: sbatch lines, engines per node, python, ip, interface, port are not
     assert pk.api_call(p.settings()) == (

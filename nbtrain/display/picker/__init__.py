@@ -3,9 +3,9 @@
 In [1]: nbtrain.ClusterPicker()
 
 One module per job: the settings, their validation and the call into the API (`settings`), the
-nodes' interfaces (`interfaces`), a module per page (`local`, `ssh`, `slurm`, `existing`, and the
-fields they share in `shared`), the results view (`results`), and the form that assembles them and
-handles its buttons (`widget`). Importing this package does not import ipywidgets; building the
+nodes' interfaces (`interfaces`), a module per page (`local`, `ssh`, `slurm`, `ray`, `existing`,
+and the fields they share in `shared`), the results view (`results`), and the form that assembles
+them and handles its buttons (`widget`). Importing this package does not import ipywidgets; building the
 form does.
 """
 
@@ -27,11 +27,13 @@ from nbtrain.display.picker.settings import (
     PickerSettings,
     api_call,
     load_settings,
+    ray_launch,
     save_settings,
     settings_path,
     slurm_launch,
     start_cluster,
     validate,
+    validate_ray,
     validate_slurm,
 )
 from nbtrain.display.picker.widget import ClusterPicker
@@ -51,12 +53,14 @@ __all__ = [
     "load_settings",
     "node_interface_options",
     "node_interfaces_html",
+    "ray_launch",
     "save_settings",
     "settings_path",
     "slurm_launch",
     "start_cluster",
     "topology_html",
     "validate",
+    "validate_ray",
     "validate_slurm",
     "versions_html",
 ]

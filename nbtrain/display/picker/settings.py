@@ -23,8 +23,11 @@ LAUNCHERS = {
     "local": "this machine",
     "ssh": "SSH hosts",
     "slurm": "Slurm",
+    "ray": "Ray cluster",
     "connect": "existing cluster",
 }
+# the Ray page's two ways to give the ranks (--launcher ray takes one or the other)
+RAY_RANKS = {"n": "ranks (-n)", "nodes": "nodes x engines per node"}
 BACKENDS = ("auto", "gloo", "nccl")
 AUTO = "auto"
 
@@ -33,7 +36,7 @@ AUTO = "auto"
 class PickerSettings:
     """What the picker starts; the same settings as `%nbtrain start` / `%nbtrain connect`."""
 
-    launcher: str = "local"  # local, ssh, slurm, connect (an existing ipyparallel cluster)
+    launcher: str = "local"  # local, ssh, slurm, ray, connect (an existing ipyparallel cluster)
     n: int = 1  # engines on this machine (launcher local)
     hosts: str = ""  # HOST[:ENGINES],... (launcher ssh), e.g. node1:2,node2:2
     backend: str = "auto"  # auto (NCCL where every rank has a GPU, else gloo), gloo or nccl
@@ -55,6 +58,16 @@ class PickerSettings:
     account: str = ""  # --account to charge (empty: your default account)
     time: str = ""  # --time limit, e.g. 02:00:00 (empty: the partition's default)
     slurm_args: str = ""  # more sbatch options, e.g. "--qos=high" one per line, --slurm-args
+    # launcher ray: the magic's --address, -n or --nodes x --engines-per-node, --gpus-per-rank, ...
+    # (the ranks are the page's own fields: the Local and Slurm pages keep theirs)
+    address: str = "auto"  # --address: auto, local, or ray://HEAD:10001
+    ray_ranks_by: str = "n"  # n (-n ranks) or nodes (--nodes x --engines-per-node)
+    ray_n: int = 1  # ranks, -n (ray_ranks_by n)
+    ray_nodes: int | None = None  # --nodes, one bundle each (ray_ranks_by nodes; None: 1)
+    ray_engines_per_node: int | None = None  # --engines-per-node (ray_ranks_by nodes; None: 1)
+    gpus_per_rank: float | None = None  # --gpus-per-rank (None: 0, CPU ranks)
+    cpus_per_rank: float | None = None  # --cpus-per-rank (None: 1)
+    placement: str = "PACK"  # --placement: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PickerSettings:
@@ -122,13 +135,15 @@ def validate(s: PickerSettings) -> dict[str, str]:
             net.parse_hosts(s.hosts)
         except NbtrainError as e:
             errors["hosts"] = str(e)
-    if s.launcher in ("ssh", "slurm", "connect") and s.port is not None:
+    if s.launcher in ("ssh", "slurm", "ray", "connect") and s.port is not None:
         if isinstance(s.port, bool) or not isinstance(s.port, int) or not 0 < s.port < 65536:
             errors["port"] = (
                 f"port {s.port} is not a TCP port; give one from 1 to 65535, or leave it empty."
             )
     if s.launcher == "slurm":
         errors.update(validate_slurm(s, skip_port="port" in errors))
+    if s.launcher == "ray":
+        errors.update(validate_ray(s, skip_port="port" in errors))
     return errors
 
 
@@ -158,6 +173,23 @@ def validate_slurm(s: PickerSettings, skip_port: bool = False) -> dict[str, str]
     return errors
 
 
+def validate_ray(s: PickerSettings, skip_port: bool = False) -> dict[str, str]:
+    """The Ray page's problems, as `LaunchOptions(launcher="ray", ...)` checks them (the address,
+    placement, ranks and each rank's GPUs and CPUs, --ip). Nothing connects to Ray. One message:
+    LaunchOptions stops at the first."""
+    from nbtrain.cluster.options import LaunchOptions
+    from nbtrain.errors import ConfigError
+
+    launch = ray_launch(s)
+    if skip_port:
+        launch.pop("port", None)
+    try:
+        LaunchOptions(launcher="ray", **launch)
+    except ConfigError as e:
+        return {"ray": str(e)}
+    return {}
+
+
 # -- the call into the API -------------------------------------------------------------------------
 
 
@@ -171,6 +203,14 @@ def api_call(s: PickerSettings, force: bool = False) -> tuple[str, dict[str, Any
         return "start", {
             "launcher": "slurm",
             **slurm_launch(s),
+            "backend": s.backend,
+            "timeout": s.timeout,
+            "force": force,
+        }
+    if s.launcher == "ray":
+        return "start", {
+            "launcher": "ray",
+            **ray_launch(s),
             "backend": s.backend,
             "timeout": s.timeout,
             "force": force,
@@ -224,6 +264,28 @@ def slurm_launch(s: PickerSettings) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
+def ray_launch(s: PickerSettings) -> dict[str, Any]:
+    """The Ray settings as `nbtrain.start(launcher="ray", ...)` takes them: the address and
+    placement always, -n or --nodes x --engines-per-node (as the page's choice says), the rest only
+    when given, so LaunchOptions' defaults (0 GPUs, 1 CPU per rank) stay the defaults."""
+    by_nodes = s.ray_ranks_by == "nodes"
+    given: dict[str, Any] = {
+        "address": s.address.strip() or "auto",
+        "n": None if by_nodes else s.ray_n,
+        # nodes x engines with both empty is one node of one engine (and its placement rules)
+        "nodes": (1 if s.ray_nodes is None else s.ray_nodes) if by_nodes else None,
+        "engines_per_node": s.ray_engines_per_node if by_nodes else None,
+        "gpus_per_rank": s.gpus_per_rank,
+        "cpus_per_rank": s.cpus_per_rank,
+        "placement": s.placement,
+        "ip": s.ip.strip() or None,
+        "iface": None if s.iface in ("", AUTO) else s.iface,
+        "port": s.port,
+        "allow_version_mismatch": s.allow_version_mismatch or None,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def start_cluster(s: PickerSettings, force: bool = False) -> Any:
     """Validate the settings, then start (or connect to) the cluster; raise ConfigError if invalid."""
     from nbtrain.errors import ConfigError
@@ -257,3 +319,22 @@ def parse_int(text: str) -> Any:
 def int_text(value: Any) -> str:
     """A whole number (or None) as a text field shows it: None is empty."""
     return "" if value is None else str(value)
+
+
+def parse_number(text: str) -> Any:
+    """A number (1, 0.5) from a text field; None when empty; the text itself when not a number."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return int(number) if number.is_integer() and "." not in text else number
+
+
+def number_text(value: Any) -> str:
+    """A number (or None) as a text field shows it: None is empty, 1.0 is 1."""
+    if value is None:
+        return ""
+    return f"{value:g}" if isinstance(value, float) else str(value)

@@ -2,7 +2,7 @@
 
 In [1]: nbtrain.ClusterPicker()
 
-The form is its pages (`local`, `ssh`, `slurm`, `existing`, and the fields they share in `shared`)
+The form is its pages (`local`, `ssh`, `slurm`, `ray`, `existing`, and the fields they share in `shared`)
 over the results view (`results`); this module assembles them and handles the buttons. The widget is
 thin: the settings, their validation and the call into the Python API are `settings`' plain
 functions, the same `nbtrain.start` / `nbtrain.connect` the magics call.
@@ -26,6 +26,7 @@ from nbtrain.display.picker.interfaces import (
     node_interfaces_html,
 )
 from nbtrain.display.picker.local import LocalPage
+from nbtrain.display.picker.ray import RayPage
 from nbtrain.display.picker.results import Progress, ResultsView, error_text
 from nbtrain.display.picker.settings import (
     AUTO,
@@ -96,11 +97,13 @@ class ClusterPicker:
         self.local_page = LocalPage(s, style)
         self.ssh_page = SshPage(s, style)
         self.slurm_page = SlurmPage(s, style)
+        self.ray_page = RayPage(s, style)
         self.existing_page = ExistingPage(s, style)
         self.pages: dict[str, Page] = {
             "local": self.local_page,
             "ssh": self.ssh_page,
             "slurm": self.slurm_page,
+            "ray": self.ray_page,
             "connect": self.existing_page,
         }
         self.remote = RemoteEngines(s, style)
@@ -133,6 +136,10 @@ class ClusterPicker:
         self.account = self.slurm_page.account
         self.time = self.slurm_page.time
         self.slurm_args = self.slurm_page.slurm_args
+        self.address = self.ray_page.address
+        self.placement = self.ray_page.placement
+        self.gpus_per_rank = self.ray_page.gpus_per_rank
+        self.cpus_per_rank = self.ray_page.cpus_per_rank
         self.profile = self.existing_page.profile
         self.cluster_id = self.existing_page.cluster_id
         self.ip = self.remote.ip
@@ -149,6 +156,7 @@ class ClusterPicker:
         self._local_box = self.local_page.box
         self._ssh_box = self.ssh_page.box
         self._slurm_box = self.slurm_page.box
+        self._ray_box = self.ray_page.box
         self._connect_box = self.existing_page.box
         self._engines_remote = self.remote.box
         self._shared_remote = self.network.box
@@ -166,6 +174,7 @@ class ClusterPicker:
                 self._local_box,
                 self._ssh_box,
                 self._slurm_box,
+                self._ray_box,
                 self._engines_remote,
                 self._connect_box,
                 self.backend,
@@ -182,6 +191,8 @@ class ClusterPicker:
         self.cluster_id.observe(self._on_hosts, names="value")
         for field in (*self.slurm_page.fields(), self.ip, self.python):
             field.observe(self._on_slurm, names="value")
+        for field in (*self.ray_page.fields(), self.ip, self.port):
+            field.observe(self._on_ray, names="value")
         self.check_button.on_click(self._on_check)
         self.start_button.on_click(self._on_start)
         self.probe_button.on_click(self._on_probe)
@@ -202,6 +213,7 @@ class ClusterPicker:
             **self.local_page.values(),
             **self.ssh_page.values(),
             **self.slurm_page.values(),
+            **self.ray_page.values(),
             **self.existing_page.values(),
             **self.remote.values(),
             **self.network.values(),
@@ -214,7 +226,9 @@ class ClusterPicker:
         which = self.launcher.value
         for name, page in self.pages.items():
             page.box.layout.display = "" if which == name else "none"
-        self._engines_remote.layout.display = "" if which in ("ssh", "slurm") else "none"
+        self._engines_remote.layout.display = "" if which in ("ssh", "slurm", "ray") else "none"
+        # Ray actors run the Python of the Ray cluster's workers: --python is not theirs to give
+        self.python.layout.display = "none" if which == "ray" else ""
         self._shared_remote.layout.display = "none" if which == "local" else ""
         self._on_hosts()
 
@@ -224,6 +238,8 @@ class ClusterPicker:
             self._show_error(validate(self.settings()).get("hosts", ""))
         elif self.launcher.value == "slurm":
             self._on_slurm()
+        elif self.launcher.value == "ray":
+            self._on_ray()
         else:
             self._show_error("")
         self._refresh_ifaces()
@@ -232,6 +248,11 @@ class ClusterPicker:
         # the Slurm page as the user types: a bad time limit, number or name (or no sbatch here)
         if self.launcher.value == "slurm":
             self._show_error("\n".join(validate_slurm(self.settings()).values()))
+
+    def _on_ray(self, *_: Any) -> None:
+        # the Ray page as the user types: an address, placement, rank count or amount it would refuse
+        if self.launcher.value == "ray":
+            self._show_error("\n".join(validate(self.settings()).values()))
 
     # -- the interfaces of the nodes ---------------------------------------------------------------
     def _nodes_key_now(self) -> tuple[str, ...]:
@@ -244,9 +265,9 @@ class ClusterPicker:
         self._saved_iface = AUTO  # the saved choice counts once, at the first fill
         if self._nodes is not None and self._nodes_key == self._nodes_key_now():
             options = node_interface_options(self._nodes, current, self._nodes_hosts)
-        elif self.launcher.value in ("ssh", "slurm"):
+        elif self.launcher.value in ("ssh", "slurm", "ray"):
             # this machine's interfaces say nothing about the hosts': ask them (Check hosts), or,
-            # for Slurm nodes (not known until the job runs), take them from preflight after a start
+            # for Slurm and Ray nodes (not known until the engines run), from preflight after a start
             options = [(AUTO, AUTO)] + ([(current, current)] if current != AUTO else [])
             self.iface_info.value = (
                 "<small>Check hosts lists the interfaces of the hosts; auto uses the one that "
