@@ -124,6 +124,18 @@ def test_verdicts():
     assert v.limit == "latency-bound"
     assert any("bucket_cap_mb" in a for a in v.advice)
 
+    # compute-bound, yet not near-linear: the compute itself grew (ranks sharing one machine's cores)
+    crowded = measured(busbw=1e10)
+    crowded[2]["compute_s"] *= 1.5
+    crowded[2]["step_s"] += 0.5
+    crowded[2]["tokens_per_s"] = 4000 / crowded[2]["step_s"]
+    efficiencies(crowded)
+    v = verdict(crowded, fit(crowded, "weak"))
+    assert v.limit == "compute-bound" and not v.near_linear
+    assert v.advice[0].startswith(
+        "the all-reduce is not the limit, compute is: a step's compute took 1.5 s"
+    )
+
     # the same numbers pass a lower bar
     assert verdict(slow, fit(slow, "weak"), threshold=0.3).near_linear
 

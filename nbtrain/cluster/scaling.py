@@ -154,14 +154,17 @@ def measure_size(
     step_s = statistics.median(h["step_time"] for h in hist)
     tokens = sum(h["tokens_per_s"] * h["step_time"] for h in hist)
     tokens_per_s = tokens / sum(h["step_time"] for h in hist)
-    comm_s = busbw = latency = 0.0
+    comm_s = busbw = latency = allreduce_s = 0.0
     calls = 0.0
     if n > 1:
         # the last rank to hand its gradients over waits only for the transfer; the others' extra
         # wait is for that rank's compute, so the minimum across ranks is the all-reduce's own time
-        per_step = zip(*[r["comm"][WARMUP_STEPS:] for r in results], strict=False)
+        per_step = list(zip(*[r["comm"][WARMUP_STEPS:] for r in results], strict=False))
         waits = [min(c["wait_s"] for c in step) for step in per_step]
         comm_s = statistics.median(waits) if waits else 0.0
+        # the all-reduces' own time, overlapped with the backward pass or not: the model's figure
+        spans = [min(c["span_s"] for c in step) for step in per_step]
+        allreduce_s = statistics.median(spans) if spans else 0.0
         calls = statistics.median(c["buckets"] for c in first["comm"])
         # the slowest rank's time is the collective's time (as in probe)
         probe = [max(r["probe"][i]["seconds"] for r in results) for i in range(2)]
@@ -176,6 +179,7 @@ def measure_size(
         "step_s": step_s,
         "compute_s": max(step_s - comm_s, 0.0),
         "comm_s": comm_s,
+        "allreduce_s": allreduce_s,
         "model_comm_s": sum(comm_terms(n, first["grad_bytes"], busbw, latency, calls)),
         "busbw": busbw or None,
         "latency_s": latency or None,

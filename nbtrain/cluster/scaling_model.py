@@ -235,7 +235,17 @@ def verdict(
         f"all-reduce is {share:.0%} of a step: {limit}"
     )
     advice: list[str] = []
-    if limit == "compute-bound":
+    base = min(measured, key=lambda r: r["ranks"])
+    # compute per step as it would be had it scaled: the same per rank (weak), or split (strong)
+    expected = base["compute_s"] * (1 if model.mode == "weak" else base["ranks"] / top["ranks"])
+    if limit == "compute-bound" and top["compute_s"] > expected / threshold:
+        advice.append(
+            f"the all-reduce is not the limit, compute is: a step's compute took "
+            f"{top['compute_s']:.3g} s at {top[unit]} {unit} where {expected:.3g} s would scale; "
+            "the ranks share cores or memory bandwidth (simulated nodes on one machine do), or one "
+            "is slower than the others"
+        )
+    elif limit == "compute-bound":
         advice.append(
             "more nodes add throughput nearly in proportion; the all-reduce is not the limit"
         )

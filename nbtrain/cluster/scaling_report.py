@@ -21,6 +21,7 @@ COLUMNS = (
     ("step_s", "step s"),
     ("compute_s", "compute s"),
     ("comm_s", "all-reduce wait s"),
+    ("allreduce_s", "all-reduce s"),
     ("model_comm_s", "model all-reduce s"),
     ("busbw", "busbw GB/s"),
     ("latency_s", "latency us"),
@@ -130,8 +131,11 @@ class ScalingReport:
             f"{f.grad_bytes / 2**20:.3f} MiB in {f.calls:g} all-reduce(s) per step, fit x{f.comm_fit:.2f}.",
             "",
             "All-reduce wait: measured in DDP's communication hook, from the hand-over of a step's "
-            "last gradient bucket to the completion of its all-reduces, on the last rank to hand over "
-            "(the minimum across ranks).",
+            "last gradient bucket to the completion of its all-reduces (the part of the step spent "
+            "only waiting); all-reduce: from the first bucket's hand-over to the last completion (the "
+            "all-reduces' own time, part of it overlapped with the backward pass); both on the last "
+            "rank to hand over (the minimum across ranks). Model all-reduce: the ring formula with "
+            "the bus bandwidth and latency probed on the same ranks, before the fit.",
         ]
         lines += [f"\nWarning: {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
