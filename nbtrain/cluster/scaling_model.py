@@ -4,8 +4,8 @@ limits scaling. Pure arithmetic on measured rows (no torch, no cluster), so it i
 
 A step on n ranks takes
     compute(n) + fit x (2 (n - 1) / n x grad_bytes / busbw + latency x all-reduces per step)
-where compute(n) is the measured compute time (weak scaling: the same per rank at every size;
-strong scaling: the global batch's compute divided by n), busbw and latency are `probe`'s figures
+where compute(n) is the compute time measured at the largest size (weak scaling: the same per rank
+at every size; strong scaling: the global batch's compute divided by n), busbw and latency are `probe`'s figures
 for the n ranks, and `fit` is the least-squares ratio of measured to modelled all-reduce time (1 when
 the probe's figures explain the training's all-reduces exactly).
 """
@@ -133,7 +133,9 @@ def fit(rows: Sequence[dict[str, Any]], mode: str) -> Fit:
     top = max(rows, key=lambda r: r["ranks"])
     return Fit(
         mode=mode,
-        compute_s=sum(computes) / len(computes),
+        # the largest size's: per-rank compute often grows with size (stragglers, shared cores), and
+        # the largest measured size is the nearest to the sizes predicted
+        compute_s=computes[rows.index(top)],
         tokens_per_step=sum(tokens) / len(tokens),
         comm_fit=comm_fit if comm_fit > 0 else 1.0,
         grad_bytes=float(top["grad_bytes"]),
@@ -185,7 +187,7 @@ def predict(
                     f"{latency * 1e6:.0f} us, "
                     + (f"{ranks_per_node} rank(s) per node, " if unit == "nodes" else "")
                     + "compute "
-                    f"{'per rank as measured' if model.mode == 'weak' else 'of the global batch / ranks'}, "
+                    f"{'per rank' if model.mode == 'weak' else 'of the global batch / ranks'} as at the largest measured size, "
                     f"all-reduce fit x{model.comm_fit:.2f}"
                 ),
             }

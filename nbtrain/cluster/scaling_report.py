@@ -127,7 +127,8 @@ class ScalingReport:
             "",
             "Model: step = compute + fit x (2(n-1)/n x grad bytes / busbw + latency x all-reduces "
             f"per step); compute {f.compute_s:.4f} s "
-            f"({'per rank' if f.mode == 'weak' else 'of the global batch on one rank'}), gradient "
+            f"({'per rank' if f.mode == 'weak' else 'of the global batch on one rank'}, as "
+            "measured at the largest size), gradient "
             f"{f.grad_bytes / 2**20:.3f} MiB in {f.calls:g} all-reduce(s) per step, fit x{f.comm_fit:.2f}.",
             "",
             "All-reduce wait: measured in DDP's communication hook, from the hand-over of a step's "
