@@ -64,9 +64,13 @@ def _cfg(tiny, out, **kw):
 
 def test_scaling_report_on_ranks(cluster, tiny, tmp_path):
     import nbtrain
+    from nbtrain.runs import list_runs
 
+    before = list_runs()
     cfg = _cfg(tiny, tmp_path / "user-run")
     report = nbtrain.scaling(cfg, ranks=[1, 2, 4], steps=5, predict=[8], out=str(tmp_path / "rep"))
+    # the sizes' scratch runs leave no record in the runs sidebar
+    assert list_runs() == before
     t = report.table
     assert list(t["ranks"]) == [1, 2, 4, 8]
     assert list(t["kind"]) == ["measured", "measured", "measured", "predicted"]
@@ -129,6 +133,7 @@ def test_strong_scaling_keeps_the_global_batch(cluster, tiny, tmp_path):
         (dict(ranks=[1, 2], cfg={"model": "x"}), "needs an nbtrain.SFTConfig"),
         (dict(ranks=[1, 2], cfg="auto"), "per_device_train_batch_size='auto'"),
         (dict(ranks=[1, 2], cfg="global"), "weak scaling keeps the per-device batch"),
+        (dict(ranks=[1, 2], cfg="gone"), "(?s)finetune would refuse this config:.*data file"),
     ],
 )
 def test_bad_input_is_refused_before_anything_runs(cluster, tiny, tmp_path, kw, words):
@@ -140,6 +145,12 @@ def test_bad_input_is_refused_before_anything_runs(cluster, tiny, tmp_path, kw, 
         cfg = _cfg(tiny, tmp_path / "o", per_device_train_batch_size="auto")
     elif cfg == "global":
         cfg = _cfg(tiny, tmp_path / "o", global_batch_size=8)
+    elif cfg == "gone":
+        # valid when made, its data file deleted since
+        data = tmp_path / "rows.jsonl"
+        data.write_text(Path(DATA).read_text())
+        cfg = _cfg(tiny, tmp_path / "o", data=str(data))
+        data.unlink()
     elif cfg is None:
         cfg = _cfg(tiny, tmp_path / "o")
     before = len(list_runs())

@@ -122,7 +122,7 @@ def _machine(session: Any, results: list[dict[str, Any]], hosts: list[str]) -> s
 
 
 def _scratch(session: Any, rank0: int, path: str | None) -> str:
-    """Make (path None) or remove a scratch folder on a rank's machine."""
+    """Make (path None) or remove a scratch folder on a rank's machine, and its run's record."""
 
     def make() -> str:
         import tempfile
@@ -132,6 +132,10 @@ def _scratch(session: Any, rank0: int, path: str | None) -> str:
     def remove(p: str) -> None:
         import shutil
 
+        from nbtrain.runs import forget_run, run_id_for
+
+        # the size's run leaves no record behind in the runs sidebar: its folder is gone
+        forget_run(run_id_for(f"{p}/run"))
         shutil.rmtree(p, ignore_errors=True)
 
     if path is None:
