@@ -29,6 +29,7 @@ __all__ = [
     "is_rank_zero",
     "load_ipython_extension",
     "log",
+    "scaling",
     "start",
     "unload_ipython_extension",
 ]
@@ -42,6 +43,7 @@ _LAZY = {
     "connect": "nbtrain.cluster.api",
     "current_cluster": "nbtrain.cluster.facade",
     "start": "nbtrain.cluster.api",
+    "scaling": "nbtrain.cluster.api",
     "SFTConfig": "nbtrain.sft.config",
     "TrainResult": "nbtrain.sft.train",
     "finetune": "nbtrain.sft.train",
@@ -50,7 +52,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from nbtrain.cluster.api import connect, start
+    from nbtrain.cluster.api import connect, scaling, start
     from nbtrain.cluster.check import check
     from nbtrain.cluster.facade import Cluster, current_cluster
     from nbtrain.display.picker import ClusterPicker

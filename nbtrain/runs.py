@@ -124,6 +124,14 @@ def finish_run(run_id: str, state: str) -> None:
     clear_stop(run_id)
 
 
+def forget_run(run_id: str) -> None:
+    """Remove a run's record (a scratch run whose folder is gone, such as a scaling size's)."""
+    if not run_id.isalnum():
+        return
+    for name in (f"{run_id}.json", f"{run_id}.stop"):
+        (registry_dir() / name).unlink(missing_ok=True)
+
+
 def request_stop(run_id: str) -> bool:
     """Ask a running run to checkpoint and end at its next step; False if no such run is running."""
     record = get_run(run_id)

@@ -158,3 +158,14 @@ def attach(
     cluster: Cluster = Cluster.from_launched(attaching.reconnect(side, timeout))
     set_current(cluster)
     return attaching.show(cluster, live=live, follow=follow)
+
+
+def scaling(cfg: Any, **kwargs: Any) -> Any:
+    """The running cluster's scaling report for `cfg`; twin of %nbtrain scaling.
+
+    In [1]: report = nbtrain.scaling(cfg, nodes=[1, 2, 4], steps=30, predict=[8, 16])
+    In [2]: report.table
+    """
+    from nbtrain.cluster.facade import require_cluster
+
+    return require_cluster().scaling(cfg, **kwargs)

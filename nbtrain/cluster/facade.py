@@ -92,6 +92,16 @@ class Cluster(Session):
 
         return probe(self, **kwargs)
 
+    def scaling(self, cfg: Any, **kwargs: Any) -> Any:
+        """`cfg`'s short fine-tune on the first 1, 2, 4... nodes, a model past them, a verdict; twin of
+        %nbtrain scaling (see `nbtrain.cluster.scaling.scaling`).
+
+        In [1]: report = cluster.scaling(cfg, nodes=[1, 2, 4], steps=30, predict=[8, 16], out="scaling")
+        """
+        from nbtrain.cluster.scaling import scaling
+
+        return scaling(self, cfg, **kwargs)
+
     def check(self, timeout: float = 30.0) -> Any:
         """Every node's host, CPUs, GPUs and versions, the odd ones marked; twin of %nbtrain check.
 

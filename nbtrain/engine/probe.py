@@ -6,11 +6,11 @@ import time
 from typing import Any
 
 
-def _device() -> Any:
+def _device(group: Any = None) -> Any:
     import torch
     import torch.distributed as dist
 
-    if str(dist.get_backend()) == "nccl":
+    if str(dist.get_backend(group)) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -22,26 +22,28 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def allreduce_times(sizes: list[int], iters: int, warmup: int = 1) -> list[dict[str, float]]:
+def allreduce_times(
+    sizes: list[int], iters: int, warmup: int = 1, group: Any = None
+) -> list[dict[str, float]]:
     """Seconds per all_reduce (sum, float32) of each size in bytes, averaged over `iters`.
 
-    Every rank must call this with the same arguments, as with any collective.
+    Every rank (of `group`, the world by default) must call this with the same arguments.
     """
     import torch
     import torch.distributed as dist
 
-    device = _device()
+    device = _device(group)
     out = []
     for nbytes in sizes:
         numel = max(1, nbytes // 4)
         t = torch.ones(numel, dtype=torch.float32, device=device)
         for _ in range(warmup):
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=group)
         _sync(device)
-        dist.barrier()
+        dist.barrier(group=group)
         t0 = time.perf_counter()
         for _ in range(iters):
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=group)
         _sync(device)
         out.append({"bytes": float(numel * 4), "seconds": (time.perf_counter() - t0) / iters})
     return out

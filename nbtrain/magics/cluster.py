@@ -11,7 +11,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from nbtrain.errors import ConfigError, NbtrainError
-from nbtrain.magics import check, faults, groups
+from nbtrain.magics import check, faults, groups, scaling
 from nbtrain.magics.args import (
     HelpShown,
     Parser,
@@ -65,6 +65,7 @@ def build_parser() -> Parser:
     faults.add_fault_commands(sub)
     groups.add_group_commands(sub)
     check.add_check_command(sub)
+    scaling.add_scaling_command(sub)
     return parser
 
 
@@ -227,6 +228,9 @@ class NbtrainMagics(Magics):
 
     def _cmd_check(self, args: argparse.Namespace) -> None:
         check.cmd_check(args)
+
+    def _cmd_scaling(self, args: argparse.Namespace) -> Any:
+        return scaling.cmd_scaling(args, self.shell.user_ns if self.shell else {})
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
         from nbtrain.cluster.facade import current_cluster

@@ -14,7 +14,9 @@ from nbtrain.errors import ConfigError
 class Dist:
     """The process group as this run sees it; every method also works alone (world size 1)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
+        """`group`: a sub-group of the running process group to train on (its ranks become this run's
+        ranks 0..n-1); None for the whole world, as before."""
         import torch
         import torch.distributed as dist
 
@@ -29,9 +31,14 @@ class Dist:
             # launched by torchrun or by hand: nbtrain's cluster would have set the group up already
             backend = "nccl" if own_gpu else "gloo"
             dist.init_process_group(backend=backend, init_method="env://")
-        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.rank = dist.get_rank() if self.active else get_rank()
-        self.world = dist.get_world_size() if self.active else 1
+        self.group = _member_group(dist, group)
+        self.active = (
+            dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+        )
+        self.rank = dist.get_rank(self.group) if self.active else get_rank()
+        self.world = dist.get_world_size(self.group) if self.active else 1
+        # broadcasts name their source by its rank in the world group
+        self.src = dist.get_global_rank(self.group, 0) if self.active and group is not None else 0
         if self.world == 1:
             self.rank = 0
         self.local_rank = get_local_rank()
@@ -51,11 +58,13 @@ class Dist:
             self.device = torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        backend = dist.get_backend() if self.active else "gloo"
+        backend = dist.get_backend(self.group) if self.active else "gloo"
         self.comm_device = self.device if backend == "nccl" else torch.device("cpu")
         # the step's small bookkeeping (token counts, stop flag, logged figures) goes over gloo on the
         # CPU: over NCCL it would have to wait for the GPU, a host synchronisation in every step
-        self.meta_group = cpu_group(dist) if self.active and backend == "nccl" else None
+        self.meta_group = (
+            cpu_group(dist, self.group) if self.active and backend == "nccl" else self.group
+        )
         self.host = socket.gethostname()
 
     @property
@@ -67,7 +76,7 @@ class Dist:
         """All-reduce (sum) a tensor in place; returns it on the compute device's side of comms."""
         if self.active:
             moved = t.to(self.comm_device)
-            self.dist.all_reduce(moved)
+            self.dist.all_reduce(moved, group=self.group)
             return moved.to(t.device)
         return t
 
@@ -81,14 +90,14 @@ class Dist:
         if not self.active:
             return [obj]
         out: list[Any] = [None] * self.world
-        self.dist.all_gather_object(out, obj)
+        self.dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj: Any) -> Any:
         if not self.active:
             return obj
         box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
+        self.dist.broadcast_object_list(box, src=self.src, group=self.group)
         return box[0]
 
     def min_int(self, value: int) -> int:
@@ -97,12 +106,12 @@ class Dist:
         if not self.active:
             return value
         t = torch.tensor([value], dtype=torch.long, device=self.comm_device)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
     def barrier(self) -> None:
         if self.active:
-            self.dist.barrier()
+            self.dist.barrier(group=self.group)
 
     def agree(self, fn: Any) -> Any:
         """Run a set-up phase on every rank; if it fails on any rank, raise on all of them, not hang."""
@@ -126,13 +135,37 @@ class Dist:
         return value
 
 
-_CPU_GROUP: list[Any] = []  # [the default group it was made for, the gloo group]
+def _member_group(dist: Any, group: Any) -> Any:
+    """The process group to train on: None (the world) or a sub-group this rank belongs to."""
+    if group is None:
+        return None
+    if not dist.is_initialized():
+        msg = "finetune(group=...) needs the process group initialized on this rank (an nbtrain cluster)"
+        raise ConfigError(msg)
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        msg = (
+            f"finetune(group=...): rank {dist.get_rank()} is not a member of that group; run "
+            "finetune only on the group's ranks (%%distributed --group NAME)"
+        )
+        raise ConfigError(msg)
+    return group
 
 
-def cpu_group(dist: Any) -> Any:
-    """A gloo group over every rank of the default group, made once per default group (the default
-    group is held here, so a re-created one is never mistaken for it)."""
-    default = dist.distributed_c10d._get_default_group()
-    if not _CPU_GROUP or _CPU_GROUP[0] is not default:
-        _CPU_GROUP[:] = [default, dist.new_group(backend="gloo")]
+_CPU_GROUP: list[Any] = []  # [the group it was made for, the gloo group]
+
+
+def cpu_group(dist: Any, group: Any = None) -> Any:
+    """A gloo group over every rank of `group` (the default group when None), made once per group
+    (the group is held here, so a re-created one is never mistaken for it).
+
+    A sub-group's gloo twin is made among its members alone (`use_local_synchronization`), so the
+    ranks outside it need not take part."""
+    base = dist.distributed_c10d._get_default_group() if group is None else group
+    if not _CPU_GROUP or _CPU_GROUP[0] is not base:
+        if group is None:
+            made = dist.new_group(backend="gloo")
+        else:
+            ranks = dist.get_process_group_ranks(group)
+            made = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        _CPU_GROUP[:] = [base, made]
     return _CPU_GROUP[1]

@@ -24,7 +24,7 @@ from typing import Any
 from nbtrain.engine import metrics as live
 from nbtrain.errors import ConfigError
 from nbtrain.sft import checkpoint as ckpt
-from nbtrain.sft import speed
+from nbtrain.sft import commtime, speed
 from nbtrain.sft import step as one_step
 from nbtrain.sft.batch import BatchPlan, split_global
 from nbtrain.sft.config import SFTConfig
@@ -97,7 +97,7 @@ def _total_steps(
     return total
 
 
-def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
+def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainResult:
     """Fine-tune `cfg.model` with LoRA on `cfg.data`, on every rank; export the adapter on rank 0.
 
     In [1]: result = nbtrain.finetune(nbtrain.SFTConfig(model="tiny", data="train.jsonl", max_steps=50))
@@ -105,6 +105,10 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
 
     Bad settings or data raise `ConfigError` on every rank before any step, and nothing is written to
     `output_dir`. `merge=True` also writes the merged model to `output_dir/merged`.
+
+    `group` trains on a sub-group of the running process group instead of the whole world (e.g.
+    `groups["actor"]` in a `%%distributed --group actor` cell): its ranks are the run's ranks 0..n-1,
+    and it trains exactly as a cluster of that many ranks would. Call it on the group's ranks only.
     """
     if not isinstance(cfg, SFTConfig):
         msg = f"finetune needs an nbtrain.SFTConfig, got {type(cfg).__name__}; build one with nbtrain.SFTConfig(...)"
@@ -114,7 +118,7 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
     from nbtrain.sft.data import ShardedBatches, eval_batches, load_rows
     from nbtrain.sft.model import apply_lora, check_causal_lm, load_model, load_tokenizer
 
-    d = Dist()
+    d = Dist(group)
     out = Path(cfg.output_dir).expanduser()
 
     # ---- set-up phase: everything that can be wrong is found here, on every rank, before any write
@@ -281,7 +285,12 @@ def finetune(cfg: SFTConfig, merge: bool = False) -> TrainResult:
     if d.active:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(peft_model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        model = DDP(
+            peft_model,
+            device_ids=[d.device.index] if d.device.type == "cuda" else None,
+            process_group=d.group,
+        )
+        commtime.attach(model, d.group, trainable)  # a no-op unless a scaling run is timing it
     optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0)
     scheduler = get_scheduler(
         cfg.lr_scheduler_type,

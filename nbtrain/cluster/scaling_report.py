@@ -1,0 +1,191 @@
+"""The scaling report: its table (a DataFrame), its plot (measured and predicted drawn apart), and
+`scaling.md`, `scaling.png` and `scaling.json` in a folder the user names."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbtrain.cluster.scaling_model import Fit, Verdict
+
+COLUMNS = (
+    ("nodes", "nodes"),
+    ("ranks", "ranks"),
+    ("kind", "row"),
+    ("tokens_per_s", "tokens/s"),
+    ("tokens_per_s_per_rank", "tokens/s/rank"),
+    ("efficiency", "efficiency"),
+    ("step_s", "step s"),
+    ("compute_s", "compute s"),
+    ("comm_s", "all-reduce wait s"),
+    ("allreduce_s", "all-reduce s"),
+    ("model_comm_s", "model all-reduce s"),
+    ("busbw", "busbw GB/s"),
+    ("latency_s", "latency us"),
+)
+
+
+@dataclass
+class ScalingReport:
+    """What `nbtrain.scaling` returns: `.table`, `.verdict`, `.figure()`, `.save(folder)`.
+
+    In [1]: report = nbtrain.scaling(cfg, nodes=[1, 2, 4], steps=30, predict=[8, 16])
+    In [2]: report.table
+    In [3]: print(report.verdict.line)
+    """
+
+    rows: list[dict[str, Any]]  #: measured rows, then predicted rows (`predicted` True)
+    mode: str  #: "weak" or "strong"
+    unit: str  #: what a size counts: "nodes", or "ranks" (--ranks)
+    machine: str  #: where it ran, in words
+    verdict: Verdict
+    fit: Fit
+    threshold: float
+    settings: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    folder: str | None = None  #: where save() last wrote the report
+
+    @property
+    def measured(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if not r.get("predicted")]
+
+    @property
+    def predicted(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r.get("predicted")]
+
+    @property
+    def table(self) -> Any:
+        """One row per size, measured then predicted; the predicted ones say what they assumed."""
+        import pandas as pd
+
+        frame = pd.DataFrame(self.rows)
+        frame["kind"] = ["predicted" if p else "measured" for p in frame["predicted"]]
+        keep = [c for c in (*(c for c, _ in COLUMNS), "assumptions") if c in frame]
+        return frame[keep].reset_index(drop=True)
+
+    def figure(self) -> Any:
+        """Tokens/s and efficiency against size; measured as filled dots, predicted as open ones."""
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(10, 4), dpi=100)
+        ax_t, ax_e = fig.subplots(1, 2)
+        base = min(self.measured, key=lambda r: r[self.unit])
+        xs_all = [r[self.unit] for r in self.rows]
+        ideal = [base["tokens_per_s"] * x / base[self.unit] for x in xs_all]
+        ax_t.plot(xs_all, ideal, ":", color="grey", label="linear")
+        for rows, style, label in (
+            (self.measured, dict(marker="o", linestyle="-"), "measured"),
+            (self.predicted, dict(marker="o", linestyle="--", mfc="none"), "predicted"),
+        ):
+            if not rows:
+                continue
+            xs = [r[self.unit] for r in rows]
+            ax_t.plot(xs, [r["tokens_per_s"] for r in rows], color="C0", label=label, **style)
+            ax_e.plot(xs, [r["efficiency"] for r in rows], color="C1", label=label, **style)
+        ax_e.axhline(
+            self.threshold, color="grey", linestyle=":", label=f"near-linear {self.threshold:g}"
+        )
+        for ax, what in ((ax_t, "tokens/s (global)"), (ax_e, "efficiency")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(self.unit)
+            ax.set_ylabel(what)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        ax_e.set_ylim(0, 1.1)
+        fig.suptitle(f"{self.mode} scaling: {self.verdict.limit}  ({self.machine})", fontsize=9)
+        fig.tight_layout()
+        return fig
+
+    def png(self) -> bytes:
+        buf = io.BytesIO()
+        self.figure().savefig(buf, format="png")
+        return buf.getvalue()
+
+    def markdown(self) -> str:
+        """The report as Markdown: machine, verdict, advice, the table, the model's fit."""
+        head = "| " + " | ".join(title for _, title in COLUMNS) + " | assumptions |"
+        lines = [
+            f"# Scaling report ({self.mode} scaling)",
+            "",
+            f"Machine: {self.machine}",
+            "",
+            f"**Verdict:** {self.verdict.line}",
+            "",
+            *[f"- {a}" for a in self.verdict.advice],
+            "",
+            head,
+            "|" + "---|" * (len(COLUMNS) + 1),
+        ]
+        for r in self.rows:
+            cells = [_cell(key, r) for key, _ in COLUMNS]
+            lines.append("| " + " | ".join(cells) + f" | {r.get('assumptions', '')} |")
+        f = self.fit
+        lines += [
+            "",
+            "Model: step = compute + fit x (2(n-1)/n x grad bytes / busbw + latency x all-reduces "
+            f"per step); compute {f.compute_s:.4f} s "
+            f"({'per rank' if f.mode == 'weak' else 'of the global batch on one rank'}, as "
+            "measured at the largest size), gradient "
+            f"{f.grad_bytes / 2**20:.3f} MiB in {f.calls:g} all-reduce(s) per step, fit x{f.comm_fit:.2f}.",
+            "",
+            "All-reduce wait: measured in DDP's communication hook, from the hand-over of a step's "
+            "last gradient bucket to the completion of its all-reduces (the part of the step spent "
+            "only waiting); all-reduce: from the first bucket's hand-over to the last completion (the "
+            "all-reduces' own time, part of it overlapped with the backward pass); both on the last "
+            "rank to hand over (the minimum across ranks). Model all-reduce: the ring formula with "
+            "the bus bandwidth and latency probed on the same ranks, before the fit.",
+        ]
+        lines += [f"\nWarning: {w}" for w in self.warnings]
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "unit": self.unit,
+            "machine": self.machine,
+            "threshold": self.threshold,
+            "verdict": asdict(self.verdict),
+            "fit": asdict(self.fit),
+            "settings": self.settings,
+            "warnings": self.warnings,
+            "rows": self.rows,
+        }
+
+    def save(self, folder: str | Path) -> Path:
+        """Write scaling.md, scaling.png and scaling.json into `folder` (made if missing)."""
+        path = Path(folder).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "scaling.md").write_text(self.markdown())
+        (path / "scaling.png").write_bytes(self.png())
+        (path / "scaling.json").write_text(json.dumps(self.to_json(), indent=1, default=str))
+        self.folder = str(path)
+        return path
+
+    def _repr_markdown_(self) -> str:
+        return self.markdown()
+
+    def __repr__(self) -> str:
+        sizes = ",".join(str(r[self.unit]) for r in self.measured)
+        return f"<ScalingReport {self.mode}, {self.unit} {sizes}: {self.verdict.line}>"
+
+
+def _cell(key: str, row: dict[str, Any]) -> str:
+    value = row.get(key)
+    if key == "kind":
+        return "predicted" if row.get("predicted") else "measured"
+    if value is None:
+        return ""
+    if key == "busbw":
+        return f"{value / 1e9:.3f}"
+    if key == "latency_s":
+        return f"{value * 1e6:.0f}"
+    if key in ("tokens_per_s", "tokens_per_s_per_rank"):
+        return f"{value:,.0f}"
+    if key == "efficiency":
+        return f"{value:.2f}"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)

@@ -1,0 +1,127 @@
+"""finetune on a sub-group of a running 4-rank gloo cluster (`finetune(cfg, group=...)`): ranks 0-1
+train exactly as a 2-rank cluster would, ranks 2-3 take no part, and a rank outside is refused."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nbtrain.sft.config import SFTConfig
+from nbtrain.sft.train import finetune
+from tests.conftest import wait_gone
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = str(REPO / "nbtrain" / "data" / "instructions.jsonl")
+
+pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("one_torch_thread")]
+
+
+def _quiet(fn, *args):
+    old, sys.stdout = sys.stdout, io.StringIO()
+    try:
+        fn(*args)
+        return sys.stdout.getvalue()
+    finally:
+        sys.stdout = old
+
+
+@pytest.fixture(scope="module")
+def cluster(ip):
+    import nbtrain
+
+    ip.run_line_magic("nbtrain", "stop")
+    _quiet(ip.run_line_magic, "nbtrain", "start -n 4 --backend gloo")
+    c = nbtrain.current_cluster()
+    assert c is not None and c.world_size == 4
+    c.execute("import torch; torch.set_num_threads(1)", output="none")
+    yield c
+    pids = list(c.pids)
+    ip.run_line_magic("nbtrain", "stop")
+    assert wait_gone(pids) == []
+
+
+def _kw(tiny, out, **kw):
+    base = dict(
+        model=tiny,
+        data=DATA,
+        output_dir=str(out),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-2,
+        max_length=48,
+        logging_steps=1,
+        save_steps=None,
+        lora_r=8,
+        lora_dropout=0.0,
+        seed=3,
+    )
+    base.update(kw)
+    return base
+
+
+def _losses(history):
+    return torch.tensor([row["loss"] for row in history], dtype=torch.float32)
+
+
+def test_finetune_on_a_sub_group_equals_a_two_rank_run(ip, cluster, tiny, tmp_path):
+    cluster.groups(pair="0-1")
+    cluster.push({"kw": _kw(tiny, tmp_path / "pair"), "res": None})
+    cluster.execute(
+        "import nbtrain\n"
+        "from nbtrain.sft import commtime\n"
+        "with commtime.timing() as timer:\n"
+        "    r = nbtrain.finetune(nbtrain.SFTConfig(**kw), group=group)\n"
+        "res = {'history': r.history.to_dict(orient='records'), 'adapter': r.adapter_dir,\n"
+        "       'plan': r.plan, 'comm': timer.steps(), 'grad_bytes': timer.grad_bytes}\n",
+        group="pair",
+        output="none",
+    )
+    got = cluster.pull("res")
+    # ranks 2 and 3 did nothing
+    assert got[2] is None and got[3] is None
+    # two ranks of 2 rows: a global batch of 4
+    assert got[0]["plan"]["global_batch"] == 4 and got[1]["plan"]["global_batch"] == 4
+    assert got[0]["adapter"] == str(tmp_path / "pair" / "adapter") and got[1]["adapter"] is None
+    assert [r["step"] for r in got[0]["history"]] == [1, 2, 3, 4]
+    # the all-reduce of every step was timed, on both ranks: LoRA's gradients in one DDP bucket
+    for rank in (0, 1):
+        comm = got[rank]["comm"]
+        assert len(comm) == 4 and all(c["buckets"] == 1 for c in comm)
+        assert all(0 < c["wait_s"] <= c["span_s"] for c in comm)
+        assert all(c["wait_s"] < r["step_time"] for c, r in zip(comm, got[rank]["history"]))
+    # float32 LoRA A and B of r=8 on the tiny model's projections: a few hundred KiB at most
+    assert 0 < got[0]["grad_bytes"] == got[1]["grad_bytes"] < 2**20
+    # 2 ranks x 2 rows train as 1 rank x 4 rows (tests/test_sft_distributed.py shows a 2-rank
+    # cluster does the same)
+    one = finetune(SFTConfig(**_kw(tiny, tmp_path / "one", per_device_train_batch_size=4)))
+    torch.testing.assert_close(_losses(got[0]["history"]), _losses(one.history.to_dict("records")))
+    assert (
+        json.loads((tmp_path / "pair" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+    )
+    # the group's rank 0 wrote the run folder, no other rank wrote anything
+    assert sorted(p.name for p in (tmp_path / "pair").iterdir()) == ["adapter", "metrics.jsonl"]
+
+
+def test_a_rank_outside_the_group_is_refused(ip, cluster, tiny, tmp_path):
+    cluster.groups(pair="0-1")
+    cluster.push({"kw": _kw(tiny, tmp_path / "never")}, ranks=[2, 3])
+    cluster.execute(
+        "import nbtrain\n"
+        "from nbtrain.errors import ConfigError\n"
+        "try:\n"
+        "    nbtrain.finetune(nbtrain.SFTConfig(**kw), group=groups['pair'])\n"
+        "    refused = None\n"
+        "except ConfigError as e:\n"
+        "    refused = str(e)\n",
+        ranks=[2, 3],
+        output="none",
+    )
+    refused = cluster.pull("refused", ranks=[2, 3])
+    assert all("not a member" in r for r in refused), refused
+    assert not (tmp_path / "never").exists()
