@@ -46,6 +46,22 @@ def testbed() -> Iterator[_tb.Testbed]:
             _tb.down()
 
 
+@pytest.fixture(scope="module")
+def testbed4(testbed: _tb.Testbed) -> Iterator[_tb.Testbed]:
+    """At least 4 simulated nodes for one module: the session's test bed, brought up again with 4
+    nodes where it has fewer (nodes 1-2 keep their names and addresses), and back after the module."""
+    if len(testbed.nodes) >= 4:
+        yield testbed
+        return
+    _tb.down()
+    try:
+        yield _tb.up(4)
+    finally:
+        _tb.down()
+        _tb.up(len(testbed.nodes))
+        testbed._pids.clear()  # new sshd processes
+
+
 @pytest.fixture
 def no_testbed() -> Iterator[None]:
     """Nothing of a test bed on the machine, for tests of `up`/`down` themselves.

@@ -1,4 +1,4 @@
-"""`nbtrain.scaling` on 4 simulated nodes (NBTRAIN_TESTBED_NODES=4), one engine each, over SSH and a
+"""`nbtrain.scaling` on 4 simulated nodes (the `testbed4` fixture grows the test bed), one engine each, over SSH and a
 real gloo group: a row per size of nodes, then the bridge shaped with tbf (netem is not in this
 kernel) to check the model's all-reduce time against the measured one and the verdict.
 
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def cluster4(testbed: Testbed):
+def cluster4(testbed4: Testbed):
+    testbed = testbed4
     if len(testbed.nodes) < 4:
         pytest.skip(
             f"needs 4 simulated nodes, the test bed has {len(testbed.nodes)}: run with NBTRAIN_TESTBED_NODES=4"
@@ -97,7 +98,8 @@ def _shape(testbed: Testbed, rate: str | None) -> None:
             )
 
 
-def test_report_on_1_2_4_nodes(cluster4, testbed: Testbed, model, tmp_path) -> None:
+def test_report_on_1_2_4_nodes(cluster4, testbed4: Testbed, model, tmp_path) -> None:
+    testbed = testbed4
     report = cluster4.scaling(
         _cfg(model, tmp_path / "user"),
         nodes=[1, 2, 4],
@@ -122,13 +124,13 @@ def test_report_on_1_2_4_nodes(cluster4, testbed: Testbed, model, tmp_path) -> N
 
 
 def test_shaped_bridge_is_bandwidth_bound_and_the_model_agrees(
-    cluster4, testbed: Testbed, model, tmp_path
+    cluster4, testbed4: Testbed, model, tmp_path
 ) -> None:
-    _shape(testbed, "200mbit")
+    _shape(testbed4, "200mbit")
     try:
         slow = cluster4.scaling(_cfg(model, tmp_path / "user"), nodes=[1, 2], steps=6)
     finally:
-        _shape(testbed, None)
+        _shape(testbed4, None)
     two = slow.measured[1]
     print(slow.markdown())
     # the gradients cross a 200 Mbit/s (25 MB/s) link: about 2.2 MB take ~90 ms
