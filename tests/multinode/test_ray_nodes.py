@@ -75,6 +75,7 @@ def ray_cluster(testbed: Testbed):
         )
         dashboard = f"http://{n1.address}:8265"
         _wait_nodes(dashboard, 2)
+        _wait_client(f"ray://{n1.address}:10001")
         yield {
             "address": f"ray://{n1.address}:10001",
             "dashboard": dashboard,
@@ -103,6 +104,24 @@ def _wait_nodes(dashboard: str, count: int, timeout: float = 120) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"the Ray cluster did not reach {count} nodes in {timeout:g} s")
         time.sleep(1)
+
+
+def _wait_client(address: str, timeout: float = 120) -> None:
+    """Until the head's Ray Client server takes a connection (its first start can fail under load)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ray.init(address=address, logging_level="ERROR")
+            ray.shutdown()
+            return
+        except Exception:
+            if ray.is_initialized():
+                ray.shutdown()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
 
 
 def _ours(dashboard: str) -> tuple[list, list]:
