@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import sys
 
 import psutil
 import pytest
@@ -74,6 +76,32 @@ def wait_gone(pids, timeout=10.0) -> list[int]:
             pass
     _, alive = psutil.wait_procs(procs, timeout=timeout)
     return [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def quiet(fn, *args):
+    """Call `fn(*args)` with stdout captured; return what it printed."""
+    old, sys.stdout = sys.stdout, io.StringIO()
+    try:
+        fn(*args)
+        return sys.stdout.getvalue()
+    finally:
+        sys.stdout = old
+
+
+@pytest.fixture(scope="module")
+def gloo4(ip):
+    """A 4-rank local gloo cluster started with `%nbtrain start`, one per test module, one torch thread a rank."""
+    import nbtrain
+
+    ip.run_line_magic("nbtrain", "stop")
+    quiet(ip.run_line_magic, "nbtrain", "start -n 4 --backend gloo")
+    c = nbtrain.current_cluster()
+    assert c is not None and c.world_size == 4
+    c.execute("import torch; torch.set_num_threads(1)", output="none")
+    yield c
+    pids = list(c.pids)
+    ip.run_line_magic("nbtrain", "stop")
+    assert wait_gone(pids) == []
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,14 @@ bad input refused before anything runs."""
 
 from __future__ import annotations
 
-import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from nbtrain.errors import ConfigError
 from nbtrain.sft.config import SFTConfig
-from tests.conftest import wait_gone
+from tests.conftest import quiet
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = str(REPO / "nbtrain" / "data" / "instructions.jsonl")
@@ -22,28 +20,9 @@ DATA = str(REPO / "nbtrain" / "data" / "instructions.jsonl")
 pytestmark = pytest.mark.timeout(600)
 
 
-def _quiet(fn, *args):
-    old, sys.stdout = sys.stdout, io.StringIO()
-    try:
-        fn(*args)
-        return sys.stdout.getvalue()
-    finally:
-        sys.stdout = old
-
-
 @pytest.fixture(scope="module")
-def cluster(ip):
-    import nbtrain
-
-    ip.run_line_magic("nbtrain", "stop")
-    _quiet(ip.run_line_magic, "nbtrain", "start -n 4 --backend gloo")
-    c = nbtrain.current_cluster()
-    assert c is not None and c.world_size == 4
-    c.execute("import torch; torch.set_num_threads(1)", output="none")
-    yield c
-    pids = list(c.pids)
-    ip.run_line_magic("nbtrain", "stop")
-    assert wait_gone(pids) == []
+def cluster(gloo4):
+    return gloo4
 
 
 def _cfg(tiny, out, **kw):
@@ -162,7 +141,7 @@ def test_bad_input_is_refused_before_anything_runs(cluster, tiny, tmp_path, kw, 
 
 def test_the_magic(ip, cluster, tiny, tmp_path):
     ip.user_ns["scale_cfg"] = _cfg(tiny, tmp_path / "user-run")
-    out = _quiet(
+    out = quiet(
         ip.run_line_magic,
         "nbtrain",
         f"scaling --config scale_cfg --ranks 1,2 --steps 4 --predict 4 --busbw 0.5 --latency 100 --out {tmp_path / 'm'}",

@@ -3,9 +3,7 @@ train exactly as a 2-rank cluster would, ranks 2-3 take no part, and a rank outs
 
 from __future__ import annotations
 
-import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,6 @@ import torch
 
 from nbtrain.sft.config import SFTConfig
 from nbtrain.sft.train import finetune
-from tests.conftest import wait_gone
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = str(REPO / "nbtrain" / "data" / "instructions.jsonl")
@@ -21,28 +18,9 @@ DATA = str(REPO / "nbtrain" / "data" / "instructions.jsonl")
 pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("one_torch_thread")]
 
 
-def _quiet(fn, *args):
-    old, sys.stdout = sys.stdout, io.StringIO()
-    try:
-        fn(*args)
-        return sys.stdout.getvalue()
-    finally:
-        sys.stdout = old
-
-
 @pytest.fixture(scope="module")
-def cluster(ip):
-    import nbtrain
-
-    ip.run_line_magic("nbtrain", "stop")
-    _quiet(ip.run_line_magic, "nbtrain", "start -n 4 --backend gloo")
-    c = nbtrain.current_cluster()
-    assert c is not None and c.world_size == 4
-    c.execute("import torch; torch.set_num_threads(1)", output="none")
-    yield c
-    pids = list(c.pids)
-    ip.run_line_magic("nbtrain", "stop")
-    assert wait_gone(pids) == []
+def cluster(gloo4):
+    return gloo4
 
 
 def _kw(tiny, out, **kw):

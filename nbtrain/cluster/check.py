@@ -32,7 +32,7 @@ from typing import Any
 from nbtrain import net
 from nbtrain.cluster.launch import preflight
 from nbtrain.cluster.launch import ray as ray_launch
-from nbtrain.cluster.launch.base import ssh_base
+from nbtrain.cluster.launch.base import ssh_run
 from nbtrain.cluster.launch.preflight import FATAL_MARK, WARN_MARK, Check, Mismatch
 from nbtrain.cluster.options import LaunchOptions, require_commands
 from nbtrain.cluster.session import Session
@@ -224,19 +224,11 @@ def check_ssh(
         ssh_args=ssh_args or [],
         remote_python=remote_python or sys.executable,
     )
-    base = ssh_base(lo, timeout)
     cmd = f"{shlex.quote(lo.remote_python)} -m {PROBE}"
 
     def one(spec: net.HostSpec) -> dict[str, Any]:
         try:
-            proc = subprocess.run(
-                [*base, spec.location, cmd],
-                capture_output=True,
-                text=True,
-                timeout=timeout + 2,
-                stdin=subprocess.DEVNULL,
-                check=False,
-            )
+            proc = ssh_run(lo, spec.location, cmd, timeout)
         except subprocess.TimeoutExpired:
             return {"hostname": spec.host, "error": f"no answer over SSH within {timeout:g} s"}
         found = parse_facts(proc.stdout)

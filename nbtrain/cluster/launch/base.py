@@ -13,6 +13,7 @@ and MASTER_ADDR to rank 0's address on it (`network`).
 from __future__ import annotations
 
 import logging
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -46,6 +47,21 @@ def ssh_base(lo: LaunchOptions, timeout: float) -> list[str]:
         f"ConnectTimeout={connect}",
         *lo.ssh_args,
     ]
+
+
+def ssh_run(lo: LaunchOptions, location: str, cmd: str, timeout: float) -> Any:
+    """Run `cmd` on `location` over ssh (`ssh_base`'s options), capturing its output as text.
+
+    Returns the CompletedProcess; raises subprocess.TimeoutExpired a little after `timeout`.
+    """
+    return subprocess.run(
+        [*ssh_base(lo, timeout), location, cmd],
+        capture_output=True,
+        text=True,
+        timeout=timeout + 2,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
 
 
 class EngineLaunch:

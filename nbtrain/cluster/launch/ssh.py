@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain import net
-from nbtrain.cluster.launch.base import EngineLaunch, ssh_base, start_engines, teardown_remote
+from nbtrain.cluster.launch.base import (
+    EngineLaunch,
+    ssh_base,
+    ssh_run,
+    start_engines,
+    teardown_remote,
+)
 from nbtrain.cluster.options import LAUNCH_HOST_ENV, LaunchOptions, StartOptions
 from nbtrain.cluster.plan import Slot, plan_devices
 from nbtrain.cluster.session import Launched
@@ -74,7 +80,6 @@ def check_hosts(lo: LaunchOptions, timeout: float) -> dict[str, HostCheck]:
     This is where the errors users meet on a new cluster surface, with ssh's own message: an
     unreachable host, a refused key, a missing Python or nbtrain.
     """
-    base = ssh_base(lo, timeout)
 
     def one(spec: net.HostSpec) -> HostCheck:
         # the engines' environment on that host (CUDA_VISIBLE_DEVICES changes the GPU count)
@@ -84,14 +89,7 @@ def check_hosts(lo: LaunchOptions, timeout: float) -> dict[str, HostCheck]:
         if lo.port is not None and spec is lo.hosts[0]:
             cmd += f" {int(lo.port)}"
         try:
-            proc = subprocess.run(
-                [*base, spec.location, cmd],
-                capture_output=True,
-                text=True,
-                timeout=timeout + 2,
-                stdin=subprocess.DEVNULL,
-                check=False,
-            )
+            proc = ssh_run(lo, spec.location, cmd, timeout)
         except subprocess.TimeoutExpired:
             msg = (
                 f"host {spec.host} did not answer over SSH within --timeout {timeout:g} s. Check that "
