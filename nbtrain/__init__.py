@@ -29,6 +29,7 @@ __all__ = [
     "is_rank_zero",
     "load_ipython_extension",
     "log",
+    "log_end",
     "scaling",
     "start",
     "unload_ipython_extension",
@@ -48,6 +49,7 @@ _LAZY = {
     "TrainResult": "nbtrain.sft.train",
     "finetune": "nbtrain.sft.train",
     "log": "nbtrain.engine.metrics",
+    "log_end": "nbtrain.engine.metrics",
     "is_rank_zero": "nbtrain.engine.rank",
 }
 
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
     from nbtrain.cluster.check import check
     from nbtrain.cluster.facade import Cluster, current_cluster
     from nbtrain.display.picker import ClusterPicker
-    from nbtrain.engine.metrics import log
+    from nbtrain.engine.metrics import log, log_end
     from nbtrain.engine.rank import is_rank_zero
     from nbtrain.errors import DistributedCellError
     from nbtrain.sft.config import SFTConfig

@@ -169,6 +169,34 @@ def test_kernel_shutdown_leaves_no_cluster_process(failing_run):
     assert left == [], f"processes of the cluster still running after the kernel shut down: {left}"
 
 
+def test_log_without_a_cluster_draws_in_the_kernel(tmp_path):
+    """An own loop in a plain notebook (no cluster, no `begin`): the rows draw the charts, and
+    `nbtrain.log_end()` leaves the final image and the last row's table."""
+    nb = _notebook(
+        "import nbtrain\n"
+        "for i in range(1, 6):\n"
+        "    nbtrain.log(step=i, loss=1.0 / i, tokens_per_s=100.0 * i, learning_rate=0.01)\n"
+        "nbtrain.log_end()",
+    )
+    client = NotebookClient(
+        nb,
+        km=_kernel_manager(JUPYTER_SHUTDOWN_WAIT),
+        timeout=120,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute(cleanup_kc=True)
+    outputs = [
+        o for o in nb.cells[0].outputs if o.output_type in ("display_data", "update_display_data")
+    ]
+    assert outputs, nb.cells[0].outputs
+    text = " ".join(o.data.get("text/html", "") + o.data.get("text/plain", "") for o in outputs)
+    # the charts are a PNG inside the live display's HTML
+    assert "<img src='data:image/png;base64," in text, f"no chart drawn: {nb.cells[0].outputs}"
+    # the final table holds the last row (step 5, learning_rate kept though it is not plotted)
+    assert "learning_rate" in text and "0.2" in text, text[-2000:]
+
+
 def test_kernel_restart_leaves_no_cluster_process():
     """JupyterLab's Restart Kernel is a graceful restart: shutdown_request(restart=True), then a new kernel."""
     km = _kernel_manager(JUPYTER_SHUTDOWN_WAIT)

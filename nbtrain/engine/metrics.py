@@ -42,8 +42,9 @@ def _publish(payload: dict[str, Any]) -> None:
 
         publish_data({f"{KEY_PREFIX}{seq:08d}": payload})
         return
-    # a plain process: draw in this kernel if there is one, else stay silent (the caller prints)
-    if payload["kind"] == "begin":
+    # a plain process: draw in this kernel if there is one, else stay silent (the caller prints).
+    # A row with no `begin` before it (a user's own loop, no cluster) opens the display itself.
+    if payload["kind"] == "begin" or (payload["kind"] == "row" and _local_display is None):
         _local_display = _make_local_display()
     if _local_display is not None:
         _local_display.feed(payload)
@@ -86,8 +87,13 @@ def log(step: int | None = None, **metrics: Any) -> None:
        ...:     loss = train_step()
        ...:     nbtrain.log(step=step, loss=loss, tokens_per_s=tps)
 
-    Known keys get their own plot: ``loss``, ``eval_loss``, ``tokens_per_s``, ``learning_rate``.
-    Any other numeric key is kept in the final metrics table.
+    ``loss`` and ``tokens_per_s`` get a chart each, and ``eval_loss`` is drawn on the loss chart;
+    every other key (``learning_rate`` too) is kept for the table of the last row that stays under the
+    cell when it ends. Values may be numbers or 0-d tensors; NaN is kept as a gap.
+
+    On a cluster, rows go to the `%%distributed` cell that is running. In a notebook with no cluster,
+    the first row opens the live display in this kernel; `nbtrain.log_end()` leaves the final image and
+    table (a `%%distributed` cell does that by itself when it ends).
     """
     row: dict[str, Any] = {}
     if step is not None:
@@ -100,3 +106,9 @@ def log(step: int | None = None, **metrics: Any) -> None:
 def end() -> None:
     """Close the live display for this run: it leaves a static image and the final metrics table."""
     _publish({"kind": "end"})
+
+
+def log_end() -> None:
+    """End a run of `log` rows outside a `%%distributed` cell: the live display becomes its final image
+    and metrics table (an own loop in a plain notebook; on a cluster the cell does this itself)."""
+    end()
