@@ -100,6 +100,11 @@ CASES = [
     ("start -n two", _magic("start -n two"), ["not a whole number"]),
     ("start --timeout -5", _magic("start --timeout -5"), ["--timeout", "positive"]),
     ("start --backend mpi", _magic("start --backend mpi"), ["invalid choice: 'mpi'"]),
+    (
+        "start --hosts, no launcher",
+        _magic("start -n 1 --hosts node1:2,node2:2"),
+        ["--hosts", "no --launcher was given", "--launcher ssh"],
+    ),
     ("unknown subcommand", _magic("frobnicate"), ["invalid choice: 'frobnicate'"]),
     ("diagnose --timeout 0", _magic("diagnose --timeout 0"), ["--timeout", "positive"]),
     ("restart --timeout x", _magic("restart --timeout x"), ["not a number of seconds"]),

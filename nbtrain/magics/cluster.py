@@ -106,6 +106,18 @@ class NbtrainMagics(Magics):
         from nbtrain.cluster.api import start
         from nbtrain.cluster.options import default_engine_count, local_gpu_count
 
+        extra = [k for k, v in _launch_settings(args).items() if v not in (None, False)]
+        if extra:
+            flags = ", ".join(
+                "--" + k.replace("_", "-").replace("remote-python", "python") for k in extra
+            )
+            msg = (
+                f"{flags}: multi-node settings, but no --launcher was given, so the engines would start "
+                "on this machine only and they would be ignored. Add the launcher they are for, e.g. "
+                "%nbtrain start --launcher ssh --hosts node1:2,node2:2 (or --launcher slurm, mpi, ray)."
+            )
+            raise ConfigError(msg)
+
         n = default_engine_count(args.n)
         print(f"nbtrain: starting {n} engine(s) on this machine...", flush=True)
         t0 = time.monotonic()
@@ -134,31 +146,9 @@ class NbtrainMagics(Magics):
     def _cmd_start_remote(self, args: argparse.Namespace) -> None:
         from nbtrain.cluster.api import start
 
-        launch: dict[str, Any] = {
-            "ip": args.ip,
-            "iface": args.iface,
-            "port": args.port,
-            "allow_version_mismatch": args.allow_version_mismatch,
-        }
+        launch: dict[str, Any] = {"allow_version_mismatch": args.allow_version_mismatch}
         # only what was given: a setting of another launcher is an error, naming it
-        given = {
-            "hosts": args.hosts,
-            "remote_python": args.python,
-            "ssh_args": args.ssh_args,
-            "nodes": args.nodes,
-            "gpus_per_node": args.gpus_per_node,
-            "engines_per_node": args.engines_per_node,
-            "partition": args.partition,
-            "account": args.account,
-            "time": args.time,
-            "slurm_args": args.slurm_args,
-            "mpi_args": args.mpi_args,
-            "address": args.address,
-            "placement": args.placement,
-            "gpus_per_rank": args.gpus_per_rank,
-            "cpus_per_rank": args.cpus_per_rank,
-        }
-        launch.update({k: v for k, v in given.items() if v is not None})
+        launch.update({k: v for k, v in _launch_settings(args).items() if v is not None})
         t0 = time.monotonic()
         cluster = start(
             n=args.n,
@@ -339,3 +329,27 @@ def _user_error(e: NbtrainError) -> NbtrainError:
     e.__cause__ = None
     e.__context__ = None
     return e
+
+
+def _launch_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The multi-node settings of `%nbtrain start` as given (None where not), by LaunchOptions' names."""
+    return {
+        "ip": args.ip,
+        "iface": args.iface,
+        "port": args.port,
+        "hosts": args.hosts,
+        "remote_python": args.python,
+        "ssh_args": args.ssh_args,
+        "nodes": args.nodes,
+        "gpus_per_node": args.gpus_per_node,
+        "engines_per_node": args.engines_per_node,
+        "partition": args.partition,
+        "account": args.account,
+        "time": args.time,
+        "slurm_args": args.slurm_args,
+        "mpi_args": args.mpi_args,
+        "address": args.address,
+        "placement": args.placement,
+        "gpus_per_rank": args.gpus_per_rank,
+        "cpus_per_rank": args.cpus_per_rank,
+    }
