@@ -218,6 +218,12 @@ def test_n_ranks_see_the_rows_one_rank_sees(tok, world):
         for e in one.micro_batch(step, a)
     ]
     assert sorted(map(tuple, seen)) == sorted(tuple(one.example(i).input_ids) for i in range(61))
+    # what a checkpoint records as consumed: the short last step counts only the rows it had
+    for sb in (one, *ranks):
+        assert sb.consumed(one.steps_per_epoch) == 61
+        assert sb.consumed(one.steps_per_epoch - 1) == (one.steps_per_epoch - 1) * world * B * GA
+        assert sb.consumed(2 * one.steps_per_epoch + 1) == 2 * 61 + world * B * GA
+        assert sb.consumed(0) == 0
 
 
 @pytest.mark.parametrize("packing", [False, True])

@@ -315,6 +315,13 @@ class ShardedBatches:
         """Every block of `epoch`, in order (all ranks' blocks)."""
         return [self._block(epoch, j) for j in range(self.n_units)]
 
+    def consumed(self, steps: int) -> int:
+        """Units (rows, or max_length blocks with packing) all ranks together took in the first `steps`
+        steps: an epoch's short last step counts only the units it had."""
+        need = self.world_size * self.batch_size * self.grad_accum
+        epochs, in_epoch = divmod(steps, self.steps_per_epoch)
+        return epochs * self.n_units + min(in_epoch * need, self.n_units)
+
     def micro_batch(self, step: int, accum: int) -> list[Example]:
         """The examples this rank trains on in micro-batch `accum` of global step `step` (0-based).
 

@@ -352,7 +352,7 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
                 "data_position": {
                     "epoch": epoch,
                     "step_in_epoch": in_epoch,
-                    "rows_consumed": step * global_batch,
+                    "rows_consumed": batches.consumed(step),
                 },
                 "steps_per_epoch": spe,
                 "world_size": d.world,
