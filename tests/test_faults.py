@@ -34,6 +34,20 @@ def cluster():
     c.stop()
 
 
+@pytest.fixture(autouse=True)
+def _usable_cluster(request):
+    """Each test starts from a working 2-rank group: one that failed midway (and left a rank dead or
+    the group broken) gets its ranks replaced here, so its failure does not fail the tests after it."""
+    if "cluster" in request.fixturenames:
+        c = request.getfixturevalue("cluster")
+        try:
+            c.run(lambda: 1, timeout=15)
+            c.execute("import torch.distributed as _d; _d.barrier()", output="none", timeout=15)
+        except Exception:
+            c.restart(all_ranks=True)
+    yield
+
+
 def _run_and_kill(cluster, code, kill=None, after=1.5):
     """Run `code` as a cell; `kill(cluster)` fires after `after` s. Returns (error, seconds to fail after kill)."""
     fired = {}
