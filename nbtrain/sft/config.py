@@ -285,7 +285,8 @@ class SFTConfig:
         if isinstance(self.logging_dir, os.PathLike):
             self.logging_dir = os.fspath(self.logging_dir)
         need(
-            self.logging_dir is None or (isinstance(self.logging_dir, str) and bool(self.logging_dir)),
+            self.logging_dir is None
+            or (isinstance(self.logging_dir, str) and bool(self.logging_dir)),
             f"logging_dir={self.logging_dir!r} must be None or a folder path",
         )
         need(

@@ -62,7 +62,9 @@ def normalize_report_to(value: Any) -> tuple[list[str], list[str]]:
         return [r for r in REPORTERS if installed(r)], []
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
-        msg = f"report_to={value!r} must be 'none', 'all', 'tensorboard', 'mlflow' or a list of them"
+        msg = (
+            f"report_to={value!r} must be 'none', 'all', 'tensorboard', 'mlflow' or a list of them"
+        )
         return [], [msg]
     out: list[str] = []
     problems: list[str] = []
@@ -174,9 +176,9 @@ class _MLflow:
         self.uri = saved["tracking_uri"] if saved else mlflow.get_tracking_uri()
         self.client = MlflowClient(tracking_uri=self.uri)
         try:
-            self.run_id = self._continue(saved) if saved else None
-            if self.run_id is None:
-                self.run_id = self._new_run(cfg, name, world)
+            run_id = self._continue(saved) if saved else None
+            if run_id is None:
+                run_id = self._new_run(cfg, name, world)
         except Exception as e:
             msg = (
                 f"report_to='mlflow': the MLflow tracking store {self.uri} failed on "
@@ -184,6 +186,7 @@ class _MLflow:
                 "MLFLOW_TRACKING_URI to one that works, or drop 'mlflow' from report_to"
             )
             raise ConfigError(msg) from e
+        self.run_id: str = run_id
         _write_json_atomic(run_file, {"run_id": self.run_id, "tracking_uri": self.uri})
         # rows a new run lacks (a resume that had no MLflow run before) are sent with the first row
         self.pending = [r for r in history if r["step"] > self.last_step]

@@ -266,15 +266,15 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
     history: list[dict[str, Any]] = []
     runlog: RunLog | None = None
     name = cfg.run_name or out.name
+
     # report_to's TensorBoard and MLflow first: one that cannot be opened stops every rank here
-    at = start_step if resumed else None
-    trackers = d.agree(
-        lambda: tracking.open_trackers(
-            cfg, out, name, d.world, at, read_history(out, start_step) if resumed else []
-        )
-        if d.is_zero
-        else None
-    )
+    def open_trackers() -> tracking.Trackers | None:
+        if not d.is_zero:
+            return None
+        at, before = (start_step, read_history(out, start_step)) if resumed else (None, [])
+        return tracking.open_trackers(cfg, out, name, d.world, at, before)
+
+    trackers = d.agree(open_trackers)
     if d.is_zero:
         if cfg.overwrite:
             ckpt.clear_output_dir(out)
