@@ -47,6 +47,7 @@ EXPECT = {
     ],
     "own-loop.md": ["world size 2, 6 steps", "final loss", "cluster stopped"],
     "install.md": ["0.1.0"],
+    "tracking.md": ["FINISHED 0.005", "[2, 4, 6, 8, 10]\n[2, 4, 6, 8, 10]"],
     "README.md": ["tensor([1.])", "cluster stopped"],
 }
 

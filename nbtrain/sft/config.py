@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import ConfigError
+from nbtrain.sft import tracking
 
 SCHEDULERS = (
     "linear",
@@ -113,6 +114,18 @@ class SFTConfig:
     )
     logging_steps: int = field(
         default=10, metadata={"help": "Log metrics every this many steps (and at the last step)."}
+    )
+    report_to: str | list[str] = field(
+        default="none",
+        metadata={
+            "help": "Also send the logged rows to 'tensorboard', 'mlflow', a list of them, 'all' (those installed) or 'none'; rank 0 writes."
+        },
+    )
+    logging_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "TensorBoard folder (report_to='tensorboard'); None: $TENSORBOARD_LOGGING_DIR, else output_dir/runs."
+        },
     )
     eval_steps: int | None = field(
         default=None, metadata={"help": "Evaluate every this many steps; None: at the end only."}
@@ -265,6 +278,16 @@ class SFTConfig:
         need(
             isinstance(self.seed, int) and not isinstance(self.seed, bool),
             f"seed={self.seed!r} must be an integer, e.g. 42",
+        )
+        # report_to becomes a list, as in transformers; a reporter whose package is missing fails here
+        self.report_to, report_problems = tracking.normalize_report_to(self.report_to)
+        problems += report_problems
+        if isinstance(self.logging_dir, os.PathLike):
+            self.logging_dir = os.fspath(self.logging_dir)
+        need(
+            self.logging_dir is None
+            or (isinstance(self.logging_dir, str) and bool(self.logging_dir)),
+            f"logging_dir={self.logging_dir!r} must be None or a folder path",
         )
         need(
             isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,

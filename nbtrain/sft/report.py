@@ -7,9 +7,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbtrain.sft.dist import Dist
+
+if TYPE_CHECKING:
+    from nbtrain.sft.tracking import Trackers
 
 # Dense bf16 peak FLOP/s per GPU (no sparsity), for MFU. A name is matched on whole words, so an L40 is
 # not an L4 and an H100 PCIe or NVL is not an SXM; a GPU not listed reports no MFU rather than a wrong one.
@@ -57,10 +60,19 @@ def peak_flops(device: Any) -> float | None:
 class RunLog:
     """Rank 0's record of a run: the log line, metrics.jsonl and the runs registry, row by row."""
 
-    def __init__(self, out: Path, history: list[dict[str, Any]], name: str, total: int, world: int):
+    def __init__(
+        self,
+        out: Path,
+        history: list[dict[str, Any]],
+        name: str,
+        total: int,
+        world: int,
+        trackers: Trackers | None = None,
+    ):
         from nbtrain.runs import register_run
 
         self.total = total
+        self.trackers = trackers  # report_to's TensorBoard and MLflow writers
         # a resumed run drops the rows logged after its checkpoint, which it is about to redo
         tmp = out / ".metrics.jsonl.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
@@ -86,6 +98,8 @@ class RunLog:
         # one line per row, flushed, so a crashed run keeps its history
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        if self.trackers is not None:
+            self.trackers.row(row)
         update_run(
             self.run_id, step=row["step"], loss=row["loss"], tokens_per_s=row["tokens_per_s"]
         )
@@ -94,6 +108,8 @@ class RunLog:
         from nbtrain.runs import finish_run
 
         self.file.close()
+        if self.trackers is not None:
+            self.trackers.finish(state)
         finish_run(self.run_id, state)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from nbtrain.engine import metrics as live
 from nbtrain.errors import ConfigError
 from nbtrain.sft import checkpoint as ckpt
-from nbtrain.sft import commtime, speed
+from nbtrain.sft import commtime, speed, tracking
 from nbtrain.sft import step as one_step
 from nbtrain.sft.batch import BatchPlan, split_global
 from nbtrain.sft.config import SFTConfig
@@ -266,12 +266,21 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
     history: list[dict[str, Any]] = []
     runlog: RunLog | None = None
     name = cfg.run_name or out.name
+
+    # report_to's TensorBoard and MLflow first: one that cannot be opened stops every rank here
+    def open_trackers() -> tracking.Trackers | None:
+        if not d.is_zero:
+            return None
+        at, before = (start_step, read_history(out, start_step)) if resumed else (None, [])
+        return tracking.open_trackers(cfg, out, name, d.world, at, before)
+
+    trackers = d.agree(open_trackers)
     if d.is_zero:
         if cfg.overwrite:
             ckpt.clear_output_dir(out)
         out.mkdir(parents=True, exist_ok=True)
         history = read_history(out, start_step) if resumed else []
-        runlog = RunLog(out, history, name, total_steps, d.world)
+        runlog = RunLog(out, history, name, total_steps, d.world, trackers)
     history = d.broadcast_object(history)
 
     # ---- model, optimizer, schedule
