@@ -34,7 +34,13 @@ def make_mesh(d: Dist, shard: str, group: Any) -> Any:
 
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    import torch.distributed as dist
+
     dev = d.device.type
+    if not dist.is_initialized():
+        # one rank with no process group (a plain notebook): FSDP2 still needs one, of one rank
+        backend = "nccl" if dev == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if shard == "fsdp":
         if group is not None:
             return DeviceMesh.from_group(group, dev, mesh_dim_names=("shard",))
@@ -42,7 +48,7 @@ def make_mesh(d: Dist, shard: str, group: Any) -> Any:
     if group is not None:
         msg = "shard='hsdp' with finetune(group=...) is not supported; use shard='fsdp' on a sub-group"
         raise ConfigError(msg)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or (1 if d.world == 1 else 0))
     layout = d.gather_objects((d.host, local))
     if not local or d.world % local or any(lw != local for _, lw in layout):
         msg = (
@@ -318,40 +324,62 @@ def local_numel(model: Any, trainable: bool) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------- state
-def _options(full: bool) -> Any:
+def _options(strict: bool = True) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=True)
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
 
-def full_adapter(model: Any) -> dict[str, Any]:
-    """The whole LoRA state (full tensors on rank 0's CPU, empty elsewhere); every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+def full_adapter(model: Any, keep: bool) -> dict[str, Any]:
+    """The whole LoRA state, full tensors on the CPU where `keep` (rank 0), empty elsewhere; every rank
+    must call it. Gathers the trainable weights alone, one at a time, so the peak on rank 0 is the
+    adapter plus one of its tensors (get_model_state_dict would gather a tied frozen lm_head too)."""
+    from torch.distributed.tensor import DTensor
 
-    return get_model_state_dict(model, options=_options(full=True))
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            if keep:
+                out[name] = full.detach().cpu()
+    return out
+
+
+def _lora_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's shards of the trainable weights and their optimizer state (a frozen weight tied to
+    another, lm_head to the embeddings, slips through ignore_frozen_params: dropped here)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer, options=_options())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in msd.items() if k in trainable}, osd
 
 
 def save_sharded(path: Path, model: Any, optimizer: Any, group: Any) -> None:
     """Every rank writes its shards of the LoRA weights and the optimizer state under `path`."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(model, optimizer, options=_options(full=False))
+    msd, osd = _lora_state(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path), process_group=group)
 
 
 def load_sharded(path: Path, model: Any, optimizer: Any, group: Any) -> None:
     """Every rank reads its shards (of any world size's checkpoint: dcp reshards) into the model and optimizer."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    msd, osd = get_state_dict(model, optimizer, options=_options(full=False))
+    msd, osd = _lora_state(model, optimizer)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(path), process_group=group)
-    set_state_dict(
+    # not strict: the frozen base is not in a checkpoint; every trainable weight must be
+    missing = set_state_dict(
         model,
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
-        options=_options(full=False),
-    )
+        options=_options(strict=False),
+    ).missing_keys
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if trainable & set(missing):
+        msg = f"checkpoint {path.parent} does not hold this run's LoRA weights (another target_modules or lora_r?)"
+        raise ConfigError(msg)

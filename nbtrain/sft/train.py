@@ -353,7 +353,7 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
             final = out / f"checkpoint-{step}"
             tmp = Path(d.broadcast_object(str(ckpt.open_atomic_dir(final)) if d.is_zero else ""))
             shard.save_sharded(tmp / shard.SHARDED_DIR, peft_model, optimizer, d.group)
-            adapter = shard.full_adapter(peft_model)
+            adapter = shard.full_adapter(peft_model, d.is_zero)
         if d.is_zero:
             epoch, in_epoch = divmod(step, spe)
             state = {
@@ -471,7 +471,7 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
                 print(f"nbtrain: stopped at step {step}/{total_steps} on request; checkpoint saved")
 
         adapter_dir = merged_dir = None
-        adapter = shard.full_adapter(peft_model) if sharded else None
+        adapter = shard.full_adapter(peft_model, d.is_zero) if sharded else None
         if d.is_zero:
             # a sharded or 4-bit base cannot take the merge in place: a fresh copy on the CPU does
             fresh = cfg.model if sharded or quant.quantized(cfg) else None
@@ -502,5 +502,7 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
             "global_batch": plan.global_batch,
             "levers": levers,
             "notes": notes,
+            # (elements this rank holds, elements in all) of the frozen base: 1/N of it under fsdp
+            "base_params_held": shard.local_numel(peft_model, trainable=False),
         },
     )
