@@ -67,7 +67,9 @@ def run_ranks(tmp: Path, world: int, local_world: int | None = None, **kw) -> li
         }
         cmd = [sys.executable, str(script), json.dumps(kw), str(results)]
         procs.append(
-            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
         )
     outputs = []
     try:
@@ -91,9 +93,7 @@ def runs(tiny, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shard")
     out = {}
     for shard in ("ddp", "fsdp"):
-        out[shard] = run_ranks(
-            tmp, 2, **_kw(tiny, tmp / shard, shard=shard, merge=True, **COMMON)
-        )
+        out[shard] = run_ranks(tmp, 2, **_kw(tiny, tmp / shard, shard=shard, merge=True, **COMMON))
     return tmp, out
 
 
@@ -152,11 +152,7 @@ def test_fsdp_adapter_loads_with_peft_on_the_base(runs, tiny):
     adapter_dir = r["fsdp"][0]["adapter_dir"]
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), adapter_dir)
     want = _adapter(adapter_dir)
-    got = {
-        k.replace(".default", ""): v
-        for k, v in model.state_dict().items()
-        if "lora_" in k
-    }
+    got = {k.replace(".default", ""): v for k, v in model.state_dict().items() if "lora_" in k}
     torch.testing.assert_close(got, want)
 
 
@@ -210,7 +206,10 @@ def test_fsdp_on_one_rank_runs_and_says_it_saves_nothing(tiny, tmp_path):
     ("kw", "match"),
     [
         ({"shard": "zero3"}, "shard='zero3' is not known; use one of ddp, fsdp, hsdp"),
-        ({"load_in_4bit": True, "load_in_8bit": True}, "load_in_4bit and load_in_8bit are both True"),
+        (
+            {"load_in_4bit": True, "load_in_8bit": True},
+            "load_in_4bit and load_in_8bit are both True",
+        ),
     ],
 )
 def test_config_refusals(tiny, tmp_path, kw, match):
@@ -259,3 +258,39 @@ def test_qlora_trains_and_its_adapter_loads_on_the_unquantised_base(tiny, tmp_pa
     PeftModel.from_pretrained(base, res.adapter_dir)
     merged = load_file(str(Path(res.merged_dir) / "model.safetensors"))
     assert all(v.dtype == torch.bfloat16 for v in merged.values())
+
+
+# ------------------------------------------------------------------------------------- the formula
+def test_memory_formula_counts_the_models_real_weights(tiny):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nbtrain.sft.memory import LLAMA3_8B, LLAMA3_70B, Shape, lora_params, rank_memory
+
+    # Meta's published parameter counts of Llama-3 8B and 70B
+    assert LLAMA3_8B.params == 8_030_261_248
+    assert LLAMA3_70B.params == 70_553_706_496
+    # and a real model, counted: its weights, and the LoRA weights peft adds with all-linear
+    shape = Shape.from_config(AutoConfig.from_pretrained(tiny))
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    lora = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+    assert lora_params(shape, 8) == sum(p.numel() for p in lora.parameters() if p.requires_grad)
+
+    ddp = rank_memory(LLAMA3_70B, shard="ddp")
+    fsdp = rank_memory(LLAMA3_70B, shard="fsdp", world=8)
+    hsdp = rank_memory(LLAMA3_70B, shard="hsdp", world=16, ranks_per_node=8)
+    for part in ("weights", "lora", "grads", "optimizer"):
+        assert fsdp[part] == pytest.approx(ddp[part] / 8) and hsdp[part] == fsdp[part]
+    assert ddp["weights"] == 2 * LLAMA3_70B.params and ddp["gathered"] == 0
+    assert fsdp["total"] == pytest.approx(sum(v for k, v in fsdp.items() if k != "total"))
+    nf4 = rank_memory(LLAMA3_70B, quant="nf4")
+    assert 0.25 < nf4["weights"] / ddp["weights"] < 0.3  # ~4 bits, embeddings and lm_head in bf16
+
+
+def test_docs_memory_table_is_current():
+    from nbtrain.sft import memory
+
+    page = REPO / "docs" / "fine-tuning.md"
+    text = page.read_text(encoding="utf-8")
+    assert text == memory.render(text), "regenerate it: python -m nbtrain.sft.memory"

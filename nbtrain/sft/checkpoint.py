@@ -270,7 +270,9 @@ def export_merged_from_adapter(
     from transformers import AutoModelForCausalLM
 
     full = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
-    return export_merged(output_dir, PeftModel.from_pretrained(full, adapter_dir), tokenizer, use_cache)
+    return export_merged(
+        output_dir, PeftModel.from_pretrained(full, adapter_dir), tokenizer, use_cache
+    )
 
 
 def export_run(

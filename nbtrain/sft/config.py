@@ -387,4 +387,5 @@ def _sharding_problems(cfg: SFTConfig) -> list[str]:
         )
     return problems
 
+
 __all__ = ["SFTConfig"]

@@ -32,9 +32,8 @@ def make_mesh(d: Dist, shard: str, group: Any) -> Any:
     """The data-parallel DeviceMesh: 1-D over the run's ranks (fsdp), or (nodes, ranks per node) (hsdp)."""
     import os
 
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     dev = d.device.type
     if not dist.is_initialized():
@@ -66,9 +65,7 @@ def make_mesh(d: Dist, shard: str, group: Any) -> Any:
                 f"on {sorted(hosts)}; number ranks node by node, or use shard='fsdp'"
             )
             raise ConfigError(msg)
-    return init_device_mesh(
-        dev, (d.world // local, local), mesh_dim_names=("replicate", "shard")
-    )
+    return init_device_mesh(dev, (d.world // local, local), mesh_dim_names=("replicate", "shard"))
 
 
 def check_shard(cfg: Any, d: Dist) -> str | None:
@@ -124,7 +121,7 @@ def _params_on_meta() -> Iterator[None]:
             kind = type(module._parameters[name])
             module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
 
-    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -143,9 +140,10 @@ def _lora_init(model: Any, seed: int) -> dict[str, Any]:
         if not isinstance(layer, LoraLayer):
             continue
         for adapter in list(layer.lora_A):
-            r = layer.r[adapter]
-            layer.lora_A[adapter] = torch.nn.Linear(layer.in_features, r, bias=False)
-            layer.lora_B[adapter] = torch.nn.Linear(r, layer.out_features, bias=False)
+            r, d_in, d_out = layer.r[adapter], layer.in_features, layer.out_features
+            assert d_in is not None and d_out is not None  # set by every LoRA layer on a Linear
+            layer.lora_A[adapter] = torch.nn.Linear(d_in, r, bias=False)
+            layer.lora_B[adapter] = torch.nn.Linear(r, d_out, bias=False)
             layer.reset_lora_parameters(adapter, True)
             for part in ("lora_A", "lora_B"):
                 mod = getattr(layer, part)[adapter]
