@@ -186,11 +186,13 @@ def test_resume_across_shard_kinds_is_refused(runs, tiny, tmp_path):
         finetune(SFTConfig(**_kw(tiny, tmp_path / "x", shard="ddp", resume=str(ck), **COMMON)))
 
 
-def test_hsdp_replicates_across_nodes(tiny, tmp_path, runs):
+def test_hsdp_replicates_across_nodes_with_gradient_checkpointing(tiny, tmp_path, runs):
     # two "nodes" of one rank each: a (2, 1) mesh, so every weight is replicated and gradients are
-    # all-reduced across the nodes, which must train exactly as DDP
+    # all-reduced across the nodes, which must train exactly as DDP; recomputing each block in
+    # backward (dropout masks replayed) changes nothing either
     _, r = runs
-    h = run_ranks(tmp_path, 2, local_world=1, **_kw(tiny, tmp_path / "h", shard="hsdp", **COMMON))
+    kw = _kw(tiny, tmp_path / "h", shard="hsdp", gradient_checkpointing=True, **COMMON)
+    h = run_ranks(tmp_path, 2, local_world=1, **kw)
     torch.testing.assert_close(_losses(h[0]["history"]), _losses(r["ddp"][0]["history"]))
     held, total = h[0]["plan"]["base_params_held"]
     assert held == total  # a node of one rank shards nothing
