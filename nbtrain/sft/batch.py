@@ -140,8 +140,14 @@ def auto_plan(
     grad_accum: int,
     global_batch: int | None,
     agree: Callable[[int], int] = lambda b: b,
+    shard_size: int = 1,
 ) -> BatchPlan:
-    """The largest micro-batch that fits (the same on every rank through `agree`, a min across ranks)."""
+    """The largest micro-batch that fits (the same on every rank through `agree`, a min across ranks).
+
+    `shard_size` > 1: the model is sharded over that many ranks (FSDP), so the probes measure its
+    weights/N share; every probe step then runs collectives, so the guess is not tried for real (an
+    out-of-memory on one rank alone would leave the others waiting) but kept a tenth under the budget.
+    """
     import torch
 
     cap = min(MAX_AUTO_BATCH, max(1, rows_per_rank))
@@ -162,13 +168,14 @@ def auto_plan(
         raise ConfigError(msg) from None
     two = probe.peak(2) if cap >= 2 else one
     per_row = max(two - one, 1)
-    fits = int((probe.budget - (one - per_row)) // per_row)
+    budget = probe.budget * (0.9 if shard_size > 1 else 1.0)
+    fits = int((budget - (one - per_row)) // per_row)
     guess = max(1, min(cap, fits))
     if global_batch is not None:
         guess = largest_divisor_at_most(global_batch // world, guess)
     # the straight line is a guess (allocators round, kernels pick workspaces): try it for real
     micro = guess
-    while micro > 1:
+    while micro > 1 and shard_size == 1:
         try:
             probe.peak(micro)
             break
@@ -184,7 +191,8 @@ def auto_plan(
     accum = grad_accum if global_batch is None else split_global(global_batch, world, micro)
     note = (
         f"auto batch: {micro} row(s) per micro-batch x {accum} accumulation step(s) "
-        f"(one row {_size(per_row)}, the model {_size(max(one - per_row, 0))}, "
+        f"(one row {_size(per_row)}, the model {_size(max(one - per_row, 0))}"
+        f"{f' sharded over {shard_size} ranks' if shard_size > 1 else ''}, "
         f"{_size(probe.budget)} usable)"
     )
     return BatchPlan(micro, accum, world * micro * accum, note)

@@ -43,36 +43,50 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic_dir(final: Path, fill: Callable[[Path], None]) -> Path:
-    """Create folder `final` by filling a temporary sibling and renaming it; replaces an older `final`."""
+def open_atomic_dir(final: Path) -> Path:
+    """The empty temporary sibling that `commit_atomic_dir` renames to `final` (sweeping leftovers of
+    saves killed midway); in a sharded run every rank writes into it, then rank 0 commits."""
     final = Path(final)
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = parent / f".tmp-{final.name}-{os.getpid()}"
-    # a save killed midway leaves its temp folder behind; only rank 0 of one run writes here, so any
+    # a save killed midway leaves its temp folder behind; only rank 0 of one run opens these, so any
     # other temp folder is such a leftover
     for stale in parent.glob(".tmp-*"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
+    return tmp
+
+
+def commit_atomic_dir(tmp: Path, final: Path) -> Path:
+    """fsync everything in `tmp` and rename it to `final`, replacing an older `final`."""
+    final, parent = Path(final), Path(final).parent
+    _fsync_tree(tmp)
+    old = None
+    if final.exists():
+        # rename the old one aside first: at every instant one complete folder is in place or aside
+        old = parent / f".old-{final.name}-{os.getpid()}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def write_atomic_dir(final: Path, fill: Callable[[Path], None], tmp: Path | None = None) -> Path:
+    """Create folder `final` by filling a temporary sibling and renaming it; replaces an older `final`.
+    `tmp`: a temporary folder opened already (`open_atomic_dir`), which other ranks have written into."""
+    tmp = open_atomic_dir(final) if tmp is None else Path(tmp)
     try:
         fill(tmp)
-        _fsync_tree(tmp)
-        old = None
-        if final.exists():
-            # rename the old one aside first: at every instant one complete folder is in place or aside
-            old = parent / f".old-{final.name}-{os.getpid()}"
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        return commit_atomic_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final
 
 
 def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[Path]:
@@ -105,13 +119,20 @@ def save_checkpoint(
     rng_states: list[Any],
     state: dict[str, Any],
     config: dict[str, Any],
+    adapter_state: dict[str, Any] | None = None,
+    tmp: Path | None = None,
 ) -> Path:
-    """Write `output_dir/checkpoint-<step>`: adapter, optimizer, scheduler, per-rank RNG, state, config."""
+    """Write `output_dir/checkpoint-<step>`: adapter, optimizer, scheduler, per-rank RNG, state, config.
+
+    A sharded run passes `optimizer=None` (every rank wrote its shards into `tmp` already), the
+    gathered adapter as `adapter_state`, and the temporary folder `tmp` they all wrote into.
+    """
     import torch
 
     def fill(tmp: Path) -> None:
-        model.save_pretrained(tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        model.save_pretrained(tmp, state_dict=adapter_state)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         for rank, rng in enumerate(rng_states):
             torch.save(rng, tmp / f"rng_state_{rank}.pth")
@@ -119,7 +140,7 @@ def save_checkpoint(
         # the state file goes last: list_checkpoints only counts folders that have it
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
 
-    return write_atomic_dir(Path(output_dir) / f"checkpoint-{step}", fill)
+    return write_atomic_dir(Path(output_dir) / f"checkpoint-{step}", fill, tmp)
 
 
 def write_run_config(output_dir: Path, config: dict[str, Any]) -> Path:
@@ -151,7 +172,10 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     config_file = p / CONFIG_FILE
     return {
         "adapter": load_file(str(p / "adapter_model.safetensors"), device="cpu"),
-        "optimizer": torch.load(p / "optimizer.pt", weights_only=False, map_location="cpu"),
+        # None in a sharded run's checkpoint: its optimizer state is in sharded/ (nbtrain.sft.shard)
+        "optimizer": torch.load(p / "optimizer.pt", weights_only=False, map_location="cpu")
+        if (p / "optimizer.pt").is_file()
+        else None,
         "scheduler": torch.load(p / "scheduler.pt", weights_only=False, map_location="cpu"),
         "rng": rng,
         "state": json.loads((p / STATE_FILE).read_text()),
@@ -208,11 +232,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def export_adapter(output_dir: Path, model: Any, tokenizer: Any) -> Path:
-    """Write the PEFT adapter (and tokenizer) to `output_dir/adapter`, atomically."""
+def export_adapter(
+    output_dir: Path, model: Any, tokenizer: Any, state_dict: dict[str, Any] | None = None
+) -> Path:
+    """Write the PEFT adapter (and tokenizer) to `output_dir/adapter`, atomically (`state_dict`: the
+    adapter gathered from a sharded model's ranks)."""
 
     def fill(tmp: Path) -> None:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
 
     return write_atomic_dir(Path(output_dir) / "adapter", fill)
@@ -241,6 +268,49 @@ def export_merged(
         tokenizer.save_pretrained(tmp)
 
     return write_atomic_dir(Path(output_dir) / "merged", fill)
+
+
+def export_merged_from_adapter(
+    output_dir: Path, base: str, adapter_dir: str, tokenizer: Any, dtype: Any, use_cache: Any
+) -> Path:
+    """Merge the exported adapter into a fresh copy of the base loaded on this process's CPU in `dtype`.
+
+    For runs whose base cannot take the merge in place: a 4-bit base (merging would round the merged
+    weights to 4 bits) or a sharded one (no rank holds it whole). Holds the whole base in CPU memory.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    return export_merged(
+        output_dir, PeftModel.from_pretrained(full, adapter_dir), tokenizer, use_cache
+    )
+
+
+def export_run(
+    output_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    adapter_state: dict[str, Any] | None,
+    merge: bool,
+    fresh_base: str | None,
+    dtype: Any,
+    use_cache: Any,
+) -> tuple[str, str | None]:
+    """Rank 0 at the end of a run: the adapter, and with `merge` the merged model (into a fresh copy of
+    `fresh_base` in `dtype`, fp32 when None, where the trained base cannot take the merge in place)."""
+    import torch
+
+    adapter_dir = str(export_adapter(output_dir, model, tokenizer, adapter_state))
+    if not merge:
+        return adapter_dir, None
+    if fresh_base is not None:
+        merged = export_merged_from_adapter(
+            output_dir, fresh_base, adapter_dir, tokenizer, dtype or torch.float32, use_cache
+        )
+    else:
+        merged = export_merged(output_dir, model, tokenizer, use_cache=use_cache)
+    return adapter_dir, str(merged)
 
 
 def check_output_dir(cfg: Any) -> str | None:

@@ -185,6 +185,23 @@ class SFTConfig:
     run_name: str | None = field(
         default=None, metadata={"help": "Name shown in the live display and the runs sidebar."}
     )
+    # ---- models bigger than one GPU (nbtrain.sft.shard, nbtrain.sft.quant)
+    shard: str = field(
+        default="ddp",
+        metadata={
+            "help": "'ddp': every rank holds the whole model; 'fsdp': weights and LoRA sharded over all ranks (FSDP2); 'hsdp': sharded within a node, replicated across nodes."
+        },
+    )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={
+            "help": "QLoRA: base weights in 4-bit NF4 (bitsandbytes, CUDA GPU), LoRA trained in bf16/fp32."
+        },
+    )
+    load_in_8bit: bool = field(
+        default=False,
+        metadata={"help": "Base weights in 8-bit (bitsandbytes LLM.int8, CUDA GPU)."},
+    )
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -350,6 +367,7 @@ class SFTConfig:
             elif self.overwrite:
                 problems.append("resume and overwrite=True contradict each other; drop one of them")
 
+        problems.extend(_sharding_problems(self))
         if problems:
             lines = "\n".join(f"  - {p}" for p in problems)
             msg = f"invalid SFTConfig:\n{lines}"
@@ -372,6 +390,25 @@ class SFTConfig:
     def help(cls) -> str:
         """One line per field: name, default and what it does."""
         return "\n".join(f"{f.name} = {f.default!r}: {f.metadata['help']}" for f in fields(cls))
+
+
+SHARDS = ("ddp", "fsdp", "hsdp")
+
+
+def _sharding_problems(cfg: SFTConfig) -> list[str]:
+    """What is wrong with shard / load_in_4bit / load_in_8bit on their own (the device-dependent checks
+    run on every rank at set-up: nbtrain.sft.shard.check_shard, nbtrain.sft.quant.check_quant)."""
+    problems = []
+    if cfg.shard not in SHARDS:
+        problems.append(f"shard={cfg.shard!r} is not known; use one of {', '.join(SHARDS)}")
+    for name in ("load_in_4bit", "load_in_8bit"):
+        if not isinstance(getattr(cfg, name), bool):
+            problems.append(f"{name}={getattr(cfg, name)!r} must be True or False")
+    if cfg.load_in_4bit is True and cfg.load_in_8bit is True:
+        problems.append(
+            "load_in_4bit and load_in_8bit are both True; pick one (4-bit NF4 is the QLoRA recipe)"
+        )
+    return problems
 
 
 __all__ = ["SFTConfig"]

@@ -69,26 +69,37 @@ def load_tokenizer(model: str) -> Any:
     return tok
 
 
-def load_model(model: str, dtype: Any, device: Any, gradient_checkpointing: bool = False) -> Any:
-    """The base causal LM, frozen, on `device`, with weights in `dtype`."""
+def model_source(model: str) -> str:
+    """What to pass to from_pretrained: a local folder by its absolute path (peft writes this name into
+    the adapter's base_model_name_or_path, and a relative one breaks once the adapter moves), else the id."""
+    return str(Path(model).expanduser().resolve()) if _is_local(model) else model
+
+
+def enable_checkpointing(base: Any) -> None:
+    """Recompute each block's activations in backward (non-reentrant: works with frozen inputs, so
+    peft needs no input-grad hook, and composes with FSDP2)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def load_model(
+    model: str, dtype: Any, device: Any, gradient_checkpointing: bool = False, **load_kwargs: Any
+) -> Any:
+    """The base causal LM, frozen, on `device`, with weights in `dtype` (`load_kwargs`: e.g. a
+    quantization_config, which places the model itself)."""
     from transformers import AutoModelForCausalLM
 
-    # a local folder by its absolute path: peft writes this name into the adapter's
-    # base_model_name_or_path, and a relative one breaks once the adapter is loaded from elsewhere
-    source = str(Path(model).expanduser().resolve()) if _is_local(model) else model
     try:
-        base = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        base = AutoModelForCausalLM.from_pretrained(model_source(model), dtype=dtype, **load_kwargs)
     except Exception as e:
         raise _load_error(model, "model", e) from None
     base.config.use_cache = False
     if gradient_checkpointing:
-        # non-reentrant checkpointing works with frozen inputs, so peft needs no input-grad hook
-        kwargs = {"use_reentrant": False}
-        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    return base.to(device)
+        enable_checkpointing(base)
+    return base if load_kwargs.get("quantization_config") else base.to(device)
 
 
 def linear_module_names(model: Any) -> list[str]:

@@ -114,4 +114,10 @@ def plan_batch(cfg: SFTConfig, d: Dist, model: Any, loss_sum: Any, n_rows: int) 
         rows_per_rank=max(1, n_rows // d.world),
         grad_accum=cfg.gradient_accumulation_steps,
         global_batch=cfg.global_batch_size,
+        shard_size=_shard_size(cfg, d.world, local_world),
     )
+
+
+def _shard_size(cfg: SFTConfig, world: int, local_world: int) -> int:
+    """Over how many ranks the model's weights are split: 1 (ddp), all (fsdp), a node's (hsdp)."""
+    return {"ddp": 1, "fsdp": world, "hsdp": min(world, local_world)}.get(cfg.shard, 1)

@@ -24,9 +24,10 @@ from typing import Any
 from nbtrain.engine import metrics as live
 from nbtrain.errors import ConfigError
 from nbtrain.sft import checkpoint as ckpt
-from nbtrain.sft import commtime, speed, tracking
+from nbtrain.sft import commtime, memory, quant, shard, speed, tracking
 from nbtrain.sft import step as one_step
 from nbtrain.sft.batch import BatchPlan, split_global
+from nbtrain.sft.build import build_model
 from nbtrain.sft.config import SFTConfig
 from nbtrain.sft.dist import Dist
 from nbtrain.sft.report import Meter, RunLog, peak_flops, read_history
@@ -116,10 +117,14 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
     import torch
 
     from nbtrain.sft.data import ShardedBatches, eval_batches, load_rows
-    from nbtrain.sft.model import apply_lora, check_causal_lm, load_model, load_tokenizer
+    from nbtrain.sft.model import check_causal_lm, load_tokenizer
 
     d = Dist(group)
     out = Path(cfg.output_dir).expanduser()
+    sharded = cfg.shard != "ddp"
+    # refusals first; the mesh's collectives run on every rank alike, outside the set-up's try
+    shard_note = d.agree(lambda: shard.check_shard(cfg, d))
+    mesh = d.agree(lambda: shard.make_mesh(d, cfg.shard, group)) if sharded else None
 
     # ---- set-up phase: everything that can be wrong is found here, on every rank, before any write
     def setup() -> dict[str, Any]:
@@ -139,25 +144,10 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
         weights_dtype = (
             compute_dtype if d.device.type == "cuda" and compute_dtype else torch.float32
         )
-        base = load_model(cfg.model, weights_dtype, d.device, cfg.gradient_checkpointing)
-        notes: list[str] = []
-        levers: list[str] = []
-        if d.device.type == "cuda" and cfg.use_liger_kernel and not cfg.torch_compile:
-            why_not = speed.apply_liger(base)
-            if why_not is None:
-                levers.append("liger")
-            elif cfg.use_liger_kernel is True:
-                raise ConfigError(f"use_liger_kernel=True, but {why_not.split(': ', 1)[1]}")
-            else:
-                notes.append(why_not)
-        elif d.device.type == "cuda" and cfg.use_liger_kernel is True:
-            # seen on an H100: dynamo fails to trace Liger's RMSNorm kernel, and compile fuses the same work
-            notes.append("use_liger_kernel off: torch_compile fuses what Liger's kernels would")
-        # same LoRA init on every rank and world size
-        torch.manual_seed(cfg.seed)
-        model = apply_lora(base, cfg)
-        if compute_dtype is not None and speed.skip_lora_input_cast(model):
-            levers.append("bf16 lora inputs")
+        quant.check_quant(cfg, d.device, d.rank, d.host)
+        fits = memory.check_fits(cfg, base_config, d.device, d.world)
+        model, notes, levers = build_model(cfg, d, mesh, weights_dtype, compute_dtype)
+        notes = [n for n in (shard_note, fits) if n] + notes
         return {
             "resume_from": resume_from,
             "tokenizer": tokenizer,
@@ -250,6 +240,8 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
     if resume_from is not None:
         resumed = d.agree(lambda: ckpt.load_checkpoint(resume_from) if d.is_zero else None)
         resumed = d.broadcast_object(resumed)
+    if resumed:
+        shard.check_resume(cfg, resumed["state"], resume_from)
     start_step = int(resumed["state"]["global_step"]) if resumed else 0
     # every rank has the same checkpoint and plan, so every rank raises here alike, before any write
     total_steps = _total_steps(cfg, spe, resumed, resume_from)
@@ -288,11 +280,11 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
     from peft import set_peft_model_state_dict
     from transformers import get_scheduler
 
-    if resumed:
+    if resumed and not sharded:
         set_peft_model_state_dict(model, resumed["adapter"])
     peft_model = model
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    if d.active:
+    if d.active and not sharded:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(
@@ -309,7 +301,10 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
         num_training_steps=total_steps,
     )
     if resumed:
-        optimizer.load_state_dict(resumed["optimizer"])
+        if sharded:  # every rank reads its own shards of the adapter and the optimizer state
+            shard.load_sharded(Path(resume_from) / shard.SHARDED_DIR, model, optimizer, d.group)
+        else:
+            optimizer.load_state_dict(resumed["optimizer"])
         scheduler.load_state_dict(resumed["scheduler"])
         # the loaded rate is the one the checkpoint's schedule gave the next step; a run made longer
         # (max_steps) has another schedule from here, so the next step takes that one's rate. Every
@@ -336,23 +331,39 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
     peak = peak_flops(d.device) if compute_dtype is not None else None
     GA = plan.grad_accum
 
+    n_eval = len(evals or [])
+    if sharded and evals is not None:
+        n_eval = -d.min_int(-n_eval)
+    micro0 = batches.micro_batch(0, 0)[:1]
+
     def evaluate() -> float:
         peft_model.eval()
         sums = torch.zeros(2, dtype=torch.float64)
         from nbtrain.sft.data import collate
 
         with torch.no_grad():
-            for exs in evals or []:
+            for i in range(n_eval):
+                # under FSDP every rank runs as many forwards (each gathers weights): one short of
+                # batches runs a spare one and counts nothing
+                exs = evals[i] if i < len(evals) else micro0
                 pad = max(len(e.input_ids) for e in exs)
                 b = one_step.to_device(collate(exs, pad, tokenizer.pad_token_id), d.device)
-                sums[0] += loss_sum(peft_model, b).double().item()
-                sums[1] += sum(e.n_targets for e in exs)
+                loss = loss_sum(peft_model, b).double().item()
+                if i < len(evals):
+                    sums[0] += loss
+                    sums[1] += sum(e.n_targets for e in exs)
         peft_model.train()
         sums = d.sum_(sums)
         return float(sums[0] / max(sums[1].item(), 1.0))
 
     def save(step: int) -> None:
         rngs = d.gather_objects(ckpt.get_rng_state())
+        tmp, adapter = None, None
+        if sharded:  # every rank writes its shards into rank 0's temporary folder
+            final = out / f"checkpoint-{step}"
+            tmp = Path(d.broadcast_object(str(ckpt.open_atomic_dir(final)) if d.is_zero else ""))
+            shard.save_sharded(tmp / shard.SHARDED_DIR, peft_model, optimizer, d.group)
+            adapter = shard.full_adapter(peft_model, d.is_zero)
         if d.is_zero:
             epoch, in_epoch = divmod(step, spe)
             state = {
@@ -370,19 +381,24 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
                 "gradient_accumulation_steps": GA,
                 "global_batch_size": global_batch,
                 "seed": cfg.seed,
+                "shard": cfg.shard,
             }
             written = ckpt.save_checkpoint(
                 out,
                 step,
                 model=peft_model,
-                optimizer=optimizer,
+                optimizer=None if sharded else optimizer,
                 scheduler=scheduler,
                 rng_states=rngs,
                 state=state,
                 config=cfg.to_dict(),
+                adapter_state=adapter,
+                tmp=tmp,
             )
             if cfg.save_total_limit is not None:
                 ckpt.prune_checkpoints(out, cfg.save_total_limit, written)
+        if sharded:
+            d.barrier()
 
     live.begin(total_steps=total_steps, name=name)
     final_state = "failed"
@@ -425,12 +441,14 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
                 batch = one_step.to_device(batch, d.device)
                 # gradients are all-reduced once per step, on the last micro-batch
                 sync = a == GA - 1 or not d.active
-                with contextlib.nullcontext() if sync else model.no_sync():
+                if sharded:
+                    shard.set_gradient_sync(model, sync)
+                with contextlib.nullcontext() if sync or sharded else model.no_sync():
                     batch_loss = loss_sum(model, batch)
                     # DDP averages gradients over ranks; scaling by world turns that into the global sum
                     (batch_loss * (d.world / n_targets)).backward()
                 meter.loss += batch_loss.detach().double() / n_targets
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
+            grad_norm = shard.clip_grad_norm(trainable, clip)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -463,12 +481,13 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
                 print(f"nbtrain: stopped at step {step}/{total_steps} on request; checkpoint saved")
 
         adapter_dir = merged_dir = None
+        adapter = shard.full_adapter(peft_model, d.is_zero) if sharded else None
         if d.is_zero:
-            adapter_dir = str(ckpt.export_adapter(out, peft_model, tokenizer))
-            if merge:
-                merged_dir = str(
-                    ckpt.export_merged(out, peft_model, tokenizer, use_cache=s["use_cache"])
-                )
+            # a sharded or 4-bit base cannot take the merge in place: a fresh copy on the CPU does
+            fresh = cfg.model if sharded or quant.quantized(cfg) else None
+            adapter_dir, merged_dir = ckpt.export_run(
+                out, peft_model, tokenizer, adapter, merge, fresh, compute_dtype, s["use_cache"]
+            )
         d.barrier()
         final_state = "stopped" if stopped else "done"
     finally:
@@ -493,5 +512,7 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
             "global_batch": plan.global_batch,
             "levers": levers,
             "notes": notes,
+            # (elements this rank holds, elements in all) of the frozen base: 1/N of it under fsdp
+            "base_params_held": shard.local_numel(peft_model, trainable=False),
         },
     )

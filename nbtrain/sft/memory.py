@@ -1,0 +1,226 @@
+"""Memory per rank of a LoRA run, by formula: what the docs' "Which to choose" table shows and what the
+set-up checks before loading a model that cannot fit (`check_fits`).
+
+In [1]: from nbtrain.sft.memory import LLAMA3_8B, rank_memory
+In [2]: rank_memory(LLAMA3_8B, shard="fsdp", world=8)["total"] / 2**30
+
+Assumptions (bytes per value): base weights in bf16 (2), or NF4 with double quantisation (0.5 + 1/64 for
+the block scales; embeddings and lm_head stay bf16), or int8 (1 + 1/64); LoRA weights, their gradients
+and both AdamW moments in fp32 (4 + 4 + 8); activations in bf16 with SDPA/flash attention (no
+sequence^2 term), about 8*hidden + 3*intermediate values per token per layer kept for backward, or, with
+gradient checkpointing, each block's input (hidden values per token per layer) plus one block's
+activations. Sharding divides weights, LoRA, gradients and optimizer state by the shard size (all ranks
+for fsdp, the ranks of a node for hsdp); FSDP2 also holds the block being computed and the next one
+(prefetch) unsharded, and the root unit (embeddings, final norm, lm_head) unsharded from forward to
+backward. Not counted: the CUDA context and allocator slack (about 1-2 GiB on a GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nbtrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the formula needs of a decoder-only transformer (Llama / Qwen / Mistral layout)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool = False
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    @property
+    def block_params(self) -> int:
+        h = self.hidden
+        return h * (2 * h + 2 * self.kv_dim) + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def edge_params(self) -> int:
+        """Embeddings, lm_head and the final norm: the root FSDP unit."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.block_params + self.edge_params
+
+    @classmethod
+    def from_config(cls, config: Any) -> Shape | None:
+        """From a transformers config of the Llama layout; None where the config lacks the fields."""
+        try:
+            return cls(
+                layers=int(config.num_hidden_layers),
+                hidden=int(config.hidden_size),
+                intermediate=int(config.intermediate_size),
+                heads=int(config.num_attention_heads),
+                kv_heads=int(
+                    getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+                ),
+                vocab=int(config.vocab_size),
+                tied=bool(getattr(config, "tie_word_embeddings", False)),
+            )
+        except (AttributeError, TypeError, ValueError):
+            return None
+
+
+# Meta's published configs (config.json of meta-llama/Meta-Llama-3-8B and -70B)
+LLAMA3_8B = Shape(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256)
+LLAMA3_70B = Shape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, vocab=128256)
+
+
+def lora_params(shape: Shape, r: int) -> int:
+    """LoRA weights with target_modules='all-linear' (q, k, v, o, gate, up, down; not lm_head)."""
+    h, kv, i = shape.hidden, shape.kv_dim, shape.intermediate
+    per_layer = r * ((h + h) * 2 + (h + kv) * 2 + (h + i) * 3)
+    return shape.layers * per_layer
+
+
+def weight_bytes(shape: Shape, quant: str | None) -> float:
+    """The base weights in memory: bf16, or 'nf4' / 'int8' for the linear layers of the blocks."""
+    per_value = {None: 2.0, "nf4": 0.5 + 1 / 64, "int8": 1.0 + 1 / 64}[quant]
+    return shape.layers * shape.block_params * per_value + shape.edge_params * 2.0
+
+
+def rank_memory(
+    shape: Shape,
+    *,
+    shard: str = "ddp",
+    world: int = 1,
+    ranks_per_node: int | None = None,
+    quant: str | None = None,
+    lora_r: int = 16,
+    seq_len: int = 2048,
+    micro_batch: int = 1,
+    gradient_checkpointing: bool = True,
+) -> dict[str, float]:
+    """Bytes per rank, by part, and their "total" (see the module's assumptions)."""
+    n = {"ddp": 1, "fsdp": world, "hsdp": ranks_per_node or world}[shard]
+    lora = lora_params(shape, lora_r)
+    parts = {
+        "weights": weight_bytes(shape, quant) / n,
+        "lora": lora * 4.0 / n,
+        "grads": lora * 4.0 / n,
+        "optimizer": lora * 8.0 / n,
+        "gathered": 0.0,
+    }
+    if n > 1:
+        # the current block and the prefetched next one, and the root unit, unsharded in bf16
+        parts["gathered"] = 2 * shape.block_params * 2.0 + shape.edge_params * 2.0
+    h, i = shape.hidden, shape.intermediate
+    tokens = seq_len * micro_batch
+    full_block = (8 * h + 3 * i) * 2.0 * tokens
+    if gradient_checkpointing:
+        parts["activations"] = shape.layers * h * 2.0 * tokens + full_block
+    else:
+        parts["activations"] = shape.layers * full_block
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def check_fits(cfg: Any, config: Any, device: Any, world: int) -> str | None:
+    """On a GPU, a ConfigError before loading when the model's fixed memory per rank (everything but
+    activations) cannot fit the card; the formula's estimate as a note otherwise. None on the CPU."""
+    import os
+
+    import torch
+
+    shape = Shape.from_config(config)
+    if device.type != "cuda" or shape is None:
+        return None
+    quant = "nf4" if cfg.load_in_4bit else "int8" if cfg.load_in_8bit else None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    est = rank_memory(
+        shape,
+        shard=cfg.shard,
+        world=world,
+        ranks_per_node=local,
+        quant=quant,
+        lora_r=cfg.lora_r,
+        seq_len=cfg.max_length,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+    )
+    fixed = est["total"] - est["activations"]
+    total = torch.cuda.get_device_properties(device).total_memory
+    gib = 2**30
+    if fixed > 0.95 * total:
+        msg = (
+            f"the model needs about {fixed / gib:.1f} GiB per rank before any activations with "
+            f"shard={cfg.shard!r} on {world} rank(s) (weights {est['weights'] / gib:.1f} GiB), more than "
+            f"the GPU's {total / gib:.1f} GiB; use shard='fsdp' over more ranks, or load_in_4bit=True "
+            "with shard='ddp' (see 'Which to choose' in docs/fine-tuning.md)"
+        )
+        raise ConfigError(msg)
+    return (
+        f"memory per rank by formula: weights {est['weights'] / gib:.2f} GiB, LoRA+grads+AdamW "
+        f"{(est['lora'] + est['grads'] + est['optimizer']) / gib:.2f} GiB, one row of activations "
+        f"{est['activations'] / gib:.2f} GiB"
+    )
+
+
+# ------------------------------------------------------------------------------------- the docs table
+BEGIN = "<!-- BEGIN memory table: generated by `python -m nbtrain.sft.memory`; do not edit -->"
+END = "<!-- END memory table -->"
+# (label, shape, shard, world, ranks per node, quant): the set-ups the docs compare, 8 GPUs a node
+SETUPS = [
+    ("8B", "ddp", 8, None),
+    ("8B", "fsdp", 8, None),
+    ("8B", "ddp", 8, "nf4"),
+    ("70B", "ddp", 8, None),
+    ("70B", "fsdp", 8, None),
+    ("70B", "hsdp", 16, None),
+    ("70B", "fsdp", 16, None),
+    ("70B", "ddp", 8, "nf4"),
+]
+SHAPES = {"8B": LLAMA3_8B, "70B": LLAMA3_70B}
+
+
+def table(seq_len: int = 2048, lora_r: int = 16) -> str:
+    """The markdown table of `rank_memory` for Llama-3 8B and 70B (GiB per GPU, 8 GPUs per node)."""
+    gib = 2**30
+    rows = [
+        "| model | set-up | GPUs | weights | LoRA + grads + AdamW | gathered (FSDP) | activations | total |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, shard, world, quant in SETUPS:
+        m = rank_memory(
+            SHAPES[label],
+            shard=shard,
+            world=world,
+            ranks_per_node=8,
+            quant=quant,
+            lora_r=lora_r,
+            seq_len=seq_len,
+        )
+        name = f"shard={shard!r}" + (", load_in_4bit" if quant else "")
+        train = m["lora"] + m["grads"] + m["optimizer"]
+        rows.append(
+            f"| Llama-3 {label} | `{name}` | {world} | {m['weights'] / gib:.1f} | {train / gib:.2f} | "
+            f"{m['gathered'] / gib:.1f} | {m['activations'] / gib:.1f} | **{m['total'] / gib:.1f}** |"
+        )
+    return "\n".join(rows)
+
+
+def render(page_text: str) -> str:
+    """The page with the text between the table's markers replaced by a fresh table."""
+    start, end = page_text.find(BEGIN), page_text.find(END)
+    if start < 0 or end < start:
+        msg = f"the page has no memory table markers; put these two lines where it goes:\n{BEGIN}\n{END}"
+        raise ValueError(msg)
+    return page_text[: start + len(BEGIN)] + "\n" + table() + "\n" + page_text[end:]
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "fine-tuning.md"
+    page.write_text(render(page.read_text(encoding="utf-8")), encoding="utf-8")
+    print(f"wrote the memory table into {page}")

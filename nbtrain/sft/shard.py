@@ -1,0 +1,383 @@
+"""FSDP2 sharding for `finetune(shard="fsdp" | "hsdp")`: the frozen base and the LoRA weights split across
+ranks, one `fully_shard` unit per transformer block and one for the root.
+
+How the model gets onto the ranks without any rank holding all of it: every rank builds the model with
+its parameters on the meta device (no memory), wraps LoRA around it, shards it, allocates only its own
+shards, and then reads only its own slices of each weight straight from the safetensors files
+(`safe_open(...).get_slice`): rows start:stop of each tensor, never the whole. No broadcast is needed,
+so loading costs no network traffic, at the price of every rank reading its part of the files (local or
+shared storage; every rank calls `from_pretrained` under DDP too). Memory per rank while loading: its
+shard of the weights plus one slice in flight (see `nbtrain.sft.memory`).
+
+The LoRA init is replayed on the CPU, layer by layer, exactly as peft makes it, so a sharded run starts
+from the same adapter as a DDP run with the same seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from nbtrain.errors import ConfigError
+from nbtrain.sft.dist import Dist
+
+SHARDED_DIR = "sharded"  # the dcp folder inside a checkpoint of a sharded run
+
+
+# ------------------------------------------------------------------------------------- the mesh
+def make_mesh(d: Dist, shard: str, group: Any) -> Any:
+    """The data-parallel DeviceMesh: 1-D over the run's ranks (fsdp), or (nodes, ranks per node) (hsdp)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    dev = d.device.type
+    if not dist.is_initialized():
+        # one rank with no process group (a plain notebook): FSDP2 still needs one, of one rank
+        backend = "nccl" if dev == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if shard == "fsdp":
+        if group is not None:
+            return DeviceMesh.from_group(group, dev, mesh_dim_names=("shard",))
+        return init_device_mesh(dev, (d.world,), mesh_dim_names=("shard",))
+    if group is not None:
+        msg = "shard='hsdp' with finetune(group=...) is not supported; use shard='fsdp' on a sub-group"
+        raise ConfigError(msg)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or (1 if d.world == 1 else 0))
+    layout = d.gather_objects((d.host, local))
+    if not local or d.world % local or any(lw != local for _, lw in layout):
+        msg = (
+            f"shard='hsdp' needs the same number of ranks on every node (LOCAL_WORLD_SIZE) dividing the "
+            f"{d.world} ranks; rank {d.rank} on {d.host} sees LOCAL_WORLD_SIZE={local or 'unset'}. Start "
+            "the same number of ranks per node, or use shard='fsdp'"
+        )
+        raise ConfigError(msg)
+    # ranks are numbered node by node, so node n holds ranks n*local .. n*local+local-1
+    for node in range(d.world // local):
+        hosts = {h for h, _ in layout[node * local : (node + 1) * local]}
+        if len(hosts) > 1:
+            msg = (
+                f"shard='hsdp': ranks {node * local}..{node * local + local - 1} should be one node but run "
+                f"on {sorted(hosts)}; number ranks node by node, or use shard='fsdp'"
+            )
+            raise ConfigError(msg)
+    return init_device_mesh(dev, (d.world // local, local), mesh_dim_names=("replicate", "shard"))
+
+
+def check_shard(cfg: Any, d: Dist) -> str | None:
+    """A ConfigError for what does not compose with a sharded run; a note for what works but is odd."""
+    if cfg.shard == "ddp":
+        return None
+    if cfg.torch_compile:
+        msg = (
+            f"torch_compile=True with shard={cfg.shard!r} is not supported by nbtrain yet (compiled blocks "
+            "under FSDP2 hooks are untested here); set torch_compile=False (Liger's kernels and "
+            "gradient_checkpointing still apply), or shard='ddp'"
+        )
+        raise ConfigError(msg)
+    if cfg.load_in_4bit or cfg.load_in_8bit:
+        msg = (
+            f"load_in_4bit/load_in_8bit with shard={cfg.shard!r} is refused: FSDP2's fully_shard turns "
+            "bitsandbytes' Params4bit into plain tensors and drops their quant_state (bitsandbytes issue "
+            "#1945, accelerate #3983), which trains on garbage without an error. Use QLoRA with "
+            "shard='ddp' (a 70B model in 4 bits is about 37 GB per GPU), or shard='fsdp' in bf16"
+        )
+        raise ConfigError(msg)
+    if d.world == 1:
+        return (
+            f"shard={cfg.shard!r} on 1 rank: nothing to shard across, so it saves no memory over "
+            "shard='ddp' (it runs the same code path, which is what it is good for: a dry run)"
+        )
+    return None
+
+
+def check_resume(cfg: Any, state: dict[str, Any], path: str | None) -> None:
+    """A ConfigError when the checkpoint was written by the other kind of run (its optimizer state is in
+    another format: one file from rank 0 under DDP, shards under FSDP)."""
+    saved = state.get("shard", "ddp")
+    if (saved == "ddp") != (cfg.shard == "ddp"):
+        msg = (
+            f"checkpoint {path} was written with shard={saved!r} and this run has shard={cfg.shard!r}; "
+            f"resume with shard={saved!r}, or start a new run from its adapter"
+        )
+        raise ConfigError(msg)
+
+
+# ------------------------------------------------------------------------------------- building
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Parameters made on the meta device (no memory), buffers (rotary tables) left real and small."""
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: Any, name: str, param: Any) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            kind = type(module._parameters[name])
+            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _lora_init(model: Any, seed: int) -> dict[str, Any]:
+    """The LoRA weights peft would have made on a real model with this seed (it makes none on meta):
+    per LoRA layer in module order, nn.Linear A then B, then peft's own reset. Returns name -> tensor."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    torch.manual_seed(seed)
+    full: dict[str, Any] = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        for adapter in list(layer.lora_A):
+            r, d_in, d_out = layer.r[adapter], layer.in_features, layer.out_features
+            assert d_in is not None and d_out is not None  # set by every LoRA layer on a Linear
+            layer.lora_A[adapter] = torch.nn.Linear(d_in, r, bias=False)
+            layer.lora_B[adapter] = torch.nn.Linear(r, d_out, bias=False)
+            layer.reset_lora_parameters(adapter, True)
+            for part in ("lora_A", "lora_B"):
+                mod = getattr(layer, part)[adapter]
+                full[f"{name}.{part}.{adapter}.weight"] = mod.weight.detach().float().clone()
+                mod.to("meta")
+    return full
+
+
+def _weight_files(model: str) -> list[Path]:
+    """The safetensors files of `model` (a local folder, or downloaded from the Hub like from_pretrained)."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(model, allow_patterns=["*.safetensors", "*.json"]))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        msg = (
+            f"shard='fsdp' loads weights from safetensors files, and {model!r} has none (a .bin-only "
+            "model?); convert it with save_pretrained(safe_serialization=True), or use shard='ddp'"
+        )
+        raise ConfigError(msg)
+    return files
+
+
+def local_rows(param: Any) -> tuple[int, int] | None:
+    """Rows start:stop of the full weight that this rank's shard of `param` holds (FSDP2 shards dim 0
+    as torch.chunk does); None when the parameter is not sharded."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return None
+    start, stop = 0, param.shape[0]
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_shard():
+            if placement.dim != 0:  # type: ignore[attr-defined]
+                msg = f"nbtrain's sharded loader handles dim-0 shards only, got {placement}"
+                raise RuntimeError(msg)
+            n = param.device_mesh.size(mesh_dim)
+            r = param.device_mesh.get_local_rank(mesh_dim)
+            size = stop - start
+            chunk = -(-size // n)
+            start, stop = min(start + r * chunk, stop), min(start + (r + 1) * chunk, stop)
+    return start, stop
+
+
+def _fill(param: Any, full_or_slice: Any) -> None:
+    """Copy this rank's rows of a full weight (a tensor or a safetensors slice) into `param`'s shard."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    rows = local_rows(param)
+    src = full_or_slice[rows[0] : rows[1]] if rows else full_or_slice[:]
+    if tuple(src.shape) != tuple(local.shape):
+        msg = f"sharded load: slice {tuple(src.shape)} does not match the local shard {tuple(local.shape)}"
+        raise RuntimeError(msg)
+    with torch.no_grad():
+        local.copy_(src.to(local.dtype))
+
+
+def build_sharded(
+    cfg: Any, d: Dist, mesh: Any, weights_dtype: Any, compute_dtype: Any, prepare: Any
+) -> Any:
+    """The peft LoRA model, sharded over `mesh` with FSDP2, each rank holding only its own shards
+    (`prepare(base)`: what to do to the base before LoRA, e.g. Liger's kernels)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nbtrain.sft.model import apply_lora, enable_checkpointing, model_source
+
+    source = model_source(cfg.model)
+    config = AutoConfig.from_pretrained(source)
+    with _params_on_meta():
+        base = AutoModelForCausalLM.from_config(config, dtype=weights_dtype)
+    base.config.use_cache = False
+    base.config.name_or_path = source  # peft writes it into the adapter's base_model_name_or_path
+    base.name_or_path = source
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(base)
+    prepare(base)
+    model = apply_lora(base, cfg)
+    lora = _lora_init(model, cfg.seed)
+
+    # bf16 compute with fp32 LoRA masters and fp32 gradient reduction where the run computes in bf16;
+    # plain fp32 (no casts at all) otherwise, so that a CPU run equals DDP to float32 rounding
+    mp = (
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype is not None
+        else MixedPrecisionPolicy()
+    )
+    inner = model.get_base_model()
+    blocks = set(getattr(inner, "_no_split_modules", None) or [])
+    units = [m for m in inner.modules() if type(m).__name__ in blocks]
+    if not units:
+        msg = (
+            f"shard={cfg.shard!r}: {type(inner).__name__} names no transformer block class "
+            "(_no_split_modules), so nbtrain cannot shard it block by block; use shard='ddp'"
+        )
+        raise ConfigError(msg)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+    fully_shard(inner, mesh=mesh, mp_policy=mp)
+
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    model.to_empty(device=d.device)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n in buffers:
+                b.copy_(buffers[n])
+    _load_weights(model, cfg.model, lora)
+    return model
+
+
+def _load_weights(model: Any, source: str, lora: dict[str, Any]) -> None:
+    """Fill every parameter's local shard: LoRA from its replayed init, the base from the safetensors
+    files, one file at a time and only this rank's rows of each tensor."""
+    from safetensors import safe_open
+
+    prefix = "base_model.model."
+    want: dict[str, Any] = {}
+    for name, param in model.named_parameters():
+        if name in lora:
+            _fill(param, lora[name])
+            continue
+        key = name.removeprefix(prefix).replace(".base_layer.", ".")
+        want[key] = param
+    inner_prefix = getattr(model.get_base_model(), "base_model_prefix", "model") + "."
+    for path in _weight_files(source):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                target = key if key in want else inner_prefix + key
+                param = want.pop(target, None)
+                if param is not None:
+                    _fill(param, f.get_slice(key))
+    if want:
+        shown = ", ".join(sorted(want)[:4])
+        msg = (
+            f"shard='fsdp': {len(want)} weight(s) of the model are not in {source!r}'s safetensors files "
+            f"under the model's own names ({shown}...); this checkpoint needs transformers' key "
+            "conversion, so load it with shard='ddp'"
+        )
+        raise ConfigError(msg)
+
+
+# ------------------------------------------------------------------------------------- the step
+def set_gradient_sync(model: Any, sync: bool) -> None:
+    """Reduce-scatter gradients only on the last micro-batch of a step (DDP's no_sync)."""
+    model.get_base_model().set_requires_gradient_sync(sync)
+
+
+def clip_grad_norm(params: list[Any], clip: float) -> Any:
+    """The global gradient norm (a plain tensor), with gradients clipped to `clip`."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def local_numel(model: Any, trainable: bool) -> tuple[int, int]:
+    """(elements this rank holds, elements of the full model) of the frozen or the trainable weights."""
+    from torch.distributed.tensor import DTensor
+
+    held = total = 0
+    for p in model.parameters():
+        if p.requires_grad == trainable:
+            held += (p.to_local() if isinstance(p, DTensor) else p).numel()
+            total += p.numel()
+    return held, total
+
+
+# ------------------------------------------------------------------------------------- state
+def _options(strict: bool = True) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
+
+
+def full_adapter(model: Any, keep: bool) -> dict[str, Any]:
+    """The whole LoRA state, full tensors on the CPU where `keep` (rank 0), empty elsewhere; every rank
+    must call it. Gathers the trainable weights alone, one at a time, so the peak on rank 0 is the
+    adapter plus one of its tensors (get_model_state_dict would gather a tied frozen lm_head too)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            if keep:
+                out[name] = full.detach().cpu()
+    return out
+
+
+def _lora_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's shards of the trainable weights and their optimizer state (a frozen weight tied to
+    another, lm_head to the embeddings, slips through ignore_frozen_params: dropped here)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer, options=_options())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in msd.items() if k in trainable}, osd
+
+
+def save_sharded(path: Path, model: Any, optimizer: Any, group: Any) -> None:
+    """Every rank writes its shards of the LoRA weights and the optimizer state under `path`."""
+    import torch.distributed.checkpoint as dcp
+
+    msd, osd = _lora_state(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path), process_group=group)
+
+
+def load_sharded(path: Path, model: Any, optimizer: Any, group: Any) -> None:
+    """Every rank reads its shards (of any world size's checkpoint: dcp reshards) into the model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    msd, osd = _lora_state(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(path), process_group=group)
+    # not strict: the frozen base is not in a checkpoint; every trainable weight must be
+    missing = set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_options(strict=False),
+    ).missing_keys
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if trainable & set(missing):
+        msg = f"checkpoint {path.parent} does not hold this run's LoRA weights (another target_modules or lora_r?)"
+        raise ConfigError(msg)
