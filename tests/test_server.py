@@ -280,3 +280,65 @@ def test_side_file_counts_nodes_and_gpus(tmp_path):
     assert model["state"] == "stopped"  # no controller is running, whatever the side file says
     assert model["nodes"] == 2 and model["gpus"] == 4 and model["world_size"] == 4
     assert model["backend"] == "nccl"
+
+
+def test_scaling_report_of_a_run_and_its_own_record(fetch, tmp_path, finished_run):
+    """A report saved with out= is listed as its own record and linked from the run it measured."""
+    from tests.ui.fixtures import scaling_report
+
+    run_dir = Path(runs.get_run(finished_run)["output_dir"])
+    assert _status(fetch, "nbtrain", "api", "runs", finished_run, "scaling") == 404
+    report, scaling_id = scaling_report(tmp_path / "scaling-out", run_dir=run_dir)
+
+    record = _json(fetch("nbtrain", "api", "runs", scaling_id))
+    assert record["kind"] == "scaling" and record["state"] == "done"
+    assert record["measured"] == str(run_dir)
+    listed = {r["id"]: r for r in _json(fetch("nbtrain", "api", "runs"))["runs"]}
+    assert listed[finished_run]["scaling"] == str((tmp_path / "scaling-out").resolve())
+
+    for run_id in (scaling_id, finished_run):
+        data = _json(fetch("nbtrain", "api", "runs", run_id, "scaling"))
+        assert data["folder"] == str((tmp_path / "scaling-out").resolve())
+        rows = data["report"]["rows"]
+        assert [r["nodes"] for r in rows] == [1, 2, 4, 8, 16]
+        assert [r["predicted"] for r in rows] == [False, False, False, True, True]
+        assert [r["tokens_per_s"] for r in rows] == pytest.approx(
+            [r["tokens_per_s"] for r in report.rows]
+        )
+        assert data["report"]["verdict"]["line"] == report.verdict.line
+        png = fetch("nbtrain", "api", "runs", run_id, "scaling.png")
+        assert png.headers["Content-Type"] == "image/png"
+        assert png.body == (tmp_path / "scaling-out" / "scaling.png").read_bytes()
+        assert png.body[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # without a token, neither is served (the image, a page not an API call, redirects to login)
+    code = _status(
+        fetch, "nbtrain", "api", "runs", scaling_id, "scaling", headers={"Authorization": ""}
+    )
+    assert code == 403
+    code = _status(
+        fetch,
+        "nbtrain",
+        "api",
+        "runs",
+        scaling_id,
+        "scaling.png",
+        headers={"Authorization": ""},
+        follow_redirects=False,
+    )
+    assert code in (302, 403)
+
+
+def test_scaling_files_never_read_outside_the_report_folder(fetch, tmp_path):
+    from tests.ui.fixtures import scaling_report
+
+    out = tmp_path / "rep"
+    _, scaling_id = scaling_report(out)
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(b"\x89PNG secret")
+    (out / "scaling.png").unlink()
+    (out / "scaling.png").symlink_to(secret)
+    assert _status(fetch, "nbtrain", "api", "runs", scaling_id, "scaling.png") == 403
+    (out / "scaling.json").unlink()
+    assert _status(fetch, "nbtrain", "api", "runs", scaling_id, "scaling") == 404
+    assert _status(fetch, "nbtrain", "api", "runs", scaling_id, "..%2Fsecret.png") == 404

@@ -95,7 +95,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
         return open;
       }
       const metrics = new RunMetrics({ request, runId: id });
-      const content = new RunPanel(metrics, runId => void stopRun(runId));
+      const content = new RunPanel(
+        metrics,
+        runId => void stopRun(runId),
+        request
+      );
       const widget = new MainAreaWidget({ content });
       widget.id = `nbtrain-run-${id}`;
       widget.title.label = `Run: ${model.getRun(id)?.name ?? id}`;

@@ -140,6 +140,12 @@ function renderRun(run: IRun): HTMLElement {
     el('span', 'nbtrain-Item-name', run.name),
     el('span', `nbtrain-State nbtrain-State-${run.state}`, run.state)
   );
+  if (run.kind === 'scaling') {
+    li.dataset.kind = 'scaling';
+    li.title = `${run.output_dir}\nopen the scaling report`;
+    li.append(head, el('div', 'nbtrain-Item-detail', 'scaling report'));
+    return li;
+  }
   const steps = run.total_steps
     ? `${run.step}/${run.total_steps}`
     : `${run.step}`;
