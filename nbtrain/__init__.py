@@ -23,6 +23,7 @@ __all__ = [
     "TrainResult",
     "__version__",
     "check",
+    "compare",
     "connect",
     "current_cluster",
     "finetune",
@@ -40,6 +41,8 @@ _LAZY = {
     "ClusterPicker": "nbtrain.display.picker",
     "DistributedCellError": "nbtrain.errors",
     "check": "nbtrain.cluster.check",
+    # the module itself, which is callable: nbtrain.compare([...]) draws, nbtrain.compare.load_run reads
+    "compare": "nbtrain.compare",
     "connect": "nbtrain.cluster.api",
     "current_cluster": "nbtrain.cluster.facade",
     "start": "nbtrain.cluster.api",
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
     from nbtrain.cluster.api import connect, scaling, start
     from nbtrain.cluster.check import check
     from nbtrain.cluster.facade import Cluster, current_cluster
+    from nbtrain.compare import compare
     from nbtrain.display.picker import ClusterPicker
     from nbtrain.engine.metrics import log
     from nbtrain.engine.rank import is_rank_zero
@@ -68,7 +72,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         msg = f"module 'nbtrain' has no attribute {name!r}"
         raise AttributeError(msg)
-    value = getattr(importlib.import_module(module), name)
+    imported = importlib.import_module(module)
+    value = imported if module == f"nbtrain.{name}" else getattr(imported, name)
     globals()[name] = value
     return value
 

@@ -48,3 +48,7 @@ class RankDiedError(DistributedCellError):
     def __init__(self, message: str, deaths: list | None = None):
         super().__init__(message, [])
         self.deaths = deaths or []
+
+
+class NotARunError(NbtrainError, FileNotFoundError):
+    """A folder given as a run holds no run (no metrics.jsonl that `finetune` writes)."""

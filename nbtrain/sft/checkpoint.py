@@ -18,6 +18,8 @@ from nbtrain.errors import ConfigError
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
+#: the run's settings, in each checkpoint and in output_dir itself (what a run comparison reads)
+CONFIG_FILE = "sft_config.json"
 
 
 def _fsync_tree(path: Path) -> None:
@@ -113,11 +115,21 @@ def save_checkpoint(
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         for rank, rng in enumerate(rng_states):
             torch.save(rng, tmp / f"rng_state_{rank}.pth")
-        (tmp / "sft_config.json").write_text(json.dumps(config, indent=2, default=str))
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str))
         # the state file goes last: list_checkpoints only counts folders that have it
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     return write_atomic_dir(Path(output_dir) / f"checkpoint-{step}", fill)
+
+
+def write_run_config(output_dir: Path, config: dict[str, Any]) -> Path:
+    """Write `output_dir/sft_config.json` (rank 0, at run start), atomically: a reader sees the old
+    file or the new one, never half of one."""
+    path = Path(output_dir) / CONFIG_FILE
+    tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(config, indent=2, default=str))
+    os.replace(tmp, path)
+    return path
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -136,7 +148,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     for f in sorted(p.glob("rng_state_*.pth"), key=lambda f: int(f.stem.rsplit("_", 1)[1])):
         # our own file holding Python/numpy RNG states, which weights_only cannot read
         rng.append(torch.load(f, weights_only=False, map_location="cpu"))
-    config_file = p / "sft_config.json"
+    config_file = p / CONFIG_FILE
     return {
         "adapter": load_file(str(p / "adapter_model.safetensors"), device="cpu"),
         "optimizer": torch.load(p / "optimizer.pt", weights_only=False, map_location="cpu"),

@@ -172,6 +172,8 @@ class Meter:
             "tokens_per_s": tokens_per_s,
             "step_time": elapsed / steps,
             "epoch": step / self.spe,
+            # wall-clock time of the row, so runs can be compared against time as well as step
+            "time": time.time(),
         }
         if eval_loss is not None:
             row["eval_loss"] = eval_loss

@@ -270,6 +270,7 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
         if cfg.overwrite:
             ckpt.clear_output_dir(out)
         out.mkdir(parents=True, exist_ok=True)
+        ckpt.write_run_config(out, cfg.to_dict())
         history = read_history(out, start_step) if resumed else []
         runlog = RunLog(out, history, name, total_steps, d.world)
     history = d.broadcast_object(history)

@@ -1,0 +1,65 @@
+"""Compare training runs: `nbtrain.compare([...])` draws them, the functions here give their data.
+
+In [1]: nbtrain.compare(["runs/lr-1e-3", "runs/lr-1e-2"], smooth=0.6)
+
+`nbtrain.compare` is this module, made callable: the data API (`load_run`, `config_diff`, `series`,
+`ema`, `series_csv`) lives in `nbtrain.compare.data` and is imported from here, while calling the module
+draws the comparison (`nbtrain.compare.view.compare`). Both have to answer to the same name, and
+importing a submodule rebinds the package's attribute to the module, so the module itself is the callable.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from nbtrain.compare.data import (
+    COMPARE_METRICS,
+    IGNORED_FIELDS,
+    X_AXES,
+    RunData,
+    config_diff,
+    ema,
+    final_values,
+    has_time,
+    labels,
+    load_run,
+    load_runs,
+    parse_rows,
+    series,
+    series_csv,
+)
+
+
+def compare(*args: Any, **kwargs: Any) -> Any:
+    """Draw runs side by side: see `nbtrain.compare.view.compare` (matplotlib loads only here)."""
+    from nbtrain.compare.view import compare as draw
+
+    return draw(*args, **kwargs)
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return compare(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+__all__ = [
+    "COMPARE_METRICS",
+    "IGNORED_FIELDS",
+    "X_AXES",
+    "RunData",
+    "compare",
+    "config_diff",
+    "ema",
+    "final_values",
+    "has_time",
+    "labels",
+    "load_run",
+    "load_runs",
+    "parse_rows",
+    "series",
+    "series_csv",
+]

@@ -1,0 +1,283 @@
+"""Run comparison (nbtrain/compare): the data layer on plain dicts and on two real tiny finetune runs
+with different learning rates, and the drawing `nbtrain.compare` makes of them."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import json
+import math
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import nbtrain
+from nbtrain.compare import (
+    IGNORED_FIELDS,
+    config_diff,
+    ema,
+    labels,
+    load_run,
+    parse_rows,
+    series,
+    series_csv,
+)
+from nbtrain.errors import NotARunError
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = str(ROOT / "nbtrain" / "data" / "instructions.jsonl")
+FIXTURE_RUN = ROOT / "tests" / "fixtures" / "runs" / "finished-sft"
+PNG = b"\x89PNG\r\n\x1a\n"
+RATES = (1e-2, 1e-3)
+
+
+def _ema_by_hand(values, w):
+    """TensorBoard's scalar-card smoothing, written out: debiased EMA over the values so far."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values, start=1):
+        acc = w * acc + (1 - w) * v
+        out.append(acc / (1 - w**i))
+    return out
+
+
+# ---- plain data --------------------------------------------------------------------------------
+
+
+def test_config_diff_keeps_only_what_differs_in_run_order():
+    a = {"learning_rate": 1e-3, "seed": 1, "lora_r": 8, "output_dir": "runs/a", "run_name": "a"}
+    b = {"learning_rate": 1e-2, "seed": 1, "lora_r": 8, "output_dir": "runs/b", "run_name": "b"}
+    c = {"learning_rate": 1e-2, "seed": 2, "output_dir": "runs/c", "resume": "latest"}
+    assert config_diff([a, b]) == {"learning_rate": [1e-3, 1e-2]}
+    # a field one config lacks is None there; fields that differ by design are never listed
+    assert config_diff([a, b, c]) == {
+        "learning_rate": [1e-3, 1e-2, 1e-2],
+        "seed": [1, 1, 2],
+        "lora_r": [8, 8, None],
+    }
+    assert {"output_dir", "resume", "run_name"} <= set(IGNORED_FIELDS)
+    assert config_diff([a, dict(a)]) == {}
+    assert config_diff([a, b], ignore=()) == {
+        "learning_rate": [1e-3, 1e-2],
+        "output_dir": ["runs/a", "runs/b"],
+        "run_name": ["a", "b"],
+    }
+    # lists compare by value
+    assert config_diff([{"t": ["q", "v"]}, {"t": ["q", "v"]}, {"t": ["q"]}]) == {
+        "t": [["q", "v"], ["q", "v"], ["q"]]
+    }
+
+
+def test_ema_is_tensorboards_debiased_ema():
+    assert ema([1.0, 2.0, 3.0, 4.0], 0.5) == pytest.approx([1.0, 5 / 3, 17 / 7, 49 / 15])
+    values = [2.5, 2.1, 2.3, 1.7, 1.9, 1.2]
+    assert ema(values, 0.9) == pytest.approx(_ema_by_hand(values, 0.9))
+    assert ema(values, 0.0) == values
+    assert ema([], 0.6) == []
+    # the first smoothed value is the first value (debiased), not pulled towards 0
+    assert ema([10.0, 10.5], 0.99)[0] == pytest.approx(10.0)
+    # a constant series stays; a gap (None, NaN) is passed through and does not move the average
+    assert ema([3.0, 3.0, 3.0], 0.6) == [3.0, 3.0, 3.0]
+    gap = ema([1.0, None, 3.0], 0.5)
+    assert (
+        math.isnan(gap[1])
+        and gap[0] == 1.0
+        and gap[2] == pytest.approx(_ema_by_hand([1, 3], 0.5)[1])
+    )
+    for bad in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+            ema(values, bad)
+
+
+def test_parse_rows_skips_bad_lines_and_reads_nan_as_none():
+    lines = [
+        '{"step": 1, "loss": 2.0}',
+        '{"step": 2, "loss": NaN, "grad_norm": Infinity}',
+        "not json",
+        '{"loss": 1.0}',  # no step
+        '["a list"]',
+        "",
+        '{"step": 3, "loss": 1.5',  # cut short by a crash
+    ]
+    assert parse_rows(lines) == [
+        {"step": 1, "loss": 2.0},
+        {"step": 2, "loss": None, "grad_norm": None},
+    ]
+
+
+def test_load_run_says_which_folder_is_not_a_run(tmp_path):
+    with pytest.raises(NotARunError, match=r"has no metrics\.jsonl") as info:
+        load_run(tmp_path)
+    assert str(tmp_path) in str(info.value)
+    with pytest.raises(NotARunError, match="does not exist"):
+        load_run(tmp_path / "missing")
+    with pytest.raises(NotARunError, match="needs run folders"):
+        nbtrain.compare([])
+
+
+def test_an_old_run_without_config_or_time_loads(tmp_path):
+    run = load_run(FIXTURE_RUN)
+    assert run.name == "finished-sft" and run.config == {} and run.adapter is None
+    assert len(run.rows) == 200 and run.final["step"] == 200 and run.final["loss"] == 0.958
+    assert run.final["eval_loss"] == 1.038  # the last row that has one
+    assert series([run], "loss", x="time") == [[]]
+    with pytest.raises(ValueError, match="carry no time"):
+        nbtrain.compare([FIXTURE_RUN, FIXTURE_RUN], x="time")
+    with pytest.raises(ValueError, match="'step' or 'time'"):
+        series([run], "loss", x="epoch")
+    # two runs of one name get distinct labels
+    assert labels([run, replace(run, path="/x/other/finished-sft")]) == [
+        "runs/finished-sft",
+        "other/finished-sft",
+    ]
+
+
+def test_compare_imports_cheaply():
+    code = (
+        "import sys, nbtrain; from nbtrain.compare import load_run, series; "
+        "print(callable(nbtrain.compare), sorted(m for m in ('torch', 'matplotlib', 'pandas', "
+        "'nbtrain.cluster') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True []"
+
+
+# ---- two real runs -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_runs(tiny, tmp_path_factory):
+    """Two tiny finetune runs that differ only in learning rate."""
+    import torch
+
+    from nbtrain.sft.config import SFTConfig
+    from nbtrain.sft.train import finetune
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("compare") / "runs"
+    eval_rows = [json.loads(x) for x in Path(DATA).read_text().splitlines()[:8]]
+    done = []
+    try:
+        for lr in RATES:
+            cfg = SFTConfig(
+                model=tiny,
+                data=DATA,
+                eval_data=eval_rows,
+                eval_steps=3,
+                output_dir=str(root / f"lr-{lr:g}"),
+                max_steps=6,
+                per_device_train_batch_size=4,
+                learning_rate=lr,
+                max_length=48,
+                logging_steps=1,
+                save_steps=None,
+                lora_r=8,
+                lora_dropout=0.0,
+            )
+            started = time.time()
+            result = finetune(cfg)
+            done.append({"cfg": cfg, "result": result, "started": started, "ended": time.time()})
+    finally:
+        torch.set_num_threads(old)
+    return {"root": root, "runs": done}
+
+
+def test_a_run_folder_holds_its_config_and_a_time_per_row(two_runs):
+    for run in two_runs["runs"]:
+        out = Path(run["cfg"].output_dir)
+        saved = json.loads((out / "sft_config.json").read_text())
+        assert saved == json.loads(json.dumps(run["cfg"].to_dict(), default=str))
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        times = [r["time"] for r in rows]
+        assert run["started"] <= times[0] and times[-1] <= run["ended"]
+        assert times == sorted(times)
+        # the history DataFrame carries it too
+        assert list(run["result"].history["time"]) == times
+    assert not list(Path(two_runs["runs"][0]["cfg"].output_dir).glob(".*.tmp"))
+
+
+def test_data_layer_on_two_real_runs(two_runs):
+    paths = [r["cfg"].output_dir for r in two_runs["runs"]]
+    runs = [load_run(p) for p in paths]
+    assert [r.name for r in runs] == ["lr-0.01", "lr-0.001"]
+    assert [r.path for r in runs] == [str(Path(p).resolve()) for p in paths]
+    assert [r.state for r in runs] == ["done", "done"] and all(r.run_id for r in runs)
+    assert runs[0].adapter == str(Path(paths[0]).resolve() / "adapter")
+    # the only setting that differs is the one the test changed
+    assert config_diff(runs) == {"learning_rate": list(RATES)}
+    for run, done in zip(runs, two_runs["runs"], strict=True):
+        h = done["result"].history
+        assert run.final["loss"] == pytest.approx(h["loss"].iloc[-1])
+        assert run.final["eval_loss"] == pytest.approx(h["eval_loss"].dropna().iloc[-1])
+        assert {"loss", "eval_loss", "tokens_per_s", "learning_rate"} <= set(run.metrics)
+
+    loss = series(runs, "loss")
+    assert [[x for x, _ in s] for s in loss] == [[1, 2, 3, 4, 5, 6]] * 2
+    assert [y for _, y in loss[1]] == pytest.approx(
+        list(two_runs["runs"][1]["result"].history["loss"])
+    )
+    assert [[x for x, _ in s] for s in series(runs, "eval_loss")] == [[3, 6], [3, 6]]
+    by_time = series(runs, "loss", x="time")
+    for s, run in zip(by_time, runs, strict=True):
+        xs = [x for x, _ in s]
+        assert xs[0] == 0 and xs == sorted(xs)
+        assert xs[-1] == pytest.approx(run.rows[-1]["time"] - run.rows[0]["time"])
+
+    ys = [y for _, y in loss[0]]
+    assert ema(ys, 0.6) == pytest.approx(_ema_by_hand(ys, 0.6))
+
+    table = list(csv.DictReader(io.StringIO(series_csv(runs, ["loss", "eval_loss"], "step"))))
+    assert [r["run"] for r in table] == ["lr-0.01"] * 6 + ["lr-0.001"] * 6
+    assert float(table[7]["loss"]) == pytest.approx(runs[1].rows[1]["loss"])
+    assert [r["eval_loss"] != "" for r in table[:6]] == [False, False, True, False, False, True]
+
+
+def test_compare_draws_and_tables_two_real_runs(two_runs, tmp_path):
+    paths = [r["cfg"].output_dir for r in two_runs["runs"]]
+    plain = nbtrain.compare(paths)
+    assert plain.metrics == ["loss", "eval_loss", "tokens_per_s", "learning_rate"]
+    assert list(plain.diff.index) == ["learning_rate"]
+    assert list(plain.diff.loc["learning_rate"]) == list(RATES)
+    assert list(plain.table.index) == ["lr-0.01", "lr-0.001"]
+    assert plain.table["adapter"].iloc[1] == str(Path(paths[1]).resolve() / "adapter")
+    assert plain.table["loss"].iloc[0] == pytest.approx(load_run(paths[0]).final["loss"])
+    assert plain.png().startswith(PNG)
+    assert plain.notes == []
+
+    page = plain._repr_html_()
+    img = page.split('src="data:image/png;base64,', 1)[1].split('"', 1)[0]
+    assert base64.b64decode(img).startswith(PNG)
+    assert "learning_rate" in page and "lr-0.001" in page
+
+    # one subplot per metric, each run a line with its name in the legend
+    ax = plain.figure.axes[0]
+    assert ax.get_title() == "loss"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["lr-0.01", "lr-0.001"]
+    drawn = [list(line.get_ydata()) for line in ax.lines]
+    assert drawn == [[y for _, y in s] for s in series(plain.runs, "loss")]
+
+    smooth = nbtrain.compare(paths, smooth=0.8, logy=True)
+    ax = smooth.figure.axes[0]
+    assert ax.get_yscale() == "log"
+    raw_1, smooth_1 = (list(line.get_ydata()) for line in ax.lines[:2])
+    assert raw_1 == drawn[0]  # the faint raw curve stays under the smoothed one
+    assert ax.lines[0].get_alpha() < 1
+    assert smooth_1 != raw_1 and smooth_1 == pytest.approx(_ema_by_hand(raw_1, 0.8))
+
+    written = smooth.save(tmp_path / "report")
+    assert Path(written["png"]).read_bytes().startswith(PNG)
+    assert Path(written["csv"]).read_text() == smooth.csv()
+    md = Path(written["md"]).read_text()
+    assert "| learning_rate | 0.01 | 0.001 |" in md
+
+    # a folder of run folders stands for all of them; one run is drawn, with a note
+    assert nbtrain.compare(two_runs["root"]).labels == ["lr-0.001", "lr-0.01"]
+    one = nbtrain.compare(paths[0])
+    assert one.notes and "two or more" in one.notes[0]
+    with pytest.raises(ValueError, match="none of the runs logged mfu"):
+        nbtrain.compare(paths, metrics=["mfu"])
