@@ -74,11 +74,17 @@ export class RunPanel extends Widget {
       this._onStop(metrics.runId);
     });
     this._header.append(this._summary, this._stop);
-    this._loss = new LineChart('Loss', 'loss');
-    this._throughput = new LineChart('Tokens/s', 'tokens_per_s');
-    this._lr = new LineChart('Learning rate', 'learning_rate');
-    this._memory = new LineChart('GPU peak memory (GB)', 'peak_memory_gb');
-    this._mfu = new LineChart('MFU (%)', 'mfu');
+    this._loss = new LineChart('Loss', 'loss', { hover: true });
+    this._throughput = new LineChart('Tokens/s', 'tokens_per_s', {
+      hover: true
+    });
+    this._lr = new LineChart('Learning rate', 'learning_rate', {
+      hover: true
+    });
+    this._memory = new LineChart('GPU peak memory (GB)', 'peak_memory_gb', {
+      hover: true
+    });
+    this._mfu = new LineChart('MFU (%)', 'mfu', { hover: true });
     this._grid = document.createElement('div');
     this._grid.className = 'nbtrain-RunPanel-charts';
     this._grid.append(

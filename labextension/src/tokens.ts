@@ -89,6 +89,27 @@ export interface IScalingPage {
   report: IScalingReport;
 }
 
+/** One run as GET compare?runs=... returns it (nbtrain.compare.load_run on the server). */
+export interface ICompareRun {
+  id: string;
+  name: string;
+  /** The name, made distinct among the runs compared (nbtrain.compare.labels). */
+  label: string;
+  state: RunState | null;
+  output_dir: string;
+  rows: IMetricsRow[];
+  /** The last value of each metric. */
+  final: Record<string, number | string | null>;
+  /** output_dir/adapter when an adapter was exported. */
+  adapter: string | null;
+}
+
+/** GET compare?runs=<id>,<id>: the runs, and the settings that differ (values in run order). */
+export interface IComparePage {
+  runs: ICompareRun[];
+  diff: Record<string, unknown[]>;
+}
+
 /** One rank of a cluster, from nbtrain's side file. */
 export interface IRank {
   rank: number;
