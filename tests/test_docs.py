@@ -47,6 +47,8 @@ EXPECT = {
     ],
     "own-loop.md": ["world size 2, 6 steps", "final loss", "cluster stopped"],
     "install.md": ["0.1.0"],
+    # the diff holds the one setting the two runs differ in
+    "compare.md": ["learning_rate    0.001     0.01\n         learning_rate"],
     "README.md": ["tensor([1.])", "cluster stopped"],
 }
 

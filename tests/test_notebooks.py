@@ -268,3 +268,36 @@ def test_ray_and_groups_notebook_runs(tmp_path):
     only = next(c for c in nb.cells if c.source.startswith("%%distributed --group rollout"))
     shown = "".join(o.get("text", "") for o in only.outputs)
     assert "rank 0:" not in shown and "rank 1:" not in shown, shown
+
+
+@pytest.mark.timeout(400)
+def test_compare_notebook_runs(tmp_path, monkeypatch):
+    """notebooks/06-compare-runs.ipynb top to bottom in a real kernel: two runs on two engines at two
+    learning rates, then nbtrain.compare's image and table in the cell output, and its saved files."""
+    import base64
+
+    monkeypatch.setenv("NBTRAIN_DEMO_OUT", str(tmp_path / "out"))
+    nb = nbformat.read(ROOT / "notebooks" / "06-compare-runs.ipynb", as_version=4)
+    client = NotebookClient(
+        nb,
+        km=_kernel_manager(JUPYTER_SHUTDOWN_WAIT),
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute(cleanup_kc=True)
+    shown = next(c for c in nb.cells if c.source.startswith("cmp = nbtrain.compare"))
+    page = next(o.data["text/html"] for o in shown.outputs if "text/html" in o.get("data", {}))
+    img = page.split('src="data:image/png;base64,', 1)[1].split('"', 1)[0]
+    assert base64.b64decode(img)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "lr-0.001" in page and "lr-0.01" in page and "learning_rate" in page
+    printed = _stdout(next(c for c in nb.cells if c.source.startswith("print(cmp.diff)")))
+    # the diff holds the one setting the runs differ in, in run order
+    lines = printed.splitlines()
+    assert lines[1].split() == ["learning_rate", "0.001", "0.01"], printed
+    assert "['csv', 'md', 'png']" in printed
+    assert (tmp_path / "out" / "compare" / "compare.png").is_file()
+    for lr in ("0.001", "0.01"):
+        run = tmp_path / "out" / "runs" / f"lr-{lr}"
+        assert json.loads((run / "sft_config.json").read_text())["learning_rate"] == float(lr)
+        assert (run / "adapter" / "adapter_config.json").is_file()

@@ -168,7 +168,11 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(tiny, tmp_path):
     # rank 1 exports nothing and writes nothing; rank 0 wrote the run folder
     assert two[0]["adapter_dir"] == str(tmp_path / "two" / "adapter")
     assert two[1]["adapter_dir"] is None
-    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["adapter", "metrics.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
+        "adapter",
+        "metrics.jsonl",
+        "sft_config.json",
+    ]
 
 
 def test_resume_latest_on_two_ranks_equals_uninterrupted(tiny, tmp_path):

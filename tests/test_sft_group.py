@@ -105,7 +105,11 @@ def test_finetune_on_a_sub_group_equals_a_two_rank_run(ip, cluster, tiny, tmp_pa
         json.loads((tmp_path / "pair" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
     )
     # the group's rank 0 wrote the run folder, no other rank wrote anything
-    assert sorted(p.name for p in (tmp_path / "pair").iterdir()) == ["adapter", "metrics.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "pair").iterdir()) == [
+        "adapter",
+        "metrics.jsonl",
+        "sft_config.json",
+    ]
 
 
 def test_a_rank_outside_the_group_is_refused(ip, cluster, tiny, tmp_path):

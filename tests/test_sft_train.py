@@ -445,7 +445,13 @@ def test_output_dir_with_another_runs_checkpoints(tiny, tmp_path):
     # overwrite=True starts over, removing only nbtrain's own files
     result = finetune(make_cfg(tiny, out, max_steps=2, overwrite=True))
     assert result.global_step == 2
-    assert sorted(p.name for p in out.iterdir()) == ["adapter", "metrics.jsonl", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter",
+        "metrics.jsonl",
+        "notes.txt",
+        "sft_config.json",
+    ]
+    assert json.loads((out / "sft_config.json").read_text())["max_steps"] == 2
 
 
 def test_finetune_needs_an_sftconfig():

@@ -242,12 +242,13 @@ def compare(
 def _draw(curves: dict[str, list[Curve]], x: str, smooth: float, logy: bool) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     n = len(curves)
     ncols = min(2, n)
     nrows = math.ceil(n / ncols)
     # a plain Figure, not pyplot: the inline backend would show it a second time
-    fig = Figure(figsize=(6.0 * ncols, 3.4 * nrows), dpi=90, layout="constrained")
+    fig = Figure(figsize=(6.0 * ncols, 3.4 * nrows), dpi=80, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, (metric, runs) in zip(axes, curves.items(), strict=False):
@@ -262,6 +263,8 @@ def _draw(curves: dict[str, list[Curve]], x: str, smooth: float, logy: bool) -> 
                 ax.plot(c.x, c.smoothed, "o", color=color)
         ax.set_title(_TITLES.get(metric, metric))
         ax.set_xlabel("step" if x == "step" else "seconds")
+        if x == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if logy:
             ax.set_yscale("log", nonpositive="mask")
         ax.grid(True, alpha=0.3)

@@ -287,5 +287,5 @@ def clear_output_dir(out: Path) -> None:
             or p.name.startswith(".tmp-")
         ):
             shutil.rmtree(p, ignore_errors=True)
-        elif p.name == "metrics.jsonl":
+        elif p.name in ("metrics.jsonl", CONFIG_FILE):
             p.unlink()

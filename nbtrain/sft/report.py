@@ -156,11 +156,14 @@ class Meter:
         if self.on_gpu:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self.start
-        # ranks' loss shares add up to the global mean; each rank's peak memory rides along
-        vec = torch.zeros(1 + d.world, dtype=torch.float64)
+        # ranks' loss shares add up to the global mean; rank 0's wall clock (so every rank's row has
+        # the same time) and each rank's peak memory ride along
+        vec = torch.zeros(2 + d.world, dtype=torch.float64)
         vec[0] = self.loss.item()
+        if d.is_zero:
+            vec[1] = time.time()
         if self.on_gpu:
-            vec[1 + d.rank] = torch.cuda.max_memory_allocated() / 2**30
+            vec[2 + d.rank] = torch.cuda.max_memory_allocated() / 2**30
         vec = d.sum_meta(vec)
         steps = max(self.steps, 1)
         tokens_per_s = self.tokens / elapsed if elapsed > 0 else 0.0
@@ -173,15 +176,15 @@ class Meter:
             "step_time": elapsed / steps,
             "epoch": step / self.spe,
             # wall-clock time of the row, so runs can be compared against time as well as step
-            "time": time.time(),
+            "time": float(vec[1]),
         }
         if eval_loss is not None:
             row["eval_loss"] = eval_loss
         if self.on_gpu:
             if self.peak_flops:
                 row["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * d.world)
-            row["peak_memory_gb"] = float(vec[1:].max())
+            row["peak_memory_gb"] = float(vec[2:].max())
             for r in range(d.world):
-                row[f"peak_memory_gb_rank{r}"] = float(vec[1 + r])
+                row[f"peak_memory_gb_rank{r}"] = float(vec[2 + r])
         self.reset()
         return row
