@@ -2,7 +2,7 @@
  * The comparison panel: the chosen runs' loss, eval loss, tokens/s and learning-rate curves over
  * each other (a colour per run), against step or time, smoothed as TensorBoard smooths, on a
  * linear or log y axis, with a tooltip of each run's value at the hovered step; beside them a
- * table of the settings that differ, each run's last metrics and its adapter; a CSV download of
+ * table of the settings that differ, each run's last metrics and its adapter folder; a CSV download of
  * what is drawn.
  */
 import { Widget } from '@lumino/widgets';
@@ -179,14 +179,7 @@ export class ComparePanel extends Widget {
     const fields = Object.keys(page.diff);
     const head = document.createElement('thead');
     const top = head.insertRow();
-    for (const title of [
-      'run',
-      ...fields,
-      'loss',
-      'eval loss',
-      'tokens/s',
-      'adapter'
-    ]) {
+    for (const title of ['run', ...fields, 'loss', 'eval loss', 'tokens/s']) {
       const th = document.createElement('th');
       th.textContent = title;
       if (fields.includes(title)) {
@@ -203,7 +196,13 @@ export class ComparePanel extends Widget {
       const key = document.createElement('span');
       key.className = `nbtrain-Chart-key ${COLOURS[r % COLOURS.length]}`;
       key.textContent = run.label;
-      name.appendChild(key);
+      // the adapter under the name: a long path would squeeze the numbers beside it
+      const adapter = document.createElement('div');
+      adapter.className = 'nbtrain-Compare-adapter';
+      adapter.textContent = run.adapter ?? 'no adapter exported';
+      adapter.title = 'adapter folder';
+      name.className = 'nbtrain-Compare-run';
+      name.append(key, adapter);
       name.title = run.output_dir;
       for (const field of fields) {
         const td = tr.insertCell();
@@ -213,9 +212,6 @@ export class ComparePanel extends Widget {
       tr.insertCell().textContent = formatLoss(finalValue(run, 'loss'));
       tr.insertCell().textContent = formatLoss(finalValue(run, 'eval_loss'));
       tr.insertCell().textContent = formatRate(finalValue(run, 'tokens_per_s'));
-      const adapter = tr.insertCell();
-      adapter.className = 'nbtrain-Compare-adapter';
-      adapter.textContent = run.adapter ?? '—';
     });
     this._table.replaceChildren(head, body);
     this._table.dataset.fields = fields.join(',');
