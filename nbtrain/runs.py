@@ -5,7 +5,9 @@ Each `finetune` registers its `output_dir` here (rank 0 only). A run is one smal
 which `finetune` checks at step boundaries. The registry lives in ``$NBTRAIN_HOME/runs``
 (default ``~/.local/share/nbtrain/runs``, or under ``$XDG_DATA_HOME``).
 
-The server reads only folders registered here: a run's metrics are ``<output_dir>/metrics.jsonl``.
+The server reads only folders registered here: a run's metrics are ``<output_dir>/metrics.jsonl``;
+a record with a ``scaling`` folder (a scaling report, see `record_scaling`) also has its
+``scaling.json`` and ``scaling.png`` read.
 """
 
 from __future__ import annotations
@@ -81,12 +83,35 @@ def register_run(
     total_steps: int | None = None,
     cluster_id: str | None = None,
     world_size: int = 1,
+    kind: str = "finetune",
 ) -> str:
     """Record a run as running and return its id; clears any stale stop request."""
     out = Path(output_dir).expanduser().resolve()
-    run_id = run_id_for(out)
-    record = {
-        "id": run_id,
+    record = _new_record(
+        out,
+        name=name,
+        kind=kind,
+        total_steps=total_steps,
+        cluster_id=cluster_id,
+        world_size=world_size,
+    )
+    clear_stop(record["id"])
+    _write_json(registry_dir() / f"{record['id']}.json", record)
+    return record["id"]
+
+
+def _new_record(
+    out: Path,
+    *,
+    name: str | None,
+    kind: str,
+    total_steps: int | None = None,
+    cluster_id: str | None = None,
+    world_size: int = 1,
+) -> dict[str, Any]:
+    return {
+        "id": run_id_for(out),
+        "kind": kind,
         "name": name or out.name,
         "output_dir": str(out),
         "state": "running",
@@ -101,9 +126,6 @@ def register_run(
         "cluster_id": cluster_id,
         "world_size": world_size,
     }
-    clear_stop(run_id)
-    _write_json(registry_dir() / f"{run_id}.json", record)
-    return run_id
 
 
 def update_run(run_id: str, **fields: Any) -> None:
@@ -122,6 +144,32 @@ def finish_run(run_id: str, state: str) -> None:
         raise ValueError(msg)
     update_run(run_id, state=state, ended=time.time())
     clear_stop(run_id)
+
+
+def record_scaling(
+    out: str | os.PathLike[str], *, name: str, run_dir: str | os.PathLike[str] | None = None
+) -> str:
+    """List a saved scaling report in the sidebar and link it from the run it measured.
+
+    `out` (the folder holding scaling.json and scaling.png) becomes a finished record of kind
+    "scaling", so the report is listed even when the config's own run never ran; when `run_dir` (the
+    config's output_dir) is a registered run, that run's record points at the report too. Returns
+    the id of the scaling record.
+    """
+    folder = str(Path(out).expanduser().resolve())
+    linked = run_id_for(run_dir) if run_dir is not None else None
+    if linked is not None and get_run(linked) is not None:
+        update_run(linked, scaling=folder)
+    scaling_id = run_id_for(folder)
+    if scaling_id == linked and get_run(linked) is not None:
+        # the report was saved into the run's own folder: that run's record already links it
+        return scaling_id
+    record = _new_record(Path(folder), name=name, kind="scaling")
+    # written finished in one go: the sidebar never sees a scaling report "running"
+    measured = str(Path(run_dir).expanduser().resolve()) if run_dir is not None else None
+    record.update(state="done", ended=record["started"], scaling=folder, measured=measured)
+    _write_json(registry_dir() / f"{scaling_id}.json", record)
+    return scaling_id
 
 
 def forget_run(run_id: str) -> None:

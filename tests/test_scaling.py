@@ -48,8 +48,11 @@ def test_scaling_report_on_ranks(cluster, tiny, tmp_path):
     before = list_runs()
     cfg = _cfg(tiny, tmp_path / "user-run")
     report = nbtrain.scaling(cfg, ranks=[1, 2, 4], steps=5, predict=[8], out=str(tmp_path / "rep"))
-    # the sizes' scratch runs leave no record in the runs sidebar
-    assert list_runs() == before
+    # the sizes' scratch runs leave no record in the runs sidebar; the report, saved with out=, has one
+    new = [r for r in list_runs() if r["id"] not in {b["id"] for b in before}]
+    assert [(r["kind"], r["state"]) for r in new] == [("scaling", "done")]
+    assert new[0]["scaling"] == str((tmp_path / "rep").resolve())
+    assert new[0]["measured"] == str((tmp_path / "user-run").resolve())
     t = report.table
     assert list(t["ranks"]) == [1, 2, 4, 8]
     assert list(t["kind"]) == ["measured", "measured", "measured", "predicted"]

@@ -280,3 +280,172 @@ def test_side_file_counts_nodes_and_gpus(tmp_path):
     assert model["state"] == "stopped"  # no controller is running, whatever the side file says
     assert model["nodes"] == 2 and model["gpus"] == 4 and model["world_size"] == 4
     assert model["backend"] == "nccl"
+
+
+def test_scaling_report_of_a_run_and_its_own_record(fetch, tmp_path, finished_run):
+    """A report saved with out= is listed as its own record and linked from the run it measured."""
+    from tests.ui.fixtures import scaling_report
+
+    run_dir = Path(runs.get_run(finished_run)["output_dir"])
+    assert _status(fetch, "nbtrain", "api", "runs", finished_run, "scaling") == 404
+    report, scaling_id = scaling_report(tmp_path / "scaling-out", run_dir=run_dir)
+
+    record = _json(fetch("nbtrain", "api", "runs", scaling_id))
+    assert record["kind"] == "scaling" and record["state"] == "done"
+    assert record["measured"] == str(run_dir)
+    listed = {r["id"]: r for r in _json(fetch("nbtrain", "api", "runs"))["runs"]}
+    assert listed[finished_run]["scaling"] == str((tmp_path / "scaling-out").resolve())
+
+    for run_id in (scaling_id, finished_run):
+        data = _json(fetch("nbtrain", "api", "runs", run_id, "scaling"))
+        assert data["folder"] == str((tmp_path / "scaling-out").resolve())
+        rows = data["report"]["rows"]
+        assert [r["nodes"] for r in rows] == [1, 2, 4, 8, 16]
+        assert [r["predicted"] for r in rows] == [False, False, False, True, True]
+        assert [r["tokens_per_s"] for r in rows] == pytest.approx(
+            [r["tokens_per_s"] for r in report.rows]
+        )
+        assert data["report"]["verdict"]["line"] == report.verdict.line
+        png = fetch("nbtrain", "api", "runs", run_id, "scaling.png")
+        assert png.headers["Content-Type"] == "image/png"
+        assert png.body == (tmp_path / "scaling-out" / "scaling.png").read_bytes()
+        assert png.body[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # without a token, neither is served (the image, a page not an API call, redirects to login)
+    code = _status(
+        fetch, "nbtrain", "api", "runs", scaling_id, "scaling", headers={"Authorization": ""}
+    )
+    assert code == 403
+    code = _status(
+        fetch,
+        "nbtrain",
+        "api",
+        "runs",
+        scaling_id,
+        "scaling.png",
+        headers={"Authorization": ""},
+        follow_redirects=False,
+    )
+    assert code in (302, 403)
+
+
+def test_scaling_files_never_read_outside_the_report_folder(fetch, tmp_path):
+    from tests.ui.fixtures import scaling_report
+
+    out = tmp_path / "rep"
+    _, scaling_id = scaling_report(out)
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(b"\x89PNG secret")
+    (out / "scaling.png").unlink()
+    (out / "scaling.png").symlink_to(secret)
+    assert _status(fetch, "nbtrain", "api", "runs", scaling_id, "scaling.png") == 403
+    (out / "scaling.json").unlink()
+    assert _status(fetch, "nbtrain", "api", "runs", scaling_id, "scaling") == 404
+    assert _status(fetch, "nbtrain", "api", "runs", scaling_id, "..%2Fsecret.png") == 404
+
+
+RATES = (1e-2, 1e-3)
+
+
+@pytest.fixture(scope="module")
+def two_real_runs(tiny, tmp_path_factory):
+    """Two real tiny finetune runs that differ only in learning rate (6 steps each)."""
+    import torch
+
+    from nbtrain.sft.config import SFTConfig
+    from nbtrain.sft.train import finetune
+
+    data = Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl"
+    root = tmp_path_factory.mktemp("compare")
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for lr in RATES:
+            finetune(
+                SFTConfig(
+                    model=tiny,
+                    data=str(data),
+                    output_dir=str(root / f"lr-{lr:g}"),
+                    max_steps=6,
+                    per_device_train_batch_size=4,
+                    learning_rate=lr,
+                    max_length=48,
+                    logging_steps=1,
+                    save_steps=None,
+                    lora_r=8,
+                    lora_dropout=0.0,
+                )
+            )
+    finally:
+        torch.set_num_threads(old)
+    return [root / f"lr-{lr:g}" for lr in RATES]
+
+
+def _register_done(folder: Path) -> str:
+    run_id = runs.register_run(folder)
+    runs.finish_run(run_id, "done")
+    return run_id
+
+
+def test_compare_two_real_runs(fetch, two_real_runs):
+    ids = [_register_done(f) for f in two_real_runs]
+    data = _json(fetch("nbtrain", "api", "compare", params={"runs": ",".join(ids)}))
+    # only the learning rate differs (where each run wrote is left out of the diff by design)
+    assert data["diff"] == {"learning_rate": list(RATES)}
+    assert [r["id"] for r in data["runs"]] == ids
+    for run, folder in zip(data["runs"], two_real_runs, strict=True):
+        written = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert run["name"] == folder.name and run["label"] == folder.name
+        assert run["output_dir"] == str(folder.resolve()) and run["state"] == "done"
+        assert [r["step"] for r in run["rows"]] == [1, 2, 3, 4, 5, 6]
+        assert run["rows"] == written
+        assert all(isinstance(r["time"], float) for r in run["rows"])
+        assert run["final"]["loss"] == written[-1]["loss"]
+        assert "time" not in run["final"]
+        assert run["adapter"] == str(folder.resolve() / "adapter")
+        assert (Path(run["adapter"]) / "adapter_config.json").is_file()
+    # a higher learning rate moved the loss further in 6 steps: the runs really differ
+    assert data["runs"][0]["final"]["loss"] != data["runs"][1]["final"]["loss"]
+
+    # the same id twice is one run; the order asked is the order answered
+    again = _json(
+        fetch("nbtrain", "api", "compare", params={"runs": f"{ids[1]},{ids[0]},{ids[1]}"})
+    )
+    assert [r["id"] for r in again["runs"]] == [ids[1], ids[0]]
+    assert again["diff"] == {"learning_rate": list(reversed(RATES))}
+
+
+def test_compare_refuses_what_is_not_a_registered_run(fetch, tmp_path, two_real_runs):
+    ids = [_register_done(f) for f in two_real_runs]
+    url = ("nbtrain", "api", "compare")
+
+    def status(value, **kw):
+        return _status(fetch, *url, params={"runs": value}, **kw)
+
+    assert status(",".join(ids), headers={"Authorization": ""}) == 403
+    assert _status(fetch, *url) == 400  # no runs=
+    assert status("") == 400
+    assert status(f"{ids[0]},../../etc") == 400
+    assert status(f"{ids[0]},abc.def") == 400
+    assert status(",".join([ids[0]] * 2 + [f"{i:012x}" for i in range(16)])) == 400  # too many
+    assert status(f"{ids[0]},0123456789ab") == 404
+    # an unregistered copy of a run folder is not reachable by its would-be id
+    copy = tmp_path / "copy"
+    shutil.copytree(two_real_runs[0], copy)
+    assert status(f"{ids[0]},{runs.run_id_for(copy)}") == 404
+    # a scaling report is listed beside runs but has no curves
+    from tests.ui.fixtures import scaling_report
+
+    _, scaling_id = scaling_report(tmp_path / "rep")
+    assert status(f"{ids[0]},{scaling_id}") == 400
+    # registered before its first logged step: no metrics to compare yet
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert status(f"{ids[0]},{runs.register_run(fresh)}") == 409
+    # a metrics file that leads out of its folder is not followed
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text(json.dumps({"step": 1, "password": "hunter2"}) + "\n")
+    sneaky = tmp_path / "sneaky"
+    sneaky.mkdir()
+    (sneaky / "metrics.jsonl").symlink_to(secret)
+    assert status(f"{ids[0]},{_register_done(sneaky)}") == 403

@@ -9,6 +9,15 @@ export interface ISeries {
   /** A CSS class that sets the stroke colour (see style/base.css). */
   className: string;
   points: Array<[number, number]>;
+  /** A faint underlay (the raw curve under a smoothed one): not in the legend nor the tooltip. */
+  faint?: boolean;
+}
+
+/** The points of a series on a log10 y axis: values that are not positive cannot be drawn. */
+export function logPoints(
+  points: Array<[number, number]>
+): Array<[number, number]> {
+  return points.filter(([, y]) => y > 0).map(([x, y]) => [x, Math.log10(y)]);
 }
 
 export interface IExtent {
@@ -166,9 +175,19 @@ export function leftMargin(yLabels: string[]): number {
   return Math.max(MARGIN.left, longest * TICK_CHAR + TICK_GAP + 4);
 }
 
+/** How a chart draws: a log y axis, a tooltip on hover naming the x. */
+export interface IChartOptions {
+  logY?: boolean;
+  /** What the x axis counts, for the tooltip: `step` (the default) or `s`. */
+  xName?: string;
+  /** Show each series' value at the x nearest the pointer. */
+  hover?: boolean;
+}
+
 /** One chart: a title, a legend and an SVG redrawn by `update`. */
 export class LineChart {
-  constructor(title: string, name: string) {
+  constructor(title: string, name: string, options: IChartOptions = {}) {
+    this._options = { ...options };
     this.node = document.createElement('figure');
     this.node.className = 'nbtrain-Chart';
     this.node.dataset.chart = name;
@@ -179,27 +198,48 @@ export class LineChart {
     caption.appendChild(this._legend);
     this._svg = document.createElementNS(SVG_NS, 'svg');
     this._svg.setAttribute('viewBox', `0 0 ${WIDTH} ${HEIGHT}`);
-    this.node.append(caption, this._svg);
+    this._tip = document.createElement('div');
+    this._tip.className = 'nbtrain-Chart-tooltip';
+    this._tip.hidden = true;
+    this.node.append(caption, this._svg, this._tip);
+    if (options.hover) {
+      this._svg.addEventListener('mousemove', this._onMove);
+      this._svg.addEventListener('mouseleave', this._onLeave);
+    }
   }
 
   readonly node: HTMLElement;
 
+  /** Change how the chart draws; the next `update` uses it. */
+  setOptions(options: IChartOptions): void {
+    this._options = { ...this._options, ...options };
+  }
+
   /** Redraw with these series (empty series are left out of the legend). */
   update(series: ISeries[]): void {
-    const shown = series.filter(s => s.points.length > 0);
+    const logY = Boolean(this._options.logY);
+    this.node.dataset.logY = String(logY);
+    const shown = series
+      .map(s => (logY ? { ...s, points: logPoints(s.points) } : s))
+      .filter(s => s.points.length > 0);
+    this._shown = shown;
+    this._layout = null;
+    this._onLeave();
     this._legend.replaceChildren(
-      ...shown.map(s => {
-        const item = document.createElement('span');
-        item.className = `nbtrain-Chart-key ${s.className}`;
-        const last = s.points[s.points.length - 1][1];
-        item.textContent = `${s.label} ${formatTick(last)}`;
-        return item;
-      })
+      ...shown
+        .filter(s => !s.faint)
+        .map(s => {
+          const item = document.createElement('span');
+          item.className = `nbtrain-Chart-key ${s.className}`;
+          const last = s.points[s.points.length - 1][1];
+          item.textContent = `${s.label} ${formatTick(logY ? Math.pow(10, last) : last)}`;
+          return item;
+        })
     );
     const box = extent(shown);
     this._svg.replaceChildren();
     this.node.dataset.points = String(
-      shown.reduce((n, s) => n + s.points.length, 0)
+      shown.filter(s => !s.faint).reduce((n, s) => n + s.points.length, 0)
     );
     if (!box) {
       const empty = this._el('text', {
@@ -213,7 +253,9 @@ export class LineChart {
       return;
     }
     const yTicks = niceTicks(box.y0, box.y1, 4);
-    const yLabels = formatTicks(yTicks);
+    const yLabels = logY
+      ? formatTicks(yTicks.map(t => Number(Math.pow(10, t).toPrecision(6))))
+      : formatTicks(yTicks);
     const left = leftMargin(yLabels);
     const w = WIDTH - left - MARGIN.right;
     const h = HEIGHT - MARGIN.top - MARGIN.bottom;
@@ -253,18 +295,99 @@ export class LineChart {
       label.textContent = xLabels[i];
       plot.appendChild(label);
     }
-    for (const s of shown) {
+    // faint underlays first, so the lines people read are drawn over them
+    for (const s of [
+      ...shown.filter(s => s.faint),
+      ...shown.filter(s => !s.faint)
+    ]) {
       const points = downsample(s.points, 2 * w);
-      plot.appendChild(
-        this._el('path', {
-          d: linePath(points, box, w, h),
-          class: `nbtrain-Chart-line ${s.className}`,
-          'vector-effect': 'non-scaling-stroke'
-        })
-      );
+      const path = this._el('path', {
+        d: linePath(points, box, w, h),
+        class: `nbtrain-Chart-line ${s.className}${s.faint ? ' nbtrain-Chart-faint' : ''}`,
+        'vector-effect': 'non-scaling-stroke'
+      });
+      path.dataset.series = s.label;
+      plot.appendChild(path);
     }
+    this._guide = this._el('line', {
+      y1: 0,
+      y2: h,
+      class: 'nbtrain-Chart-guide',
+      visibility: 'hidden'
+    });
+    plot.appendChild(this._guide);
     this._svg.appendChild(plot);
+    this._layout = { box, left, w, h };
   }
+
+  /** The tooltip's lines at data x `x`: each series' value at its point nearest x. */
+  tooltipAt(
+    x: number
+  ): { x: number; lines: Array<[string, string, number]> } | null {
+    const logY = Boolean(this._options.logY);
+    let at: number | null = null;
+    const lines: Array<[string, string, number]> = [];
+    for (const s of this._shown) {
+      if (s.faint) {
+        continue;
+      }
+      const p = nearestByX(s.points, x);
+      if (!p) {
+        continue;
+      }
+      if (at === null || Math.abs(p[0] - x) < Math.abs(at - x)) {
+        at = p[0];
+      }
+      const value = logY ? Math.pow(10, p[1]) : p[1];
+      lines.push([s.label, s.className, value]);
+    }
+    return at === null ? null : { x: at, lines };
+  }
+
+  private _onMove = (event: MouseEvent): void => {
+    const layout = this._layout;
+    if (!layout) {
+      return;
+    }
+    const rect = this._svg.getBoundingClientRect();
+    const scale = WIDTH / rect.width;
+    const px = (event.clientX - rect.left) * scale - layout.left;
+    const { box, w } = layout;
+    const x = box.x0 + (Math.min(Math.max(px, 0), w) / w) * (box.x1 - box.x0);
+    const tip = this.tooltipAt(x);
+    if (!tip) {
+      this._onLeave();
+      return;
+    }
+    const gx = ((tip.x - box.x0) / (box.x1 - box.x0)) * w;
+    this._guide?.setAttribute('x1', String(gx));
+    this._guide?.setAttribute('x2', String(gx));
+    this._guide?.setAttribute('visibility', 'visible');
+    const head = document.createElement('div');
+    head.className = 'nbtrain-Chart-tooltipHead';
+    head.textContent = `${this._options.xName ?? 'step'} ${formatTick(tip.x, 2)}`;
+    this._tip.replaceChildren(
+      head,
+      ...tip.lines.map(([label, className, value]) => {
+        const line = document.createElement('div');
+        line.className = `nbtrain-Chart-key ${className}`;
+        line.dataset.series = label;
+        line.textContent = `${label}: ${formatTick(value, 2)}`;
+        return line;
+      })
+    );
+    this._tip.hidden = false;
+    // beside the pointer, inside the figure
+    const fig = this.node.getBoundingClientRect();
+    const right = event.clientX - fig.left + 14;
+    this._tip.style.left = `${Math.min(right, fig.width - this._tip.offsetWidth - 4)}px`;
+    this._tip.style.top = `${event.clientY - fig.top + 10}px`;
+  };
+
+  private _onLeave = (): void => {
+    this._tip.hidden = true;
+    this._guide?.setAttribute('visibility', 'hidden');
+  };
 
   private _el(tag: string, attrs: Record<string, string | number>): SVGElement {
     const el = document.createElementNS(SVG_NS, tag);
@@ -276,4 +399,33 @@ export class LineChart {
 
   private _svg: SVGSVGElement;
   private _legend: HTMLElement;
+  private _tip: HTMLElement;
+  private _guide: SVGElement | null = null;
+  private _options: IChartOptions;
+  private _shown: ISeries[] = [];
+  private _layout: { box: IExtent; left: number; w: number; h: number } | null =
+    null;
+}
+
+/** The point whose x is nearest `x` (points in x order), or null for none. */
+export function nearestByX(
+  points: Array<[number, number]>,
+  x: number
+): [number, number] | null {
+  if (!points.length) {
+    return null;
+  }
+  let lo = 0;
+  let hi = points.length - 1;
+  while (hi - lo > 1) {
+    const mid = (lo + hi) >> 1;
+    if (points[mid][0] <= x) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return Math.abs(points[hi][0] - x) < Math.abs(points[lo][0] - x)
+    ? points[hi]
+    : points[lo];
 }

@@ -16,6 +16,8 @@ import {
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
 
+import { CompareModel } from './compare';
+import { ComparePanel } from './comparepanel';
 import { newestRunning, RunMetrics, TrainingModel } from './model';
 import { RunPanel } from './panel';
 import { requestAPI } from './request';
@@ -27,6 +29,7 @@ export namespace CommandIDs {
   export const openRun = 'nbtrain:open-run';
   export const stopRun = 'nbtrain:stop-run';
   export const refresh = 'nbtrain:refresh';
+  export const compareRuns = 'nbtrain:compare-runs';
 }
 
 const trainingIcon = new LabIcon({
@@ -75,6 +78,32 @@ const plugin: JupyterFrontEndPlugin<void> = {
       namespace: 'nbtrain-run'
     });
 
+    const compareTracker = new WidgetTracker<MainAreaWidget<ComparePanel>>({
+      namespace: 'nbtrain-compare'
+    });
+
+    const compareRuns = (ids: string[]) => {
+      const key = ids.join(',');
+      const open = compareTracker.find(
+        w => w.content.model.runIds.join(',') === key
+      );
+      if (open) {
+        app.shell.activateById(open.id);
+        return open;
+      }
+      const content = new ComparePanel(
+        new CompareModel({ request, runIds: ids })
+      );
+      const widget = new MainAreaWidget({ content });
+      widget.id = `nbtrain-compare-${ids.join('-')}`;
+      widget.title.icon = trainingIcon;
+      widget.title.closable = true;
+      void compareTracker.add(widget);
+      app.shell.add(widget, 'main');
+      app.shell.activateById(widget.id);
+      return widget;
+    };
+
     const stopRun = async (id: string) => {
       try {
         await model.stopRun(id);
@@ -95,7 +124,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
         return open;
       }
       const metrics = new RunMetrics({ request, runId: id });
-      const content = new RunPanel(metrics, runId => void stopRun(runId));
+      const content = new RunPanel(
+        metrics,
+        runId => void stopRun(runId),
+        request
+      );
       const widget = new MainAreaWidget({ content });
       widget.id = `nbtrain-run-${id}`;
       widget.title.label = `Run: ${model.getRun(id)?.name ?? id}`;
@@ -154,6 +187,15 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
     });
 
+    app.commands.addCommand(CommandIDs.compareRuns, {
+      label: 'Compare Training Runs',
+      caption: 'Draw the runs ticked in the Training sidebar over each other',
+      execute: args => {
+        const ids = (args.ids as string[] | undefined) ?? [];
+        return ids.length ? compareRuns(ids) : undefined;
+      }
+    });
+
     if (palette) {
       const category = 'Training';
       palette.addItem({ command: CommandIDs.openRun, category });
@@ -163,7 +205,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     const sidebar = new TrainingSidebar(model, {
       openRun: id => void app.commands.execute(CommandIDs.openRun, { id }),
-      stopRun: id => void app.commands.execute(CommandIDs.stopRun, { id })
+      stopRun: id => void app.commands.execute(CommandIDs.stopRun, { id }),
+      compareRuns: ids =>
+        void app.commands.execute(CommandIDs.compareRuns, { ids })
     });
     sidebar.title.icon = trainingIcon;
     sidebar.title.caption = 'Training';
@@ -176,6 +220,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
         command: CommandIDs.openRun,
         args: w => ({ id: w.content.metrics.runId }),
         name: w => w.content.metrics.runId
+      });
+      void restorer.restore(compareTracker, {
+        command: CommandIDs.compareRuns,
+        args: w => ({ ids: w.content.model.runIds }),
+        name: w => w.content.model.runIds.join(',')
       });
     }
 

@@ -6,7 +6,15 @@ import { IDisposable } from '@lumino/disposable';
 import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { ICluster, IMetricsPage, IMetricsRow, IRun, Requester } from './tokens';
+import {
+  ICluster,
+  IMetricsPage,
+  IMetricsRow,
+  IRun,
+  IScalingPage,
+  IScalingReport,
+  Requester
+} from './tokens';
 
 type Standby = Poll.Standby | (() => boolean | Poll.Standby);
 
@@ -63,6 +71,70 @@ export function mergeRows(
   const last = held.length ? held[held.length - 1].step : -Infinity;
   const fresh = page.filter(row => row.step > last);
   return fresh.length ? held.concat(fresh) : held;
+}
+
+/**
+ * The per-rank peak memory keys present in any row (`peak_memory_gb_rank0`, ...), in rank order.
+ * Only runs on GPUs log them (nbtrain/sft/report.py Meter.row).
+ */
+export function rankMemoryKeys(rows: IMetricsRow[]): string[] {
+  const ranks = new Set<number>();
+  for (const row of rows) {
+    for (const key of Object.keys(row)) {
+      const m = /^peak_memory_gb_rank(\d+)$/.exec(key);
+      if (m) {
+        ranks.add(Number(m[1]));
+      }
+    }
+  }
+  return [...ranks].sort((a, b) => a - b).map(r => `peak_memory_gb_rank${r}`);
+}
+
+/** True when some row has a finite number under `key`. */
+export function hasMetric(rows: IMetricsRow[], key: string): boolean {
+  return rows.some(
+    row => typeof row[key] === 'number' && Number.isFinite(row[key])
+  );
+}
+
+/** A scaling report's table as the panel shows it: one line per size, predicted ones marked. */
+export interface IScalingLine {
+  size: number;
+  ranks: number;
+  tokensPerS: string;
+  efficiency: string;
+  predicted: boolean;
+}
+
+export function scalingLines(report: IScalingReport): IScalingLine[] {
+  return report.rows.map(row => ({
+    size: (report.unit === 'nodes' ? row.nodes : row.ranks) ?? row.ranks,
+    ranks: row.ranks,
+    tokensPerS: Number.isFinite(row.tokens_per_s)
+      ? Math.round(row.tokens_per_s).toLocaleString('en-US')
+      : '–',
+    efficiency: Number.isFinite(row.efficiency)
+      ? row.efficiency.toFixed(2)
+      : '–',
+    predicted: Boolean(row.predicted)
+  }));
+}
+
+/** A run's scaling report, or null when it has none (the server answers 404). */
+export async function fetchScaling(
+  request: Requester,
+  runId: string
+): Promise<IScalingPage | null> {
+  try {
+    return await request<IScalingPage>(
+      `runs/${encodeURIComponent(runId)}/scaling`
+    );
+  } catch (error) {
+    if ((error as { response?: Response }).response?.status === 404) {
+      return null;
+    }
+    throw error;
+  }
 }
 
 /** Sidebar state: the runs and clusters on this server, refreshed on a Poll. */

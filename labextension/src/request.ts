@@ -3,7 +3,8 @@ import { ServerConnection } from '@jupyterlab/services';
 
 /**
  * The one way the browser calls the server extension: `/nbtrain/api/<endPoint>`, with the
- * server's auth token and XSRF cookie handled by ServerConnection.
+ * server's auth token and XSRF cookie handled by ServerConnection. JSON comes back parsed; an
+ * image (a scaling report's figure) comes back as a Blob.
  */
 export async function requestAPI<T>(
   endPoint: string,
@@ -16,6 +17,10 @@ export async function requestAPI<T>(
     response = await ServerConnection.makeRequest(url, init, settings);
   } catch (error) {
     throw new ServerConnection.NetworkError(error as TypeError);
+  }
+  const type = response.headers.get('Content-Type') ?? '';
+  if (response.ok && type.startsWith('image/')) {
+    return (await response.blob()) as T;
   }
   const text = await response.text();
   let data: any = text;

@@ -6,10 +6,11 @@ import { Widget } from '@lumino/widgets';
 import { formatLoss, formatRate, TrainingModel } from './model';
 import { ICluster, IRun } from './tokens';
 
-/** What the sidebar asks of the application: open a run's panel, stop a run. */
+/** What the sidebar asks of the application: open a run's panel, stop a run, compare runs. */
 export interface ISidebarActions {
   openRun(id: string): void;
   stopRun(id: string): void;
+  compareRuns(ids: string[]): void;
 }
 
 export class TrainingSidebar extends Widget {
@@ -27,10 +28,14 @@ export class TrainingSidebar extends Widget {
         <ul class="nbtrain-ClusterList"></ul>
       </section>
       <section class="nbtrain-Sidebar-section">
-        <h3>Runs</h3>
+        <h3 class="nbtrain-Runs-head">Runs
+          <button class="jp-Button jp-mod-styled nbtrain-CompareButton" disabled
+            title="Tick two runs or more to draw them over each other">Compare</button>
+        </h3>
         <ul class="nbtrain-RunList"></ul>
       </section>`;
     this.node.addEventListener('click', this._onClick);
+    this.node.addEventListener('change', this._onChange);
     model.changed.connect(this._render, this);
     this._render();
   }
@@ -40,6 +45,7 @@ export class TrainingSidebar extends Widget {
       return;
     }
     this.node.removeEventListener('click', this._onClick);
+    this.node.removeEventListener('change', this._onChange);
     this._model.changed.disconnect(this._render, this);
     super.dispose();
   }
@@ -57,15 +63,62 @@ export class TrainingSidebar extends Widget {
         : [emptyItem('No clusters. Start one with %nbtrain start.')])
     );
     const runs = this.node.querySelector('.nbtrain-RunList')!;
+    // a run that left the registry leaves the selection
+    const ids = new Set(this._model.runs.map(run => run.id));
+    for (const id of this._selected) {
+      if (!ids.has(id)) {
+        this._selected.delete(id);
+      }
+    }
     runs.replaceChildren(
       ...(this._model.runs.length
-        ? this._model.runs.map(renderRun)
+        ? this._model.runs.map(run =>
+            renderRun(run, this._selected.has(run.id))
+          )
         : [emptyItem('No runs yet. finetune() registers each run here.')])
     );
+    this._renderCompare();
   }
+
+  private _renderCompare(): void {
+    const button = this.node.querySelector<HTMLButtonElement>(
+      '.nbtrain-CompareButton'
+    )!;
+    const n = this._selected.size;
+    button.disabled = n < 2;
+    button.textContent = n ? `Compare (${n})` : 'Compare';
+  }
+
+  private _onChange = (event: Event): void => {
+    const box = (event.target as HTMLElement).closest<HTMLInputElement>(
+      'input[data-select-run]'
+    );
+    if (!box) {
+      return;
+    }
+    if (box.checked) {
+      this._selected.add(box.dataset.selectRun!);
+    } else {
+      this._selected.delete(box.dataset.selectRun!);
+    }
+    this._renderCompare();
+  };
 
   private _onClick = (event: MouseEvent): void => {
     const target = event.target as HTMLElement;
+    if (target.closest('input[data-select-run], .nbtrain-Run-select')) {
+      return; // ticking a run selects it for comparison; it does not open it
+    }
+    if (target.closest('.nbtrain-CompareButton')) {
+      // in the registry's order (newest first), which is the order the sidebar shows
+      const ids = this._model.runs
+        .map(run => run.id)
+        .filter(id => this._selected.has(id));
+      if (ids.length >= 2) {
+        this._actions.compareRuns(ids);
+      }
+      return;
+    }
     const stop = target.closest<HTMLElement>('[data-stop-run]');
     if (stop) {
       event.stopPropagation();
@@ -80,6 +133,7 @@ export class TrainingSidebar extends Widget {
 
   private _model: TrainingModel;
   private _actions: ISidebarActions;
+  private _selected = new Set<string>();
 }
 
 function emptyItem(text: string): HTMLElement {
@@ -130,16 +184,32 @@ function renderCluster(cluster: ICluster): HTMLElement {
   return li;
 }
 
-function renderRun(run: IRun): HTMLElement {
+function renderRun(run: IRun, selected: boolean): HTMLElement {
   const li = el('li', 'nbtrain-Run');
   li.dataset.runId = run.id;
   li.dataset.state = run.state;
   li.title = `${run.output_dir}\nopen the run's charts`;
   const head = el('div', 'nbtrain-Item-head');
+  if (run.kind !== 'scaling') {
+    const box = document.createElement('input');
+    box.type = 'checkbox';
+    box.className = 'nbtrain-Run-select';
+    box.dataset.selectRun = run.id;
+    box.checked = selected;
+    box.title = 'Select to compare with other runs';
+    box.setAttribute('aria-label', `select ${run.name} to compare`);
+    head.append(box);
+  }
   head.append(
     el('span', 'nbtrain-Item-name', run.name),
     el('span', `nbtrain-State nbtrain-State-${run.state}`, run.state)
   );
+  if (run.kind === 'scaling') {
+    li.dataset.kind = 'scaling';
+    li.title = `${run.output_dir}\nopen the scaling report`;
+    li.append(head, el('div', 'nbtrain-Item-detail', 'scaling report'));
+    return li;
+  }
   const steps = run.total_steps
     ? `${run.step}/${run.total_steps}`
     : `${run.step}`;

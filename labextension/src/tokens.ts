@@ -7,6 +7,8 @@ export type RunState = 'running' | 'done' | 'failed' | 'stopped';
 /** One training run from the per-user runs registry (nbtrain/runs.py). */
 export interface IRun {
   id: string;
+  /** "finetune", or "scaling" for a saved scaling report (records from before kinds: finetune). */
+  kind?: 'finetune' | 'scaling';
   name: string;
   output_dir: string;
   state: RunState;
@@ -20,6 +22,10 @@ export interface IRun {
   pid: number;
   cluster_id: string | null;
   world_size: number;
+  /** The folder of this run's scaling report, when one was saved (nbtrain.scaling(out=...)). */
+  scaling?: string | null;
+  /** A scaling record: the config's output_dir it measured. */
+  measured?: string | null;
 }
 
 /** One logged step of a run's metrics.jsonl. */
@@ -32,8 +38,11 @@ export interface IMetricsRow {
   tokens_per_s?: number | null;
   step_time?: number | null;
   epoch?: number | null;
+  /** Unix seconds the row was logged. */
+  time?: number | null;
+  /** GPU only: model FLOPs utilisation, and the peak memory of the busiest rank and of each rank. */
   mfu?: number | null;
-  peak_mem_gb?: number | null;
+  peak_memory_gb?: number | null;
   [key: string]: number | null | undefined;
 }
 
@@ -43,6 +52,62 @@ export interface IMetricsPage {
   rows: IMetricsRow[];
   last_step: number;
   more: boolean;
+}
+
+/** One size of a scaling report (nbtrain/cluster/scaling_report.py), measured or predicted. */
+export interface IScalingRow {
+  nodes: number | null;
+  ranks: number;
+  predicted: boolean;
+  tokens_per_s: number;
+  tokens_per_s_per_rank?: number;
+  efficiency: number;
+  step_s?: number;
+  assumptions?: string;
+  [key: string]: unknown;
+}
+
+/** scaling.json as the report wrote it. */
+export interface IScalingReport {
+  mode: string;
+  unit: 'nodes' | 'ranks';
+  machine: string;
+  threshold: number;
+  verdict: {
+    limit: string;
+    near_linear: boolean;
+    line: string;
+    advice: string[];
+  };
+  rows: IScalingRow[];
+  warnings: string[];
+}
+
+/** GET runs/<id>/scaling. */
+export interface IScalingPage {
+  folder: string;
+  report: IScalingReport;
+}
+
+/** One run as GET compare?runs=... returns it (nbtrain.compare.load_run on the server). */
+export interface ICompareRun {
+  id: string;
+  name: string;
+  /** The name, made distinct among the runs compared (nbtrain.compare.labels). */
+  label: string;
+  state: RunState | null;
+  output_dir: string;
+  rows: IMetricsRow[];
+  /** The last value of each metric. */
+  final: Record<string, number | string | null>;
+  /** output_dir/adapter when an adapter was exported. */
+  adapter: string | null;
+}
+
+/** GET compare?runs=<id>,<id>: the runs, and the settings that differ (values in run order). */
+export interface IComparePage {
+  runs: ICompareRun[];
+  diff: Record<string, unknown[]>;
 }
 
 /** One rank of a cluster, from nbtrain's side file. */

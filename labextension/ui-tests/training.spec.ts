@@ -2,38 +2,13 @@ import { ChildProcess, spawn } from 'child_process';
 import * as fs from 'fs';
 import * as path from 'path';
 
-import { expect, Page, test } from '@playwright/test';
+import { expect, test } from '@playwright/test';
 
-const token = process.env.NBTRAIN_UI_TOKEN!;
+import { openLab, openSidebar } from './lab';
+
 const uiDir = process.env.NBTRAIN_UI_DIR!;
 const repo = path.resolve(__dirname, '..', '..');
 const shots = path.join(uiDir, 'screenshots');
-
-async function openLab(page: Page): Promise<void> {
-  await page.goto(`/lab?token=${token}`);
-  await expect(page.locator('#jupyterlab-splash')).toHaveCount(0, {
-    timeout: 60_000
-  });
-  await expect(page.locator('.jp-LabShell')).toBeVisible();
-}
-
-async function openSidebar(page: Page): Promise<void> {
-  const sidebar = page.locator('#nbtrain-training-sidebar');
-  const tab = page.locator('li[data-id="nbtrain-training-sidebar"]');
-  await expect(tab).toBeVisible();
-  // Lab restores the last layout (the sidebar open) a moment after the shell shows: a click decided
-  // before that lands as the restored sidebar opens, and closes it. Click only a tab that is not
-  // the current one, and look again.
-  for (let i = 0; i < 3 && !(await sidebar.isVisible()); i++) {
-    if ((await tab.getAttribute('aria-selected')) !== 'true') {
-      await tab.click();
-    }
-    await sidebar
-      .waitFor({ state: 'visible', timeout: 5_000 })
-      .catch(() => undefined);
-  }
-  await expect(sidebar).toBeVisible();
-}
 
 function stepOf(text: string | null): number {
   return Number((text ?? '').split('/')[0]);

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from nbtrain.cluster.probe import bus_bandwidth, network_warnings
@@ -301,5 +302,13 @@ def scaling(
         warnings=warnings,
     )
     if out is not None:
+        from nbtrain.runs import record_scaling
+
         report.save(out)
+        # the sidebar lists the report, and the run panel of cfg.output_dir's run shows it
+        record_scaling(
+            out,
+            name=f"scaling: {cfg.run_name or Path(cfg.output_dir).name}",
+            run_dir=cfg.output_dir,
+        )
     return report

@@ -1,4 +1,5 @@
-"""REST handlers under ``/nbtrain/api/``: clusters, runs, a run's metrics, stopping a run.
+"""REST handlers under ``/nbtrain/api/``: clusters, runs, a run's metrics and scaling report, stopping
+a run, comparing runs.
 
 Every handler requires an authenticated user (a request without the server's token gets 403).
 Run folders are reached only through the runs registry: the URL carries a run id, never a path.
@@ -7,19 +8,31 @@ Run folders are reached only through the runs registry: the URL carries a run id
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 import tornado.web
-from jupyter_server.base.handlers import APIHandler
+from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from jupyter_server.utils import url_path_join
 
 from nbtrain import runs
 from nbtrain.server.clusters import list_clusters
-from nbtrain.server.metrics import MetricsReader, RefusedPath, metrics_path, rows_after
+from nbtrain.server.metrics import (
+    MetricsReader,
+    RefusedPath,
+    finite_json,
+    folder_file,
+    metrics_path,
+    rows_after,
+)
 
 # a run id is what nbtrain.runs.run_id_for makes: hex; anything else (dots, slashes) never routes
 _RUN_ID = r"(?P<run_id>[A-Za-z0-9]{1,64})"
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9]{1,64}")
 MAX_ROWS = 5000
+MAX_COMPARED = 16
 
 
 class _Base(APIHandler):
@@ -28,10 +41,14 @@ class _Base(APIHandler):
         return self.settings["nbtrain_metrics_reader"]
 
     def _run_or_404(self, run_id: str) -> dict[str, Any]:
-        record = runs.get_run(run_id)
-        if record is None:
-            raise tornado.web.HTTPError(404, f"no run {run_id!r} is registered")
-        return record
+        return _run_or_404(run_id)
+
+
+def _run_or_404(run_id: str) -> dict[str, Any]:
+    record = runs.get_run(run_id)
+    if record is None:
+        raise tornado.web.HTTPError(404, f"no run {run_id!r} is registered")
+    return record
 
 
 class ClustersHandler(_Base):
@@ -78,6 +95,44 @@ class MetricsHandler(_Base):
         self.finish({"run": record, "rows": picked, "last_step": last, "more": more})
 
 
+def _scaling_file(record: dict[str, Any], name: str) -> Path:
+    """A file of the run's scaling report: 404 when it has none, 403 when it escapes its folder."""
+    folder = record.get("scaling")
+    if not folder:
+        raise tornado.web.HTTPError(404, f"run {record['id']!r} has no scaling report")
+    try:
+        path = folder_file(folder, name)
+    except RefusedPath as e:
+        raise tornado.web.HTTPError(403, f"{name} is outside its report folder") from e
+    if not path.is_file():
+        raise tornado.web.HTTPError(404, f"the scaling report {folder} has no {name}")
+    return path
+
+
+class ScalingHandler(_Base):
+    @tornado.web.authenticated
+    def get(self, run_id: str) -> None:
+        """GET /nbtrain/api/runs/<id>/scaling: the run's scaling.json, and its folder."""
+        record = self._run_or_404(run_id)
+        path = _scaling_file(record, "scaling.json")
+        try:
+            report = json.loads(path.read_text())
+        except ValueError as e:
+            raise tornado.web.HTTPError(500, f"{path} is not JSON: {e}") from e
+        self.finish({"folder": record["scaling"], "report": finite_json(report)})
+
+
+class ScalingImageHandler(JupyterHandler):
+    # not an APIHandler: that one answers every request as JSON
+    @tornado.web.authenticated
+    def get(self, run_id: str) -> None:
+        """GET /nbtrain/api/runs/<id>/scaling.png: the report's figure."""
+        path = _scaling_file(_run_or_404(run_id), "scaling.png")
+        self.set_header("Content-Type", "image/png")
+        self.set_header("Cache-Control", "no-cache")
+        self.finish(path.read_bytes())
+
+
 class StopHandler(_Base):
     @tornado.web.authenticated
     def post(self, run_id: str) -> None:
@@ -91,6 +146,60 @@ class StopHandler(_Base):
         self.finish({"id": run_id, "stop_requested": True})
 
 
+def _compared_run(record: dict[str, Any]) -> Any:
+    """One registered run read for a comparison (nbtrain.compare.load_run), its files checked."""
+    from nbtrain.compare import load_run
+    from nbtrain.errors import NotARunError
+    from nbtrain.sft.checkpoint import CONFIG_FILE
+
+    if record.get("kind") == "scaling":
+        msg = f"{record['name']!r} is a scaling report, not a training run: it has no curves"
+        raise tornado.web.HTTPError(400, msg)
+    try:
+        for name in (CONFIG_FILE, "metrics.jsonl"):
+            folder_file(record["output_dir"], name)
+    except RefusedPath as e:
+        raise tornado.web.HTTPError(403, "a run file is outside its run folder") from e
+    try:
+        return load_run(record["output_dir"])
+    except NotARunError as e:
+        raise tornado.web.HTTPError(409, f"run {record['name']!r}: {e}") from e
+
+
+class CompareHandler(_Base):
+    @tornado.web.authenticated
+    async def get(self) -> None:
+        """GET /nbtrain/api/compare?runs=<id>,<id>: each run's rows, last values and adapter, and the
+        settings that differ between them."""
+        from nbtrain.compare import config_diff, labels
+
+        ids = [i for i in self.get_query_argument("runs", "").split(",") if i]
+        if not ids or len(ids) > MAX_COMPARED:
+            raise tornado.web.HTTPError(400, f"runs=<id>,<id>,...: 1 to {MAX_COMPARED} run ids")
+        bad = [i for i in ids if not _RUN_ID_RE.fullmatch(i)]
+        if bad:
+            raise tornado.web.HTTPError(400, f"not a run id: {bad[0][:80]!r}")
+        ids = list(dict.fromkeys(ids))
+        records = [self._run_or_404(i) for i in ids]
+        # reading every metrics file is the one slow part: keep it off the event loop
+        loaded = await asyncio.to_thread(lambda: [_compared_run(r) for r in records])
+        names = labels(loaded)
+        runs_out = [
+            {
+                "id": record["id"],
+                "name": run.name,
+                "label": label,
+                "state": record.get("state"),
+                "output_dir": run.path,
+                "rows": run.rows,
+                "final": run.final,
+                "adapter": run.adapter,
+            }
+            for record, run, label in zip(records, loaded, names, strict=True)
+        ]
+        self.finish(finite_json({"runs": runs_out, "diff": config_diff(loaded)}))
+
+
 def setup_handlers(web_app: Any) -> None:
     """Add the nbtrain routes to the server's tornado application."""
     base = url_path_join(web_app.settings["base_url"], "nbtrain", "api")
@@ -100,8 +209,11 @@ def setup_handlers(web_app: Any) -> None:
         [
             (url_path_join(base, "clusters"), ClustersHandler),
             (url_path_join(base, "runs"), RunsHandler),
+            (url_path_join(base, "compare"), CompareHandler),
             (url_path_join(base, "runs", _RUN_ID), RunHandler),
             (url_path_join(base, "runs", _RUN_ID, "metrics"), MetricsHandler),
+            (url_path_join(base, "runs", _RUN_ID, "scaling"), ScalingHandler),
+            (url_path_join(base, "runs", _RUN_ID, r"scaling\.png"), ScalingImageHandler),
             (url_path_join(base, "runs", _RUN_ID, "stop"), StopHandler),
         ],
     )

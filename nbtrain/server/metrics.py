@@ -21,18 +21,23 @@ class RefusedPath(Exception):
     """A metrics path that resolves outside its registered run folder."""
 
 
-def metrics_path(output_dir: str) -> Path:
-    """The metrics file of a registered run folder; refuses a file that escapes the folder.
+def folder_file(folder: str, name: str) -> Path:
+    """The file `name` inside a registered folder; refuses one that resolves outside it.
 
-    The folder itself comes from the runs registry, never from the request. A symlinked
-    ``metrics.jsonl`` that points elsewhere is refused rather than followed.
+    The folder itself comes from the runs registry, never from the request. A symlinked file that
+    points elsewhere is refused rather than followed.
     """
-    folder = Path(output_dir).resolve()
-    path = (folder / METRICS_FILE).resolve()
-    if path.parent != folder:
-        msg = f"{folder / METRICS_FILE} resolves to {path}, outside its run folder"
+    base = Path(folder).resolve()
+    path = (base / name).resolve()
+    if path.parent != base:
+        msg = f"{base / name} resolves to {path}, outside its run folder"
         raise RefusedPath(msg)
     return path
+
+
+def metrics_path(output_dir: str) -> Path:
+    """The metrics file of a registered run folder (see `folder_file`)."""
+    return folder_file(output_dir, METRICS_FILE)
 
 
 def _finite(value: Any) -> Any:
@@ -83,6 +88,15 @@ class MetricsReader:
                         cursor.rows.append(row)
                 cursor.offset += end
             return cursor.rows
+
+
+def finite_json(value: Any) -> Any:
+    """`value` (parsed JSON) with NaN and infinities replaced by None, at any depth."""
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_json(v) for v in value]
+    return _finite(value)
 
 
 def _parse(line: bytes) -> dict[str, Any] | None:

@@ -6,11 +6,13 @@ exactly what a notebook run produces. Prints the run id on its first line once t
 and has logged its first step; exits 0 when the run ends (stopped from the UI, or after `--steps`).
 
     python tests/ui/run_writer.py OUTPUT_DIR --steps 1000
+    python tests/ui/run_writer.py runs/lr-1e-2 --steps 20 --lr 1e-2 --eval-steps 5 --name lr-1e-2
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 import time
@@ -27,9 +29,21 @@ def main() -> int:
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--steps", type=int, default=1000, help="max_steps of the run")
     parser.add_argument("--name", default="live-sft", help="run name shown in the sidebar")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a tiny model folder another writer built (default: build one)",
+    )
+    parser.add_argument("--lr", type=float, default=5e-3, help="learning_rate of the run")
+    parser.add_argument(
+        "--eval-steps", type=int, default=None, help="evaluate on 8 rows every N steps"
+    )
     args = parser.parse_args()
 
-    model = make_tiny_model(args.output_dir.parent / "tiny-model", hidden_size=128, num_layers=4)
+    eval_rows = [json.loads(x) for x in Path(instructions_path()).read_text().splitlines()[:8]]
+    model = args.model or make_tiny_model(
+        args.output_dir.parent / "tiny-model", hidden_size=128, num_layers=4
+    )
     cfg = nbtrain.SFTConfig(
         model=model,
         data=instructions_path(),
@@ -37,8 +51,10 @@ def main() -> int:
         run_name=args.name,
         max_steps=args.steps,
         per_device_train_batch_size=8,
-        learning_rate=5e-3,
+        learning_rate=args.lr,
         logging_steps=1,
+        eval_data=eval_rows if args.eval_steps else None,
+        eval_steps=args.eval_steps,
         save_steps=10_000,
         max_length=128,
         overwrite=True,

@@ -4,7 +4,8 @@ Playwright's ``webServer`` runs this (see labextension/playwright.config.ts). Ev
 ``$NBTRAIN_UI_DIR`` (default ``tests/_artifacts/ui``), recreated on each start:
 
 - ``home/``: ``NBTRAIN_HOME``, the runs registry, holding the finished fixture run
-  ``tests/fixtures/runs/finished-sft`` (copied to ``runs/``);
+  ``tests/fixtures/runs/finished-sft`` (copied to ``runs/``), a scaling report linked to it, and a
+  two-rank run whose rows carry GPU memory and MFU (see tests/ui/fixtures.py);
 - ``ipython/``: ``IPYTHONDIR``, where a one-engine ipyparallel cluster is started, with an nbtrain
   side file, so the sidebar has a cluster to list;
 - ``root/``: the server's root folder.
@@ -47,6 +48,11 @@ def main() -> int:
     run_id = runs.register_run(out, name="finished-sft", total_steps=200)
     runs.update_run(run_id, step=last["step"], loss=last["loss"], tokens_per_s=last["tokens_per_s"])
     runs.finish_run(run_id, "done")
+    sys.path.insert(0, str(REPO))
+    from tests.ui.fixtures import gpu_run, scaling_report
+
+    scaling_report(base / "runs" / "scaling-report", run_dir=out, name="scaling 1-4 nodes")
+    gpu_run(base / "runs" / "gpu-sft")
 
     import ipyparallel as ipp
 
