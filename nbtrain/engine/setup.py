@@ -14,8 +14,6 @@ from typing import Any
 
 from nbtrain.engine import torchrun
 
-RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
 # frames from these packages are the engine's own machinery, not the user's code
 _MACHINERY = (
     "/ipykernel/",
