@@ -23,7 +23,7 @@ KERNEL = [
 ]
 ENGINE = [
     "engine/boot.py (entry point)",
-    "engine/setup.py (rank env, group)",
+    "engine/setup.py · torchrun.py (rank env, group)",
     "engine/metrics.py (log)",
     "engine/faults.py (stack dumps, NCCL)",
     "engine/oom.py · probe.py · network.py",

@@ -329,3 +329,31 @@ def test_compare_notebook_runs(tmp_path, monkeypatch):
         run = tmp_path / "out" / "runs" / f"lr-{lr}"
         assert json.loads((run / "sft_config.json").read_text())["learning_rate"] == float(lr)
         assert (run / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.timeout(400)
+def test_frameworks_notebook_runs(tmp_path):
+    """notebooks/05-frameworks.ipynb top to bottom in a real kernel: Lightning's Trainer(strategy="ddp")
+    and accelerate on two CPU ranks, unchanged from torchrun, and nbtrain's group after them."""
+    nb = nbformat.read(ROOT / "notebooks" / "05-frameworks.ipynb", as_version=4)
+    client = NotebookClient(
+        nb,
+        km=_kernel_manager(JUPYTER_SHUTDOWN_WAIT),
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute(cleanup_kc=True)
+    text = "\n".join(
+        ANSI.sub("", out.get("text", "") or json.dumps(out.get("data", {})))
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.outputs
+    )
+    for rank in (0, 1):
+        assert f"RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 GROUP_RANK=0 GROUP_WORLD_SIZE=1" in text
+        assert f"rank {rank}: same weights as rank 0: True; group kept: True" in text, text
+    assert "TorchElasticEnvironment, world size 2, loss" in text
+    assert "MULTI_CPU, 2 processes, loss" in text
+    assert "the group is still there: 1 + 2 = 3" in text
+    assert "interactive environment" not in text

@@ -138,6 +138,7 @@ def reconnect(side: dict[str, Any], timeout: float = 30.0) -> Launched:
         lost_ranks(session).update(missing)
         # the engines still hold the named groups the last kernel made: know them here too
         session.group_specs = {n: list(r) for n, r in (side.get("groups") or {}).items()}
+        session.reinits = int(side.get("reinits") or 0)  # a later re-init counts on from there
         registry.write(session)  # this kernel is now the one attached (client_pid)
 
     return Launched(

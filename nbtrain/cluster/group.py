@@ -19,7 +19,7 @@ from nbtrain.cluster.options import StartOptions
 from nbtrain.cluster.plan import DevicePlan, Slot, plan_devices
 from nbtrain.cluster.ranges import parse_ranks
 from nbtrain.cluster.session import Session
-from nbtrain.cluster.topology import RankInfo, compact, describe_ranks
+from nbtrain.cluster.topology import RankInfo, compact, describe_ranks, torchrun_env
 from nbtrain.engine import groups as engine_groups
 from nbtrain.engine import setup
 from nbtrain.errors import ClusterError, ConfigError
@@ -65,11 +65,15 @@ def init_group(
     port: int,
     launcher: str = "local",
     announce: bool = True,
+    run_id: str | None = None,
+    restart_count: int = 0,
 ) -> DevicePlan:
     """Plan the backend and every rank's device here, then have every rank join the group with them.
 
     The one place a process group is made (local, remote and connected starts, re-init after an
-    interrupt or a restart). Prints the plan's why-line when `announce`.
+    interrupt or a restart), and so the one place every rank gets torchrun's environment
+    (`topology.torchrun_env`: `run_id` is the cluster id, `restart_count` the re-inits so far).
+    Prints the plan's why-line when `announce`.
     """
     plan = plan_devices(
         [Slot(r.host, r.local_rank, r.gpus, r.pinned) for r in ranks],
@@ -79,16 +83,10 @@ def init_group(
     if plan.why and announce:
         log.info("nbtrain: %s", plan.why)
         print(f"nbtrain: {plan.why}", flush=True)
-    world = len(ranks)
     pending = []
     for r in ranks:
         env = {
-            "RANK": str(r.rank),
-            "LOCAL_RANK": str(r.local_rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(r.local_world_size),
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(port),
+            **torchrun_env(ranks, r, master_addr, port, run_id or "nbtrain", restart_count),
             **loopback_env(ranks, master_addr, port, options),
             **options.extra_env,
         }
@@ -162,6 +160,8 @@ def reinit(session: Session, timeout: float = 60.0) -> None:
     """Re-create the process group on every rank (after an interrupt broke it, or a restart)."""
     deadline = time.monotonic() + timeout
     master_addr = session.ranks[0].address
+    # what TORCHELASTIC_RESTART_COUNT says on every rank from now on
+    session.reinits += 1
     # planned again from the ranks' GPU counts: the same decision unless replaced engines differ
     session.plan = init_group(
         session.client,
@@ -172,11 +172,17 @@ def reinit(session: Session, timeout: float = 60.0) -> None:
         port=rendezvous_port(session),
         launcher=session.launcher,
         announce=False,
+        run_id=session.cluster_id,
+        restart_count=session.reinits,
     )
     session.backend = session.plan.backend
     if session.group_specs:
         # the named groups died with the old world group: the same names, on every rank again
         create_groups(session, session.group_specs, timeout=max(10.0, deadline - time.monotonic()))
+    try:
+        registry.write(session)  # the restart count, for a kernel that attaches later
+    except Exception:
+        pass
 
 
 def _named_groups_agree(info: list[dict[str, Any]]) -> bool:

@@ -50,6 +50,7 @@ def write(cluster: Any, state: str = "running") -> None:
         "started": cluster.started,
         # named sub-groups, so a kernel that attaches later knows them (`cluster.groups`)
         "groups": getattr(cluster, "group_specs", {}),
+        "reinits": getattr(cluster, "reinits", 0),
         "updated": time.time(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)

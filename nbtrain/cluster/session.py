@@ -83,6 +83,8 @@ class Session:
         self.lost: set[int] = set()  # ranks known to be gone (died, or ended because stuck)
         # named sub-groups (name -> world ranks), replayed on every rank after a re-init (`group`)
         self.group_specs: dict[str, list[int]] = {}
+        # how many times the process group was re-created: torchrun's TORCHELASTIC_RESTART_COUNT
+        self.reinits = 0
 
     @classmethod
     def from_launched(cls, launched: Launched) -> Any:

@@ -61,6 +61,49 @@ def assign_ranks(
     return ranks
 
 
+# torchrun's fixed values: one role, named as torchrun names it; nbtrain never restarts ranks on its own
+# (a re-init is the user's or a fault's), so no restarts are budgeted; and no agent store, as there is
+# no elastic agent (the group is already made, through nbtrain's own store)
+TORCHRUN_FIXED = {
+    "ROLE_NAME": "default",
+    "TORCHELASTIC_MAX_RESTARTS": "0",
+    "TORCHELASTIC_USE_AGENT_STORE": "False",
+}
+
+
+def torchrun_env(
+    ranks: Sequence[RankInfo],
+    r: RankInfo,
+    master_addr: str,
+    port: int,
+    run_id: str,
+    restart_count: int = 0,
+) -> dict[str, str]:
+    """The environment torchrun (torch 2.13's local elastic agent) gives worker `r`, for this rank table.
+
+    Nodes are hosts in rank order (ranks are node-major), so GROUP_RANK is the node's index and
+    GROUP_WORLD_SIZE the number of nodes; the run id is the cluster's and the restart count is how
+    many times its process group was re-created.
+    """
+    hosts = list(dict.fromkeys(x.host for x in ranks))
+    world = str(len(ranks))
+    return {
+        "RANK": str(r.rank),
+        "LOCAL_RANK": str(r.local_rank),
+        "WORLD_SIZE": world,
+        "LOCAL_WORLD_SIZE": str(r.local_world_size),
+        "GROUP_RANK": str(hosts.index(r.host)),
+        "GROUP_WORLD_SIZE": str(len(hosts)),
+        "ROLE_RANK": str(r.rank),
+        "ROLE_WORLD_SIZE": world,
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        **TORCHRUN_FIXED,
+    }
+
+
 def format_table(rows: Sequence[Sequence[str]]) -> str:
     """Plain-text columns, the first row a header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -12,7 +12,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from nbtrain.engine import torchrun
 
 # frames from these packages are the engine's own machinery, not the user's code
 _MACHINERY = (
@@ -31,68 +31,6 @@ _MACHINERY = (
     "/nbtrain/engine/setup.py",
     "/nbtrain/engine/boot.py",
 )
-
-
-_REAL: dict[str, Any] = {}
-_NOTED: set[str] = set()
-
-
-def _note_once(key: str, text: str) -> None:
-    if key not in _NOTED:
-        _NOTED.add(key)
-        print(f"nbtrain: {text}", file=sys.stderr)
-
-
-def _install_torchrun_shims() -> None:
-    """Let code written for torchrun run unchanged although nbtrain already made the group.
-
-    Such code calls `init_process_group()` first and often `destroy_process_group()` last. On an
-    nbtrain engine the first finds the group ready (a no-op if the backend agrees) and the second
-    leaves it in place, so the next cell still has a working group.
-    """
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    if "init" in _REAL:
-        return
-    _REAL["init"] = c10d.init_process_group
-    _REAL["destroy"] = c10d.destroy_process_group
-
-    def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> None:
-        if dist.is_initialized():
-            current = str(dist.get_backend())
-            if backend is None or current in str(backend).lower():
-                _note_once(
-                    "init",
-                    "the process group is already set up by nbtrain; init_process_group() kept it.",
-                )
-                return None
-            msg = (
-                f"rank {os.environ.get('RANK')} on {socket.gethostname()}: this code asks for backend "
-                f"{backend!r}, but nbtrain's process group uses {current!r}. Restart the cluster with "
-                f"%nbtrain start --force --backend {backend}."
-            )
-            raise RuntimeError(msg)
-        return _REAL["init"](backend, *args, **kwargs)
-
-    def destroy_process_group(group: Any = None) -> None:
-        if group is None or group is c10d.GroupMember.WORLD:
-            _note_once(
-                "destroy",
-                "kept nbtrain's process group for the next cell (destroy_process_group() is a no-op here).",
-            )
-            return None
-        return _REAL["destroy"](group)
-
-    for module in (dist, c10d):
-        setattr(module, "init_process_group", init_process_group)  # noqa: B010
-        setattr(module, "destroy_process_group", destroy_process_group)  # noqa: B010
-
-
-def _real(name: str) -> Any:
-    import torch.distributed.distributed_c10d as c10d
-
-    return _REAL.get(name) or getattr(c10d, f"{name}_process_group")
 
 
 def _user_ns() -> dict[str, Any]:
@@ -124,6 +62,7 @@ def cuda_count() -> int:
 def hello() -> dict[str, Any]:
     """Who this engine is: host, pid, GPUs. Also installs the stack-dump handler."""
     os.environ["NBTRAIN_ENGINE"] = "1"
+    torchrun.not_interactive()  # before the user's first cell imports any library that checks
     install_stack_handler()
     from nbtrain.engine import faults
 
@@ -170,13 +109,14 @@ def free_port() -> int:
 
 
 def init_rank(env: dict[str, str], backend: str, device: str, timeout_s: float) -> dict[str, Any]:
-    """Set this rank's torchrun-style environment, then join the process group.
+    """Set this rank's torchrun environment (`topology.torchrun_env`), then join the process group.
 
     `backend` and `device` ("cuda:<local rank>" or "cpu") come from the client's plan
     (`nbtrain.cluster.plan`), the same decision for every rank: a rank never chooses alone.
     """
     os.environ.update(env)
     os.environ["NBTRAIN_ENGINE"] = "1"
+    torchrun.not_interactive()
     # what nbtrain.finetune (and user code) reads instead of guessing from torch.cuda.is_available()
     os.environ["NBTRAIN_DEVICE"] = device
     import torch
@@ -208,13 +148,13 @@ def init_rank(env: dict[str, str], backend: str, device: str, timeout_s: float) 
             raise RuntimeError(msg)
         torch.cuda.set_device(dev)
     if dist.is_initialized():
-        _real("destroy")()
+        torchrun.real("destroy")()
     from nbtrain.engine.faults import before_group  # NCCL env defaults; the new group's FR start
 
     before_group()
     # a local cluster meets through a file in its 0700 security folder: nothing listens on the network
     store_file = os.environ.get("NBTRAIN_STORE_FILE")
-    _real("init")(
+    torchrun.real("init")(
         backend=backend,
         init_method=f"file://{store_file}" if store_file else "env://",
         rank=rank,
@@ -222,7 +162,7 @@ def init_rank(env: dict[str, str], backend: str, device: str, timeout_s: float) 
         timeout=timedelta(seconds=timeout_s),
         device_id=dev if backend == "nccl" else None,
     )
-    _install_torchrun_shims()
+    torchrun.install_shims()
     from nbtrain.engine.groups import GROUPS  # the client re-creates the named groups next
 
     _user_ns().update(
@@ -262,7 +202,7 @@ def shutdown_group() -> None:
     except ImportError:
         return
     if dist.is_initialized():
-        _real("destroy")()
+        torchrun.real("destroy")()
 
 
 def format_stacks(all_threads: bool = True) -> dict[str, Any]:

@@ -216,6 +216,7 @@ def start_engines(launch: EngineLaunch, options: StartOptions, quiet: bool = Tru
             master_addr=master_addr,
             port=port,
             launcher=lo.launcher,
+            run_id=ipp_cluster.cluster_id,
         )
     except BaseException as e:
         launch.teardown(ipp_cluster, client, engine_pids, False)

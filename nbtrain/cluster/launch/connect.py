@@ -122,6 +122,7 @@ def connect(
             master_addr=master_addr,
             port=port_,
             launcher="connect",
+            run_id=ipp_cluster.cluster_id,
         )
     except BaseException:
         leave(client, [])

@@ -108,7 +108,13 @@ def start(options: StartOptions, lo: LaunchOptions | None = None, quiet: bool = 
         ranks = assign_ranks(hellos)
         step = "joining the process group"
         plan = init_group(
-            client, ranks, options, remaining, master_addr="127.0.0.1", port=free_local_port()
+            client,
+            ranks,
+            options,
+            remaining,
+            master_addr="127.0.0.1",
+            port=free_local_port(),
+            run_id=ipp_cluster.cluster_id,
         )
     except BaseException as e:
         teardown(ipp_cluster, client, pids)
