@@ -63,6 +63,28 @@ def _notebook(*sources: str) -> nbformat.NotebookNode:
     return nb
 
 
+def _execute(nb: nbformat.NotebookNode, folder: Path, timeout: int = 300) -> None:
+    """Run `nb` top to bottom in a fresh kernel started in `folder`, shut down as Jupyter does."""
+    client = NotebookClient(
+        nb,
+        km=_kernel_manager(JUPYTER_SHUTDOWN_WAIT),
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(folder)}},
+    )
+    client.execute(cleanup_kc=True)
+
+
+def _all_text(nb: nbformat.NotebookNode) -> str:
+    """Every code cell's output as text (rich outputs as their JSON), ANSI colours removed."""
+    return "\n".join(
+        ANSI.sub("", out.get("text", "") or json.dumps(out.get("data", {})))
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+    )
+
+
 def _stdout(cell: nbformat.NotebookNode) -> str:
     return "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
 
@@ -178,14 +200,7 @@ def test_log_without_a_cluster_draws_in_the_kernel(tmp_path):
         "    nbtrain.log(step=i, loss=1.0 / i, tokens_per_s=100.0 * i, learning_rate=0.01)\n"
         "nbtrain.log_end()",
     )
-    client = NotebookClient(
-        nb,
-        km=_kernel_manager(JUPYTER_SHUTDOWN_WAIT),
-        timeout=120,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
-    client.execute(cleanup_kc=True)
+    _execute(nb, tmp_path, timeout=120)
     outputs = [
         o for o in nb.cells[0].outputs if o.output_type in ("display_data", "update_display_data")
     ]
@@ -241,20 +256,8 @@ def test_gpu_notebook_runs_on_cpu_and_shows_the_plan(tmp_path, monkeypatch):
     device plan, auto batch with a global batch, packing, and the levers the run used."""
     monkeypatch.setenv("NBTRAIN_DEMO_OUT", str(tmp_path / "out"))
     nb = nbformat.read(ROOT / "notebooks" / "03-gpu-training.ipynb", as_version=4)
-    client = NotebookClient(
-        nb,
-        km=_kernel_manager(JUPYTER_SHUTDOWN_WAIT),
-        timeout=300,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
-    client.execute(cleanup_kc=True)
-    text = "\n".join(
-        ANSI.sub("", out.get("text", "") or json.dumps(out.get("data", {})))
-        for cell in nb.cells
-        if cell.cell_type == "code"
-        for out in cell.get("outputs", [])
-    )
+    _execute(nb, tmp_path)
+    text = _all_text(nb)
     assert "gloo ['cpu']" in text, text[-3000:]  # one engine without GPUs, gloo on CPU
     assert "global_batch: 8" in text
     assert "auto batch:" in text and "loss chunked" in text
@@ -269,20 +272,8 @@ def test_ray_and_groups_notebook_runs(tmp_path):
     """notebooks/04-ray-and-groups.ipynb top to bottom in a real kernel: four ranks as actors of a
     private Ray, the node check, two disjoint groups reducing at once, a cell on one group, stop."""
     nb = nbformat.read(ROOT / "notebooks" / "04-ray-and-groups.ipynb", as_version=4)
-    client = NotebookClient(
-        nb,
-        km=_kernel_manager(JUPYTER_SHUTDOWN_WAIT),
-        timeout=300,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
-    client.execute(cleanup_kc=True)
-    text = "\n".join(
-        ANSI.sub("", out.get("text", "") or json.dumps(out.get("data", {})))
-        for cell in nb.cells
-        if cell.cell_type == "code"
-        for out in cell.outputs
-    )
+    _execute(nb, tmp_path)
+    text = _all_text(nb)
     assert "placement group nbtrain-" in text and "PACK" in text
     for rank, role, total in (
         (0, "actor", 1),
@@ -306,14 +297,7 @@ def test_compare_notebook_runs(tmp_path, monkeypatch):
 
     monkeypatch.setenv("NBTRAIN_DEMO_OUT", str(tmp_path / "out"))
     nb = nbformat.read(ROOT / "notebooks" / "06-compare-runs.ipynb", as_version=4)
-    client = NotebookClient(
-        nb,
-        km=_kernel_manager(JUPYTER_SHUTDOWN_WAIT),
-        timeout=300,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
-    client.execute(cleanup_kc=True)
+    _execute(nb, tmp_path)
     shown = next(c for c in nb.cells if c.source.startswith("cmp = nbtrain.compare"))
     page = next(o.data["text/html"] for o in shown.outputs if "text/html" in o.get("data", {}))
     img = page.split('src="data:image/png;base64,', 1)[1].split('"', 1)[0]
@@ -336,20 +320,8 @@ def test_frameworks_notebook_runs(tmp_path):
     """notebooks/05-frameworks.ipynb top to bottom in a real kernel: Lightning's Trainer(strategy="ddp")
     and accelerate on two CPU ranks, unchanged from torchrun, and nbtrain's group after them."""
     nb = nbformat.read(ROOT / "notebooks" / "05-frameworks.ipynb", as_version=4)
-    client = NotebookClient(
-        nb,
-        km=_kernel_manager(JUPYTER_SHUTDOWN_WAIT),
-        timeout=300,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
-    client.execute(cleanup_kc=True)
-    text = "\n".join(
-        ANSI.sub("", out.get("text", "") or json.dumps(out.get("data", {})))
-        for cell in nb.cells
-        if cell.cell_type == "code"
-        for out in cell.outputs
-    )
+    _execute(nb, tmp_path)
+    text = _all_text(nb)
     for rank in (0, 1):
         assert f"RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 GROUP_RANK=0 GROUP_WORLD_SIZE=1" in text
         assert f"rank {rank}: same weights as rank 0: True; group kept: True" in text, text
