@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+from contextlib import contextmanager
 
 import psutil
 import pytest
@@ -88,20 +89,33 @@ def quiet(fn, *args):
         sys.stdout = old
 
 
-@pytest.fixture(scope="module")
-def gloo4(ip):
-    """A 4-rank local gloo cluster started with `%nbtrain start`, one per test module, one torch thread a rank."""
+def run_cell(ip, code, line=""):
+    """Run `code` as a `%%distributed` cell (with `line`'s options); return what it printed."""
+    return quiet(ip.run_cell_magic, "distributed", line, code)
+
+
+@contextmanager
+def magic_cluster(ip, n: int):
+    """An `n`-rank local gloo cluster started and stopped with the magics, as a user would; on exit
+    every process it started is gone."""
     import nbtrain
 
     ip.run_line_magic("nbtrain", "stop")
-    quiet(ip.run_line_magic, "nbtrain", "start -n 4 --backend gloo")
+    quiet(ip.run_line_magic, "nbtrain", f"start -n {n} --backend gloo")
     c = nbtrain.current_cluster()
-    assert c is not None and c.world_size == 4
-    c.execute("import torch; torch.set_num_threads(1)", output="none")
+    assert c is not None and c.world_size == n
     yield c
     pids = list(c.pids)
     ip.run_line_magic("nbtrain", "stop")
     assert wait_gone(pids) == []
+
+
+@pytest.fixture(scope="module")
+def gloo4(ip):
+    """A 4-rank local gloo cluster for one test module, one torch thread a rank."""
+    with magic_cluster(ip, 4) as c:
+        c.execute("import torch; torch.set_num_threads(1)", output="none")
+        yield c
 
 
 @pytest.fixture(scope="module")

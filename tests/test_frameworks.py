@@ -6,7 +6,6 @@ itself sets, and keep it through a re-init and a replaced engine."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from nbtrain.errors import DistributedCellError
-from tests.conftest import wait_gone
+from tests.conftest import magic_cluster, run_cell, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,35 +27,12 @@ AGENT_ONLY = {"TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHELASTIC_ERROR_FILE"}
 LR = 0.1
 
 
-def _capture(fn, *args):
-    out = io.StringIO()
-    old = sys.stdout
-    sys.stdout = out
-    try:
-        fn(*args)
-    finally:
-        sys.stdout = old
-    return out.getvalue()
-
-
-def run_cell(ip, code, line=""):
-    return _capture(ip.run_cell_magic, "distributed", line, code)
-
-
 @pytest.fixture(scope="module")
 def cluster(ip):
     """One 2-rank gloo cluster for the module, started and stopped with the magics."""
-    import nbtrain
-
-    ip.run_line_magic("nbtrain", "stop")
-    _capture(ip.run_line_magic, "nbtrain", "start -n 2 --backend gloo")
-    c = nbtrain.current_cluster()
-    assert c is not None and c.world_size == 2
-    run_cell(ip, "import torch, torch.distributed as dist\ntorch.set_num_threads(1)")
-    yield c
-    pids = list(c.pids)
-    ip.run_line_magic("nbtrain", "stop")
-    assert wait_gone(pids) == []
+    with magic_cluster(ip, 2) as c:
+        run_cell(ip, "import torch, torch.distributed as dist\ntorch.set_num_threads(1)")
+        yield c
 
 
 # --------------------------------------------------------------------------- shared cell code

@@ -4,46 +4,20 @@ errors, and the groups surviving a re-init and a replaced engine."""
 
 from __future__ import annotations
 
-import io
-import sys
-
 import pytest
 
 from nbtrain.errors import ConfigError
-from tests.conftest import wait_gone
+from tests.conftest import magic_cluster, quiet, run_cell
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _capture(fn, *args):
-    out = io.StringIO()
-    old = sys.stdout
-    sys.stdout = out
-    try:
-        fn(*args)
-    finally:
-        sys.stdout = old
-    return out.getvalue()
-
-
-def run_cell(ip, code, line=""):
-    return _capture(ip.run_cell_magic, "distributed", line, code)
 
 
 @pytest.fixture(scope="module")
 def cluster(ip):
     """One 4-rank gloo cluster for the module, started and stopped with the magics."""
-    import nbtrain
-
-    ip.run_line_magic("nbtrain", "stop")
-    _capture(ip.run_line_magic, "nbtrain", "start -n 4 --backend gloo")
-    c = nbtrain.current_cluster()
-    assert c is not None and c.world_size == 4
-    run_cell(ip, "import torch, torch.distributed as dist")
-    yield c
-    pids = list(c.pids)
-    ip.run_line_magic("nbtrain", "stop")
-    assert wait_gone(pids) == []
+    with magic_cluster(ip, 4) as c:
+        run_cell(ip, "import torch, torch.distributed as dist")
+        yield c
 
 
 # every rank all-reduces its rank + 1 in each group it belongs to, in the order given
@@ -58,7 +32,7 @@ REDUCE = (
 
 
 def test_disjoint_groups_reduce_at_the_same_time(ip, cluster):
-    out = _capture(ip.run_line_magic, "nbtrain", "groups actor=0-1 rollout=2-3")
+    out = quiet(ip.run_line_magic, "nbtrain", "groups actor=0-1 rollout=2-3")
     assert "actor" in out and "0-1" in out and "rollout" in out and "2-3" in out
     assert cluster.groups() == {"actor": [0, 1], "rollout": [2, 3]}
     # one cell on every rank: each rank reduces in its own group while the other group does too
@@ -94,7 +68,7 @@ def test_overlapping_groups(ip, cluster):
         {"a": 6.0, "b": 9.0},
         {"b": 9.0},
     ]
-    out = _capture(ip.run_line_magic, "nbtrain", "groups")
+    out = quiet(ip.run_line_magic, "nbtrain", "groups")
     assert "a" in out and "0-2" in out and "1-3" in out and "shares ranks with" in out
 
 
