@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arm", help=argparse.SUPPRESS)  # one arm, in the child process
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    work = Path(__file__).resolve().parent / ".work"
+    work = Path(__file__).resolve().parent / "_work"
     model_dir = work / args.shape
     data = work / f"rows-{args.shape}-{args.seq}.jsonl"
     if args.arm:
