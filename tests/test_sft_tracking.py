@@ -14,8 +14,8 @@ import torch
 from nbtrain.errors import ConfigError
 from nbtrain.sft import step as step_mod
 from nbtrain.sft import tracking
-from nbtrain.sft.config import SFTConfig
 from nbtrain.sft.train import finetune
+from tests.test_sft_train import make_cfg
 
 DATA = str(Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl")
 BOTH = ["tensorboard", "mlflow"]
@@ -35,24 +35,6 @@ def mlflow_store(tmp_path_factory):
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mp.chdir(where)
         yield uri
-
-
-def make_cfg(tiny, out, **kw):
-    base = dict(
-        model=tiny,
-        data=DATA,
-        output_dir=str(out),
-        max_steps=6,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        max_length=48,
-        logging_steps=1,
-        save_steps=None,
-        lora_r=8,
-        lora_dropout=0.0,
-    )
-    base.update(kw)
-    return SFTConfig(**base)
 
 
 def _tensorboard(folder: Path):
