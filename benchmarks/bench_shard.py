@@ -1,12 +1,15 @@
 """Peak GPU memory and tokens/s of LoRA on one GPU: nbtrain's shard="ddp", shard="fsdp" (1 GPU: the
-sharded code path, no saving) and QLoRA (load_in_4bit), against HF Trainer + peft in bf16 and in 4 bits.
+sharded code path, no saving), QLoRA (load_in_4bit) alone and with shard="fsdp", against HF Trainer +
+peft in bf16 and in 4 bits.
 
     python benchmarks/bench_shard.py [--shape llama-3.1-8b] [--seq 2048] [--global-batch 4] [--steps 16]
-                                     [--warmup 4] [--arms nbtrain-ddp,nbtrain-fsdp,nbtrain-qlora,hf,hf-qlora]
+                                     [--warmup 4] [--arms nbtrain-ddp,nbtrain-fsdp,nbtrain-qlora,
+                                                           nbtrain-qlora-fsdp,hf,hf-qlora]
                                      [--json benchmarks/results/shard.json]
 
-Needs a CUDA GPU (and bitsandbytes for the QLoRA arms); `--shape tiny` runs the non-QLoRA arms on the
-CPU in a minute, to check the script itself (no meaningful numbers). Every arm runs in its own process
+Needs a CUDA GPU (and bitsandbytes for the QLoRA arms); `--shape tiny` runs the arms but hf-qlora on the
+CPU in a minute (bitsandbytes' CPU kernels for nbtrain's QLoRA), to check the script itself (no
+meaningful numbers). Every arm runs in its own process
 on the same model (random weights in a real architecture's shape, built and saved once, see
 bench_gpu.py), the same rows of exactly `--seq` tokens, LoRA r16 on all linear layers, micro-batch 1 with
 gradient checkpointing, so the peak is the model's and the optimizer's, not the batch's. tokens/s counts
@@ -29,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu as G  # noqa: E402
 
-ARMS = ("nbtrain-ddp", "nbtrain-fsdp", "nbtrain-qlora", "hf", "hf-qlora")
+ARMS = ("nbtrain-ddp", "nbtrain-fsdp", "nbtrain-qlora", "nbtrain-qlora-fsdp", "hf", "hf-qlora")
 
 
 def arm_nbtrain(
@@ -54,8 +57,8 @@ def arm_nbtrain(
         save_steps=None,
         gradient_checkpointing=True,
         lora_dropout=0.0,
-        shard="fsdp" if kind == "fsdp" else "ddp",
-        load_in_4bit=kind == "qlora",
+        shard="fsdp" if kind.endswith("fsdp") else "ddp",
+        load_in_4bit=kind.startswith("qlora"),
     )
     result = nbtrain.finetune(cfg)
     rates = result.history["tokens_per_s"].to_numpy()[args.warmup :]
@@ -132,8 +135,8 @@ def predicted_gb(shape: str, arm: str, seq: int) -> float | None:
     s = Shape.from_config(AutoConfig.for_model(**G.SHAPES[shape]))
     if s is None:
         return None
-    quant = "nf4" if arm.endswith("qlora") else None
-    shard = "fsdp" if arm == "nbtrain-fsdp" else "ddp"
+    quant = "nf4" if "qlora" in arm else None
+    shard = "fsdp" if arm.endswith("fsdp") else "ddp"
     return rank_memory(s, shard=shard, world=1, quant=quant, seq_len=seq)["total"] / 2**30
 
 
@@ -165,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     arms = [a for a in args.arms.split(",") if a]
     if not torch.cuda.is_available():
-        arms = [a for a in arms if not a.endswith("qlora")]
+        # hf-qlora's recipe places the model on GPU 0
+        arms = [a for a in arms if a != "hf-qlora"]
     work.mkdir(exist_ok=True)
     G.build_model(args.shape, work)
     n = args.global_batch * (args.steps + 1)

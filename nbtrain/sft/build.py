@@ -41,13 +41,14 @@ def build_model(
     else:
         if quant.quantized(cfg):
             base = quant.load_quantized(cfg, d.device, compute_dtype)
-            levers.append("4-bit NF4 base" if cfg.load_in_4bit else "8-bit base")
         else:
             base = load_model(cfg.model, weights_dtype, d.device, cfg.gradient_checkpointing)
         prepare(base)
         # same LoRA init on every rank and world size
         torch.manual_seed(cfg.seed)
         model = apply_lora(base, cfg)
+    if quant.quantized(cfg):
+        levers.append("4-bit NF4 base" if cfg.load_in_4bit else "8-bit base")
     if compute_dtype is not None and speed.skip_lora_input_cast(model):
         levers.append("bf16 lora inputs")
     return model, notes, levers

@@ -195,12 +195,12 @@ class SFTConfig:
     load_in_4bit: bool = field(
         default=False,
         metadata={
-            "help": "QLoRA: base weights in 4-bit NF4 (bitsandbytes, CUDA GPU), LoRA trained in bf16/fp32."
+            "help": "QLoRA: base weights in 4-bit NF4 (bitsandbytes), LoRA trained in bf16/fp32."
         },
     )
     load_in_8bit: bool = field(
         default=False,
-        metadata={"help": "Base weights in 8-bit (bitsandbytes LLM.int8, CUDA GPU)."},
+        metadata={"help": 'Base weights in 8-bit (bitsandbytes LLM.int8; `shard="ddp"` only).'},
     )
 
     def __post_init__(self) -> None:

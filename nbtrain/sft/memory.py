@@ -5,7 +5,8 @@ In [1]: from nbtrain.sft.memory import LLAMA3_8B, rank_memory
 In [2]: rank_memory(LLAMA3_8B, shard="fsdp", world=8)["total"] / 2**30
 
 Assumptions (bytes per value): base weights in bf16 (2), or NF4 with double quantisation (0.5 + 1/64 for
-the block scales; embeddings and lm_head stay bf16), or int8 (1 + 1/64); LoRA weights, their gradients
+the block scales; embeddings and lm_head in fp32, as peft's k-bit preparation upcasts them), or int8
+(1 + 1/64); LoRA weights, their gradients
 and both AdamW moments in fp32 (4 + 4 + 8); activations in bf16 with SDPA/flash attention (no
 sequence^2 term), about 8*hidden + 3*intermediate values per token per layer kept for backward, or, with
 gradient checkpointing, each block's input (hidden values per token per layer) plus one block's
@@ -84,10 +85,14 @@ def lora_params(shape: Shape, r: int) -> int:
     return shape.layers * per_layer
 
 
+PER_VALUE = {None: 2.0, "nf4": 0.5 + 1 / 64, "int8": 1.0 + 1 / 64}
+
+
 def weight_bytes(shape: Shape, quant: str | None) -> float:
-    """The base weights in memory: bf16, or 'nf4' / 'int8' for the linear layers of the blocks."""
-    per_value = {None: 2.0, "nf4": 0.5 + 1 / 64, "int8": 1.0 + 1 / 64}[quant]
-    return shape.layers * shape.block_params * per_value + shape.edge_params * 2.0
+    """The base weights in memory: bf16, or 'nf4' / 'int8' for the linear layers of the blocks (then
+    the embeddings and lm_head are fp32: peft's prepare_model_for_kbit_training upcasts them)."""
+    edge = 2.0 if quant is None else 4.0
+    return shape.layers * shape.block_params * PER_VALUE[quant] + shape.edge_params * edge
 
 
 def rank_memory(
@@ -113,8 +118,9 @@ def rank_memory(
         "gathered": 0.0,
     }
     if n > 1:
-        # the current block and the prefetched next one, and the root unit, unsharded in bf16
-        parts["gathered"] = 2 * shape.block_params * 2.0 + shape.edge_params * 2.0
+        # the current block and the prefetched next one (4-bit words stay 4-bit), and the root unit,
+        # unsharded in bf16
+        parts["gathered"] = 2 * shape.block_params * PER_VALUE[quant] + shape.edge_params * 2.0
     h, i = shape.hidden, shape.intermediate
     tokens = seq_len * micro_batch
     full_block = (8 * h + 3 * i) * 2.0 * tokens
@@ -151,6 +157,15 @@ def check_fits(cfg: Any, config: Any, device: Any, world: int) -> str | None:
     fixed = est["total"] - est["activations"]
     total = torch.cuda.get_device_properties(device).total_memory
     gib = 2**30
+    load = weight_bytes(shape, quant)
+    if quant and cfg.shard != "ddp" and load > 0.95 * total:
+        msg = (
+            f"load_in_4bit with shard={cfg.shard!r}: each rank quantises the whole base onto its GPU "
+            f"(about {load / gib:.1f} GiB) before FSDP2 keeps 1/{world} of it, and the GPU has "
+            f"{total / gib:.1f} GiB; use shard='fsdp' in bf16 over more ranks, or GPUs that hold the "
+            "4-bit model whole"
+        )
+        raise ConfigError(msg)
     if fixed > 0.95 * total:
         msg = (
             f"the model needs about {fixed / gib:.1f} GiB per rank before any activations with "
@@ -179,6 +194,7 @@ SETUPS = [
     ("70B", "hsdp", 16, None),
     ("70B", "fsdp", 16, None),
     ("70B", "ddp", 8, "nf4"),
+    ("70B", "fsdp", 8, "nf4"),
 ]
 SHAPES = {"8B": LLAMA3_8B, "70B": LLAMA3_70B}
 

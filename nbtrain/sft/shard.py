@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import ConfigError
+from nbtrain.sft import quant
 from nbtrain.sft.dist import Dist
 
 SHARDED_DIR = "sharded"  # the dcp folder inside a checkpoint of a sharded run
@@ -79,12 +80,11 @@ def check_shard(cfg: Any, d: Dist) -> str | None:
             "gradient_checkpointing still apply), or shard='ddp'"
         )
         raise ConfigError(msg)
-    if cfg.load_in_4bit or cfg.load_in_8bit:
+    if cfg.load_in_8bit:
         msg = (
-            f"load_in_4bit/load_in_8bit with shard={cfg.shard!r} is refused: FSDP2's fully_shard turns "
-            "bitsandbytes' Params4bit into plain tensors and drops their quant_state (bitsandbytes issue "
-            "#1945, accelerate #3983), which trains on garbage without an error. Use QLoRA with "
-            "shard='ddp' (a 70B model in 4 bits is about 37 GB per GPU), or shard='fsdp' in bf16"
+            f"load_in_8bit with shard={cfg.shard!r} is not supported: bitsandbytes' 8-bit weights keep "
+            "their scales beside the weight, where FSDP2 cannot shard them; use load_in_4bit=True (QLoRA "
+            "shards under FSDP2), or load_in_8bit with shard='ddp'"
         )
         raise ConfigError(msg)
     if d.world == 1:
@@ -220,18 +220,30 @@ def build_sharded(
 
     from nbtrain.sft.model import apply_lora, enable_checkpointing, model_source
 
-    source = model_source(cfg.model)
-    config = AutoConfig.from_pretrained(source)
-    with _params_on_meta():
-        base = AutoModelForCausalLM.from_config(config, dtype=weights_dtype)
-    base.config.use_cache = False
-    base.config.name_or_path = source  # peft writes it into the adapter's base_model_name_or_path
-    base.name_or_path = source
-    if cfg.gradient_checkpointing:
-        enable_checkpointing(base)
-    prepare(base)
-    model = apply_lora(base, cfg)
-    lora = _lora_init(model, cfg.seed)
+    if quant.quantized(cfg):
+        # QLoRA: each rank quantises the base itself (a whole 4-bit copy, a quarter of bf16's size),
+        # then fully_shard below keeps 1/N of it; the 4-bit words are stored in the dtype the rest of
+        # the model has, which FSDP2 shards like any weight
+        base = quant.load_quantized(cfg, d.device, compute_dtype, sharded=True)
+        prepare(base)
+        torch.manual_seed(cfg.seed)
+        model = apply_lora(base, cfg)
+        lora = None
+    else:
+        source = model_source(cfg.model)
+        config = AutoConfig.from_pretrained(source)
+        with _params_on_meta():
+            base = AutoModelForCausalLM.from_config(config, dtype=weights_dtype)
+        base.config.use_cache = False
+        base.config.name_or_path = (
+            source  # peft writes it into the adapter's base_model_name_or_path
+        )
+        base.name_or_path = source
+        if cfg.gradient_checkpointing:
+            enable_checkpointing(base)
+        prepare(base)
+        model = apply_lora(base, cfg)
+        lora = _lora_init(model, cfg.seed)
 
     # bf16 compute with fp32 LoRA masters and fp32 gradient reduction where the run computes in bf16;
     # plain fp32 (no casts at all) otherwise, so that a CPU run equals DDP to float32 rounding
@@ -252,6 +264,8 @@ def build_sharded(
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(inner, mesh=mesh, mp_policy=mp)
+    if lora is None:
+        return model
 
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     model.to_empty(device=d.device)
