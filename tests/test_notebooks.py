@@ -329,3 +329,20 @@ def test_frameworks_notebook_runs(tmp_path):
     assert "MULTI_CPU, 2 processes, loss" in text
     assert "the group is still there: 1 + 2 = 3" in text
     assert "interactive environment" not in text
+
+
+@pytest.mark.timeout(400)
+def test_sharding_notebook_runs(tmp_path, monkeypatch):
+    """notebooks/07-sharding-and-qlora.ipynb top to bottom in a real kernel: the same run as ddp, fsdp
+    and QLoRA under fsdp on two CPU ranks, each rank's share of the base, and the QLoRA adapter on
+    the unquantised base."""
+    monkeypatch.setenv("NBTRAIN_DEMO_OUT", str(tmp_path / "out"))
+    nb = nbformat.read(ROOT / "notebooks" / "07-sharding-and-qlora.ipynb", as_version=4)
+    _execute(nb, tmp_path)
+    text = _all_text(nb)
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}, ddp: loss [\d.]+; this rank holds 100% of the base", text), text
+        assert re.search(rf"rank {rank}, fsdp: loss [\d.]+; this rank holds 50% of the base", text)
+        assert re.search(rf"rank {rank}, qlora-fsdp: loss [\d.]+; this rank holds 50% .*4-bit NF4", text)
+    assert "QLoRA adapter on the unquantised base:" in text
+    assert "70B, shard='fsdp', load_in_4bit:" in text
