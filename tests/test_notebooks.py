@@ -341,8 +341,12 @@ def test_sharding_notebook_runs(tmp_path, monkeypatch):
     _execute(nb, tmp_path)
     text = _all_text(nb)
     for rank in (0, 1):
-        assert re.search(rf"rank {rank}, ddp: loss [\d.]+; this rank holds 100% of the base", text), text
+        assert re.search(
+            rf"rank {rank}, ddp: loss [\d.]+; this rank holds 100% of the base", text
+        ), text
         assert re.search(rf"rank {rank}, fsdp: loss [\d.]+; this rank holds 50% of the base", text)
-        assert re.search(rf"rank {rank}, qlora-fsdp: loss [\d.]+; this rank holds 50% .*4-bit NF4", text)
+        assert re.search(
+            rf"rank {rank}, qlora-fsdp: loss [\d.]+; this rank holds 50% .*4-bit NF4", text
+        )
     assert "QLoRA adapter on the unquantised base:" in text
     assert "70B, shard='fsdp', load_in_4bit:" in text
