@@ -3,11 +3,8 @@
  * against step or time, TensorBoard's smoothing, the value nearest a hovered x, and the CSV of
  * what is shown. No DOM here, so it is unit-tested in Node.
  */
-import { IDisposable } from '@lumino/disposable';
-import { Poll } from '@lumino/polling';
-import { ISignal, Signal } from '@lumino/signaling';
-
 import { nearestByX } from './charts';
+import { PolledModel, Standby } from './polled';
 import { ICompareRun, IComparePage, IMetricsRow, Requester } from './tokens';
 
 export type XAxis = 'step' | 'time';
@@ -188,20 +185,15 @@ export function finalValue(run: ICompareRun, metric: string): number | null {
 }
 
 /** The compared runs, fetched again every couple of seconds while any of them still runs. */
-export class CompareModel implements IDisposable {
+export class CompareModel extends PolledModel {
   constructor(options: CompareModel.IOptions) {
-    this._request = options.request;
-    this.runIds = [...options.runIds];
-    this._poll = new Poll({
-      factory: () => this._fetch(),
-      frequency: {
-        interval: options.interval ?? 2000,
-        backoff: true,
-        max: 30 * 1000
-      },
+    super({
+      request: options.request,
       name: 'nbtrain:compare',
-      standby: options.standby ?? 'when-hidden'
+      interval: options.interval ?? 2000,
+      standby: options.standby
     });
+    this.runIds = [...options.runIds];
   }
 
   readonly runIds: string[];
@@ -211,63 +203,16 @@ export class CompareModel implements IDisposable {
     return this._page;
   }
 
-  get error(): string | null {
-    return this._error;
-  }
-
-  get changed(): ISignal<this, void> {
-    return this._changed;
-  }
-
-  get isDisposed(): boolean {
-    return this._isDisposed;
-  }
-
-  async refresh(): Promise<void> {
-    await this._poll.refresh();
-    await this._poll.tick;
-  }
-
-  dispose(): void {
-    if (this._isDisposed) {
-      return;
-    }
-    this._isDisposed = true;
-    this._poll.dispose();
-    Signal.clearData(this);
-  }
-
-  private async _fetch(): Promise<void> {
+  protected async load(): Promise<boolean> {
     const ids = this.runIds.map(encodeURIComponent).join(',');
-    let page: IComparePage;
-    try {
-      page = await this._request<IComparePage>(`compare?runs=${ids}`);
-    } catch (error) {
-      if (this._isDisposed) {
-        return;
-      }
-      this._error = error instanceof Error ? error.message : String(error);
-      this._changed.emit();
-      throw error;
+    const page = await this.request<IComparePage>(`compare?runs=${ids}`);
+    if (!this.isDisposed) {
+      this._page = page;
     }
-    if (this._isDisposed) {
-      return;
-    }
-    this._page = page;
-    this._error = null;
-    this._changed.emit();
-    if (!page.runs.some(run => run.state === 'running')) {
-      // nothing more will be written: stop until someone refreshes
-      void this._poll.stop();
-    }
+    return page.runs.some(run => run.state === 'running');
   }
 
-  private _request: Requester;
   private _page: IComparePage | null = null;
-  private _error: string | null = null;
-  private _poll: Poll;
-  private _isDisposed = false;
-  private _changed = new Signal<this, void>(this);
 }
 
 export namespace CompareModel {
@@ -276,6 +221,6 @@ export namespace CompareModel {
     runIds: string[];
     /** Milliseconds between fetches while a run runs (2 s by default). */
     interval?: number;
-    standby?: Poll.Standby | (() => boolean | Poll.Standby);
+    standby?: Standby;
   }
 }

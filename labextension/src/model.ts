@@ -15,8 +15,7 @@ import {
   IScalingReport,
   Requester
 } from './tokens';
-
-type Standby = Poll.Standby | (() => boolean | Poll.Standby);
+import { PolledModel, Standby } from './polled';
 
 /** `3.2k`, `950`, `1.4M`: a rate short enough for the status bar. */
 export function formatRate(value: number | null | undefined): string {
@@ -274,20 +273,15 @@ export namespace TrainingModel {
  * One run's metrics, fetched incrementally (`?after=<last step>`) while the run is running;
  * polling stops once the run has ended and every row is in.
  */
-export class RunMetrics implements IDisposable {
+export class RunMetrics extends PolledModel {
   constructor(options: RunMetrics.IOptions) {
-    this._request = options.request;
-    this.runId = options.runId;
-    this._poll = new Poll({
-      factory: () => this._fetch(),
-      frequency: {
-        interval: options.interval ?? 1000,
-        backoff: true,
-        max: 30 * 1000
-      },
+    super({
+      request: options.request,
       name: `nbtrain:metrics:${options.runId}`,
-      standby: options.standby ?? 'when-hidden'
+      interval: options.interval ?? 1000,
+      standby: options.standby
     });
+    this.runId = options.runId;
   }
 
   readonly runId: string;
@@ -301,60 +295,13 @@ export class RunMetrics implements IDisposable {
     return this._rows;
   }
 
-  get error(): string | null {
-    return this._error;
-  }
-
-  /** True while the panel still polls: the run is running, or rows remain to fetch. */
-  get isPolling(): boolean {
-    return this._poll.state.phase !== 'stopped' && !this._poll.isDisposed;
-  }
-
-  get changed(): ISignal<this, void> {
-    return this._changed;
-  }
-
-  get isDisposed(): boolean {
-    return this._isDisposed;
-  }
-
-  /** Fetch now, and resume polling if it had stopped. */
-  async refresh(): Promise<void> {
-    await this._poll.refresh();
-    await this._poll.tick;
-  }
-
-  dispose(): void {
-    if (this._isDisposed) {
-      return;
-    }
-    this._isDisposed = true;
-    this._poll.dispose();
-    Signal.clearData(this);
-  }
-
-  private async _fetch(): Promise<void> {
-    let page: IMetricsPage;
-    try {
+  protected async load(): Promise<boolean> {
+    let page = await this._fetchPage();
+    // a long run opened late arrives in pages; take them all in this tick
+    while (page.more && !this.isDisposed) {
       page = await this._fetchPage();
-      // a long run opened late arrives in pages; take them all in this tick
-      while (page.more && !this._isDisposed) {
-        page = await this._fetchPage();
-      }
-    } catch (error) {
-      this._error = error instanceof Error ? error.message : String(error);
-      this._changed.emit();
-      throw error;
     }
-    if (this._isDisposed) {
-      return;
-    }
-    this._error = null;
-    this._changed.emit();
-    if (page.run.state !== 'running') {
-      // nothing more will be written: stop until someone refreshes
-      void this._poll.stop();
-    }
+    return page.run.state === 'running';
   }
 
   private async _fetchPage(): Promise<IMetricsPage> {
@@ -362,7 +309,7 @@ export class RunMetrics implements IDisposable {
       ? this._rows[this._rows.length - 1].step
       : -1;
     const id = encodeURIComponent(this.runId);
-    const page = await this._request<IMetricsPage>(
+    const page = await this.request<IMetricsPage>(
       `runs/${id}/metrics?after=${last}`
     );
     if (this._run && page.run.started !== this._run.started) {
@@ -376,13 +323,8 @@ export class RunMetrics implements IDisposable {
     return page;
   }
 
-  private _request: Requester;
   private _run: IRun | null = null;
   private _rows: IMetricsRow[] = [];
-  private _error: string | null = null;
-  private _poll: Poll;
-  private _isDisposed = false;
-  private _changed = new Signal<this, void>(this);
 }
 
 export namespace RunMetrics {

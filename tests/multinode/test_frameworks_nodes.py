@@ -4,39 +4,21 @@ its node), the ranks end with the weights a one-process replay gives, and nbtrai
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
-import nbtrain
 from tests.test_frameworks import LIGHTNING_FIT, check_trained_together
 
-from .testbed import Testbed
+from .testbed import Testbed, ssh_cluster
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def cluster11(testbed: Testbed):
-    n1, n2 = testbed.nodes[0], testbed.nodes[1]
-    cluster = nbtrain.start(
-        hosts=f"{n1.name}:1,{n2.name}:1",
-        launcher="ssh",
-        ssh_args=testbed.ssh_args,
-        remote_python=testbed.remote_python,
-        timeout=90,
-        force=True,
-    )
-    yield cluster
-    cluster.stop()
-    # ipyparallel's SSH launcher watches each engine from a thread that polls its node; let those end
-    # before the session's test bed may go down under them
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(
-        t.name.startswith("wait(host=") for t in threading.enumerate()
-    ):
-        time.sleep(0.2)
+    with ssh_cluster(testbed, per_node=1, timeout=90) as cluster:
+        yield cluster
 
 
 def _env():

@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 # the nodes share this machine's filesystem: they run the Python that runs the tests
@@ -362,6 +363,35 @@ class Testbed:
 
     def __exit__(self, *exc: object) -> None:
         down()
+
+
+@contextlib.contextmanager
+def ssh_cluster(tb: Testbed, per_node: int, nodes: int = 2, timeout: float = 120) -> Iterator[Any]:
+    """An nbtrain cluster over SSH with `per_node` engines on each of the first `nodes` nodes, stopped
+    on exit once ipyparallel's SSH watcher threads have ended (each polls its node, and the session's
+    test bed may go down under them otherwise)."""
+    import threading
+
+    import nbtrain
+
+    hosts = ",".join(f"{n.name}:{per_node}" for n in tb.nodes[:nodes])
+    cluster = nbtrain.start(
+        hosts=hosts,
+        launcher="ssh",
+        ssh_args=tb.ssh_args,
+        remote_python=tb.remote_python,
+        timeout=timeout,
+        force=True,
+    )
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(
+            t.name.startswith("wait(host=") for t in threading.enumerate()
+        ):
+            time.sleep(0.2)
 
 
 def load() -> Testbed:
