@@ -108,6 +108,13 @@ def load_quantized(cfg: Any, device: Any, compute_dtype: Any, sharded: bool = Fa
         quantization_config=bnb_config(cfg, dtype, sharded),
         device_map={"": device},
     )
+    if device.type == "cpu":
+        # on CPUs with AVX512-BF16, Linear4bit repacks its weight into a CPU-only layout in the first
+        # no-grad eval forward (an eval step), replacing weight.data, which FSDP2 owns when sharded;
+        # keep the one layout that every CPU, and the tests, run
+        for module in base.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
     return prepare_model_for_kbit_training(
         base,
         use_gradient_checkpointing=cfg.gradient_checkpointing,
