@@ -333,6 +333,58 @@ def test_qlora_under_fsdp_equals_qlora_under_ddp(qruns):
     assert held0 + held1 == total and abs(held0 - total / 2) <= 0.01 * total
 
 
+def test_sharded_qlora_quantises_weight_by_weight_as_from_pretrained_does(tiny, monkeypatch):
+    """shard='fsdp' with load_in_4bit never loads the whole base: from_pretrained is not called, each
+    weight is quantised alone, and the 4-bit words and their scales come out bit for bit those that
+    from_pretrained's quantised load makes (here on 1 rank, which keeps all the rows)."""
+    import bitsandbytes as bnb
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from nbtrain.sft import quant
+    from nbtrain.sft.build import build_model
+    from nbtrain.sft.dist import Dist
+    from nbtrain.sft.shard import make_mesh
+
+    cfg = SFTConfig(**_kw(tiny, "unused", shard="fsdp", load_in_4bit=True))
+    d = Dist()
+    reference = quant.load_quantized(cfg, d.device, None)
+    expected = {n: m for n, m in reference.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+
+    whole_loads, sizes = [], []
+    quantize_like = quant.quantize_like
+
+    def one_at_a_time(recipe, weight):
+        sizes.append(weight.numel())
+        return quantize_like(recipe, weight)
+
+    def from_pretrained(*a, **k):
+        whole_loads.append(a)
+        raise AssertionError("the sharded QLoRA load called from_pretrained")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(quant, "quantize_like", one_at_a_time)
+    model, _, levers = build_model(cfg, d, make_mesh(d, "fsdp", None), torch.float32, None)
+    assert not whole_loads and "4-bit NF4 base" in levers
+    got = {
+        n.removeprefix("base_model.model.").replace(".base_layer", ""): m
+        for n, m in model.named_modules()
+        if isinstance(m, bnb.nn.Linear4bit)
+    }
+    assert sorted(got) == sorted(expected) and len(sizes) == len(expected)
+    assert max(sizes) == max(m.in_features * m.out_features for m in expected.values())
+    for name, ref in expected.items():
+        w = got[name].weight
+        words = (w.to_local() if isinstance(w, DTensor) else w).detach()
+        assert torch.equal(
+            words.view(torch.uint8).flatten(), ref.weight.detach().view(torch.uint8).flatten()
+        ), name
+        mine, theirs = got[name].quant_state, ref.weight.quant_state
+        assert torch.equal(mine.absmax, theirs.absmax) and mine.shape == theirs.shape
+        assert torch.equal(mine.state2.absmax, theirs.state2.absmax)
+        assert mine.offset == theirs.offset and mine.dtype == theirs.dtype
+
+
 def test_qlora_under_fsdp_resumes_to_the_same_run(qruns, tiny):
     tmp, r = qruns
     crashed = tmp / "fsdp-crashed"

@@ -13,7 +13,10 @@ gradient checkpointing, each block's input (hidden values per token per layer) p
 activations. Sharding divides weights, LoRA, gradients and optimizer state by the shard size (all ranks
 for fsdp, the ranks of a node for hsdp); FSDP2 also holds the block being computed and the next one
 (prefetch) unsharded, and the root unit (embeddings, final norm, lm_head) unsharded from forward to
-backward. Not counted: the CUDA context and allocator slack (about 1-2 GiB on a GPU).
+backward. Under QLoRA FSDP2 shards the 4-bit words but not their block scales, which every rank keeps
+whole (1/64 byte per value). Loading needs less than training: a sharded run reads and quantises one
+weight at a time (`nbtrain.sft.shard`). Not counted: the CUDA context and allocator slack (about 1-2
+GiB on a GPU).
 """
 
 from __future__ import annotations
@@ -110,8 +113,13 @@ def rank_memory(
     """Bytes per rank, by part, and their "total" (see the module's assumptions)."""
     n = {"ddp": 1, "fsdp": world, "hsdp": ranks_per_node or world}[shard]
     lora = lora_params(shape, lora_r)
+    weights = weight_bytes(shape, quant) / n
+    if quant == "nf4" and n > 1:
+        # each 4-bit layer's block scales (its quant_state) stay whole on every rank: FSDP2 shards the
+        # packed words only
+        weights += shape.layers * shape.block_params / 64 * (1 - 1 / n)
     parts = {
-        "weights": weight_bytes(shape, quant) / n,
+        "weights": weights,
         "lora": lora * 4.0 / n,
         "grads": lora * 4.0 / n,
         "optimizer": lora * 8.0 / n,
@@ -157,15 +165,6 @@ def check_fits(cfg: Any, config: Any, device: Any, world: int) -> str | None:
     fixed = est["total"] - est["activations"]
     total = torch.cuda.get_device_properties(device).total_memory
     gib = 2**30
-    load = weight_bytes(shape, quant)
-    if quant and cfg.shard != "ddp" and load > 0.95 * total:
-        msg = (
-            f"load_in_4bit with shard={cfg.shard!r}: each rank quantises the whole base onto its GPU "
-            f"(about {load / gib:.1f} GiB) before FSDP2 keeps 1/{world} of it, and the GPU has "
-            f"{total / gib:.1f} GiB; use shard='fsdp' in bf16 over more ranks, or GPUs that hold the "
-            "4-bit model whole"
-        )
-        raise ConfigError(msg)
     if fixed > 0.95 * total:
         msg = (
             f"the model needs about {fixed / gib:.1f} GiB per rank before any activations with "

@@ -6,9 +6,11 @@ bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)`, then
 on a 4-bit base is an ordinary LoRA adapter: it loads on the unquantised base. Merging it into 4-bit
 weights would round the merged weights to 4 bits, so `merge=True` merges into a full-precision copy of
 the base (bf16 on GPUs, fp32 on the CPU) loaded on rank 0's CPU instead
-(`nbtrain.sft.checkpoint.export_merged_from_adapter`). With `shard="fsdp"`, each rank quantises the
-whole base onto its own device and FSDP2 then keeps 1/N of it (see `bnb_config`'s `sharded`); 8-bit
-weights are not sharded.
+(`nbtrain.sft.checkpoint.export_merged_from_adapter`). With `shard="fsdp"`, no rank holds the whole
+base, even in 4 bits: the model is built on the meta device with bitsandbytes' layers where
+from_pretrained would put them (`skeleton`), sharded, and then each weight is read and quantised one at a
+time, every rank keeping only its own rows of the 4-bit words (`quantize_like`, in `nbtrain.sft.shard`);
+8-bit weights are not sharded.
 """
 
 from __future__ import annotations
@@ -92,22 +94,88 @@ def bnb_config(cfg: Any, compute_dtype: Any, sharded: bool = False) -> Any:
     )
 
 
-def load_quantized(cfg: Any, device: Any, compute_dtype: Any, sharded: bool = False) -> Any:
-    """The base model quantised onto this rank's device, prepared for k-bit training."""
+def load_dtype(compute_dtype: Any, device: Any) -> Any:
+    """The dtype the base is read in before quantising: bf16 compute on a GPU unless the run says
+    otherwise; on the CPU, fp32 as the rest of a CPU run."""
     import torch
-    from peft import prepare_model_for_kbit_training
 
+    return compute_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def load_quantized(cfg: Any, device: Any, compute_dtype: Any) -> Any:
+    """The base model quantised onto this rank's device, prepared for k-bit training."""
     from nbtrain.sft.model import load_model
 
-    # bf16 compute on a GPU unless the run says otherwise; on the CPU, fp32 as the rest of a CPU run
-    dtype = compute_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = load_dtype(compute_dtype, device)
     base = load_model(
         cfg.model,
         dtype,
         device,
-        quantization_config=bnb_config(cfg, dtype, sharded),
+        quantization_config=bnb_config(cfg, dtype),
         device_map={"": device},
     )
+    return prepare_for_training(base, cfg, device)
+
+
+def skeleton(base: Any, cfg: Any, device: Any, dtype: Any) -> dict[str, Any]:
+    """Turn `base`, a model on the meta device, into what from_pretrained with `bnb_config(sharded=True)`
+    makes, still on meta: transformers' own quantizer swaps in bitsandbytes' Linear4bit where it would
+    (lm_head and tied weights stay as they are), and each 4-bit weight takes the shape and dtype its
+    packed words will have, which FSDP2 then shards. Returns {weight name: its meta Params4bit}, the
+    recipe `quantize_like` follows for that weight."""
+    import bitsandbytes as bnb
+    import torch
+    from transformers.quantizers import AutoHfQuantizer
+
+    hfq = AutoHfQuantizer.from_config(bnb_config(cfg, dtype, sharded=True))
+    hfq.preprocess_model(base, device_map={"": device})
+    recipes = {}
+    for name, module in base.named_modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        w: Any = module.weight  # a Params4bit: its recipe rides on it
+        meta = torch.empty(w.shape, dtype=dtype, device="meta")
+        words, _ = torch.ops.bitsandbytes.quantize_4bit.default(
+            meta, w.blocksize, w.quant_type, w.quant_storage
+        )
+        module.weight = bnb.nn.Params4bit(
+            words,
+            requires_grad=False,
+            blocksize=w.blocksize,
+            compress_statistics=w.compress_statistics,
+            quant_type=w.quant_type,
+            quant_storage=w.quant_storage,
+            module=module,
+            bnb_quantized=True,
+        )
+        recipes[f"{name}.weight"] = module.weight
+    hfq.postprocess_model(base)
+    base.hf_quantizer = hfq
+    return recipes
+
+
+def quantize_like(recipe: Any, weight: Any) -> Any:
+    """`weight` (one whole full-precision weight, on the rank's device) quantised as `recipe` (a meta
+    Params4bit from `skeleton`) says, as from_pretrained would; its quant_state goes onto the recipe's
+    module, where bitsandbytes finds it again under FSDP2. Returns the packed 4-bit words."""
+    import bitsandbytes.functional as bnbf
+
+    words, state = bnbf.quantize_4bit(
+        weight.contiguous(),
+        blocksize=recipe.blocksize,
+        compress_statistics=recipe.compress_statistics,
+        quant_type=recipe.quant_type,
+        quant_storage=recipe.quant_storage,
+    )
+    recipe.module.quant_state = state
+    return words
+
+
+def prepare_for_training(base: Any, cfg: Any, device: Any) -> Any:
+    """peft's k-bit preparation (frozen, non-4-bit weights in fp32, checkpointing), on a loaded base or
+    on a meta skeleton alike."""
+    from peft import prepare_model_for_kbit_training
+
     if device.type == "cpu":
         # on CPUs with AVX512-BF16, Linear4bit repacks its weight into a CPU-only layout in the first
         # no-grad eval forward (an eval step), replacing weight.data, which FSDP2 owns when sharded;

@@ -9,6 +9,11 @@ so loading costs no network traffic, at the price of every rank reading its part
 shared storage; every rank calls `from_pretrained` under DDP too). Memory per rank while loading: its
 shard of the weights plus one slice in flight (see `nbtrain.sft.memory`).
 
+QLoRA (`load_in_4bit`) follows the same steps with bitsandbytes' 4-bit layers in the meta model
+(`quant.skeleton`); a 4-bit weight's block scales need all of it, so each one is read whole, one at a
+time, quantised on the rank's device (`quant.quantize_like`), and only this rank's rows of its packed
+words are kept.
+
 The LoRA init is replayed on the CPU, layer by layer, exactly as peft makes it, so a sharded run starts
 from the same adapter as a DDP run with the same seed.
 """
@@ -194,8 +199,9 @@ def local_rows(param: Any) -> tuple[int, int] | None:
     return start, stop
 
 
-def _fill(param: Any, full_or_slice: Any) -> None:
-    """Copy this rank's rows of a full weight (a tensor or a safetensors slice) into `param`'s shard."""
+def _fill(param: Any, full_or_slice: Any, via: Any = None) -> None:
+    """Copy this rank's rows of a full weight (a tensor or a safetensors slice) into `param`'s shard,
+    rounded through dtype `via` on the way where given (as from_pretrained would load it)."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -205,6 +211,8 @@ def _fill(param: Any, full_or_slice: Any) -> None:
     if tuple(src.shape) != tuple(local.shape):
         msg = f"sharded load: slice {tuple(src.shape)} does not match the local shard {tuple(local.shape)}"
         raise RuntimeError(msg)
+    if via is not None:
+        src = src.to(via)
     with torch.no_grad():
         local.copy_(src.to(local.dtype))
 
@@ -220,30 +228,26 @@ def build_sharded(
 
     from nbtrain.sft.model import apply_lora, enable_checkpointing, model_source
 
-    if quant.quantized(cfg):
-        # QLoRA: each rank quantises the base itself (a whole 4-bit copy, a quarter of bf16's size),
-        # then fully_shard below keeps 1/N of it; the 4-bit words are stored in the dtype the rest of
-        # the model has, which FSDP2 shards like any weight
-        base = quant.load_quantized(cfg, d.device, compute_dtype, sharded=True)
-        prepare(base)
-        torch.manual_seed(cfg.seed)
-        model = apply_lora(base, cfg)
-        lora = None
-    else:
-        source = model_source(cfg.model)
-        config = AutoConfig.from_pretrained(source)
-        with _params_on_meta():
-            base = AutoModelForCausalLM.from_config(config, dtype=weights_dtype)
-        base.config.use_cache = False
-        base.config.name_or_path = (
-            source  # peft writes it into the adapter's base_model_name_or_path
-        )
-        base.name_or_path = source
-        if cfg.gradient_checkpointing:
-            enable_checkpointing(base)
-        prepare(base)
-        model = apply_lora(base, cfg)
-        lora = _lora_init(model, cfg.seed)
+    source = model_source(cfg.model)
+    config = AutoConfig.from_pretrained(source)
+    quantized = quant.quantized(cfg)
+    dtype = quant.load_dtype(compute_dtype, d.device) if quantized else weights_dtype
+    with _params_on_meta():
+        base = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    base.config.use_cache = False
+    base.config.name_or_path = source  # peft writes it into the adapter's base_model_name_or_path
+    base.name_or_path = source
+    # QLoRA: bitsandbytes' 4-bit layers in the skeleton, each weight quantised as it is read (below)
+    recipes = quant.skeleton(base, cfg, d.device, dtype) if quantized else {}
+    # the dtype each weight is read in (peft's k-bit preparation then upcasts the non-4-bit ones to fp32)
+    via = {n: p.dtype for n, p in base.named_parameters()}
+    if quantized:
+        base = quant.prepare_for_training(base, cfg, d.device)
+    elif cfg.gradient_checkpointing:
+        enable_checkpointing(base)
+    prepare(base)
+    model = apply_lora(base, cfg)
+    lora = _lora_init(model, cfg.seed)
 
     # bf16 compute with fp32 LoRA masters and fp32 gradient reduction where the run computes in bf16;
     # plain fp32 (no casts at all) otherwise, so that a CPU run equals DDP to float32 rounding
@@ -264,8 +268,6 @@ def build_sharded(
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(inner, mesh=mesh, mp_policy=mp)
-    if lora is None:
-        return model
 
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     model.to_empty(device=d.device)
@@ -273,13 +275,17 @@ def build_sharded(
         for n, b in model.named_buffers():
             if n in buffers:
                 b.copy_(buffers[n])
-    _load_weights(model, cfg.model, lora)
+    _load_weights(model, cfg.model, lora, via, recipes)
     return model
 
 
-def _load_weights(model: Any, source: str, lora: dict[str, Any]) -> None:
+def _load_weights(
+    model: Any, source: str, lora: dict[str, Any], via: dict[str, Any], recipes: dict[str, Any]
+) -> None:
     """Fill every parameter's local shard: LoRA from its replayed init, the base from the safetensors
-    files, one file at a time and only this rank's rows of each tensor."""
+    files, one file at a time and only this rank's rows of each tensor. A 4-bit weight (in `recipes`)
+    is read whole, one at a time, quantised on this rank's device, and only its rows of the packed
+    words are kept: the whole 4-bit base is never on any rank."""
     from safetensors import safe_open
 
     prefix = "base_model.model."
@@ -296,8 +302,15 @@ def _load_weights(model: Any, source: str, lora: dict[str, Any]) -> None:
             for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 target = key if key in want else inner_prefix + key
                 param = want.pop(target, None)
-                if param is not None:
-                    _fill(param, f.get_slice(key))
+                if param is None:
+                    continue
+                if target in recipes:
+                    local = param.to_local() if hasattr(param, "to_local") else param
+                    weight = f.get_tensor(key).to(via[target]).to(local.device)
+                    _fill(param, quant.quantize_like(recipes[target], weight))
+                    del weight
+                else:
+                    _fill(param, f.get_slice(key), via.get(target))
     if want:
         shown = ", ".join(sorted(want)[:4])
         msg = (
