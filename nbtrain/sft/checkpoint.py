@@ -143,6 +143,22 @@ def save_checkpoint(
     return write_atomic_dir(Path(output_dir) / f"checkpoint-{step}", fill, tmp)
 
 
+def restore_schedule(scheduler: Any, optimizer: Any, saved: dict[str, Any]) -> None:
+    """Load a checkpoint's scheduler state and give the next step the rate of *this* run's schedule.
+
+    The loaded rate is the one the checkpoint's schedule gave the next step; a run made longer
+    (max_steps) has another schedule from here. Every scheduler transformers' get_scheduler builds is
+    a LambdaLR: rate = base rate x factor(step)."""
+    scheduler.load_state_dict(saved)
+    rates = [
+        base * factor(scheduler.last_epoch)
+        for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = rates
+
+
 def write_run_config(output_dir: Path, config: dict[str, Any]) -> Path:
     """Write `output_dir/sft_config.json` (rank 0, at run start), atomically: a reader sees the old
     file or the new one, never half of one."""

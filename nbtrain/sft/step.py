@@ -1,5 +1,5 @@
 """What one micro-batch needs: its copy to the device, the loss (fused from hidden states, or through the
-logits), and the batch plan that sizes it."""
+logits), the batch plan that sizes it, and the eval loss over the eval batches."""
 
 from __future__ import annotations
 
@@ -79,6 +79,31 @@ def loss_sum(net: Any, batch: dict[str, Any], autocast: Any, fn: Any) -> Any:
     from nbtrain.sft import loss
 
     return loss.causal_lm_loss_sum(net, batch, autocast, fn)
+
+
+def evaluate(
+    net: Any, evals: Any, n_eval: int, filler: Any, pad_id: int, d: Dist, loss_sum: Any
+) -> float:
+    """The eval loss per target token over every rank's eval batches (`evals`), `net` in eval mode
+    meanwhile. Each rank runs `n_eval` forwards: under FSDP each one gathers weights on every rank, so
+    a rank short of batches runs `filler` (a micro-batch of its own) and counts nothing."""
+    import torch
+
+    from nbtrain.sft.data import collate
+
+    net.eval()
+    sums = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(n_eval):
+            exs = evals[i] if i < len(evals) else filler
+            pad = max(len(e.input_ids) for e in exs)
+            loss = loss_sum(net, to_device(collate(exs, pad, pad_id), d.device)).double().item()
+            if i < len(evals):
+                sums[0] += loss
+                sums[1] += sum(e.n_targets for e in exs)
+    net.train()
+    sums = d.sum_(sums)
+    return float(sums[0] / max(sums[1].item(), 1.0))
 
 
 def plan_batch(cfg: SFTConfig, d: Dist, model: Any, loss_sum: Any, n_rows: int) -> Any:

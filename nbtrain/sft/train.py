@@ -305,17 +305,7 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
             shard.load_sharded(Path(resume_from) / shard.SHARDED_DIR, model, optimizer, d.group)
         else:
             optimizer.load_state_dict(resumed["optimizer"])
-        scheduler.load_state_dict(resumed["scheduler"])
-        # the loaded rate is the one the checkpoint's schedule gave the next step; a run made longer
-        # (max_steps) has another schedule from here, so the next step takes that one's rate. Every
-        # scheduler transformers' get_scheduler builds is a LambdaLR: rate = base rate x factor(step)
-        rates = [
-            base * factor(scheduler.last_epoch)
-            for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
-        ]
-        for group, rate in zip(optimizer.param_groups, rates, strict=True):
-            group["lr"] = rate
-        scheduler._last_lr = rates
+        ckpt.restore_schedule(scheduler, optimizer, resumed["scheduler"])
         rng = resumed["rng"]
         if d.rank < len(rng):
             ckpt.set_rng_state(rng[d.rank])
@@ -335,26 +325,6 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
     if sharded and evals is not None:
         n_eval = -d.min_int(-n_eval)
     micro0 = batches.micro_batch(0, 0)[:1]
-
-    def evaluate() -> float:
-        peft_model.eval()
-        sums = torch.zeros(2, dtype=torch.float64)
-        from nbtrain.sft.data import collate
-
-        with torch.no_grad():
-            for i in range(n_eval):
-                # under FSDP every rank runs as many forwards (each gathers weights): one short of
-                # batches runs a spare one and counts nothing
-                exs = evals[i] if i < len(evals) else micro0
-                pad = max(len(e.input_ids) for e in exs)
-                b = one_step.to_device(collate(exs, pad, tokenizer.pad_token_id), d.device)
-                loss = loss_sum(peft_model, b).double().item()
-                if i < len(evals):
-                    sums[0] += loss
-                    sums[1] += sum(e.n_targets for e in exs)
-        peft_model.train()
-        sums = d.sum_(sums)
-        return float(sums[0] / max(sums[1].item(), 1.0))
 
     def save(step: int) -> None:
         rngs = d.gather_objects(ckpt.get_rng_state())
@@ -462,7 +432,9 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
                 (cfg.eval_steps is not None and step % cfg.eval_steps == 0) or step == total_steps
             ):
                 t0 = time.perf_counter()
-                eval_loss = evaluate()
+                eval_loss = one_step.evaluate(
+                    peft_model, evals, n_eval, micro0, tokenizer.pad_token_id, d, loss_sum
+                )
                 meter.exclude(time.perf_counter() - t0)
             if step % cfg.logging_steps == 0 or step == total_steps or eval_loss is not None:
                 log(meter.row(step, grad_norm, lr, eval_loss))
