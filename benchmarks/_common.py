@@ -172,6 +172,38 @@ class Recorder:
         return self.data
 
 
+class StepClock:
+    """When each optimizer step of an HF Trainer run ended, for tokens/s after a warm-up.
+
+    Pass `callback()` to `Trainer(callbacks=[...])`; at each step's end it waits for the GPU (when
+    there is one, so the step's kernels count) and records `time.perf_counter()` in `times`.
+    `window(warmup)` gives the steps after the first `warmup` and the seconds they took: from the end
+    of step `warmup` to the end of the last step (`warmup` must be at least 1).
+    """
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def callback(self) -> Any:
+        import torch
+        from transformers import TrainerCallback
+
+        on_gpu = torch.cuda.is_available()
+        times = self.times
+
+        class Clock(TrainerCallback):
+            def on_step_end(self, *a: Any, **k: Any) -> None:
+                if on_gpu:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter())
+
+        return Clock()
+
+    def window(self, warmup: int) -> tuple[int, float]:
+        """(steps after the warm-up, their seconds)."""
+        return len(self.times) - warmup, self.times[-1] - self.times[warmup - 1]
+
+
 def last_json_line(text: str) -> dict[str, Any]:
     """The last line of a child's stdout that parses as a JSON object (its report)."""
     for line in reversed(text.strip().splitlines()):

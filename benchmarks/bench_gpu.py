@@ -228,20 +228,13 @@ def _arm_result(tokens: float, seconds: float, model: Any) -> dict[str, Any]:
 
 def arm_hf(args: argparse.Namespace, model_dir: Path, data: Path, work: Path) -> dict[str, Any]:
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     ids = tokenized([json.loads(line) for line in data.read_text().splitlines()], model_dir)
     train = [{"input_ids": x, "labels": x} for x in ids]
     model = _lora_model(model_dir)
     on_gpu = torch.cuda.is_available()
-    times: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            if on_gpu:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter())
-
+    clock = C.StepClock()
     micro = args.baseline_micro
     targs = TrainingArguments(
         output_dir=str(work / "hf-run"),
@@ -260,11 +253,11 @@ def arm_hf(args: argparse.Namespace, model_dir: Path, data: Path, work: Path) ->
         seed=0,
         use_cpu=not on_gpu,
     )
-    trainer = Trainer(model=model, args=targs, train_dataset=train, callbacks=[Clock()])
+    trainer = Trainer(model=model, args=targs, train_dataset=train, callbacks=[clock.callback()])
     trainer.train()
-    steps = len(times) - args.warmup
+    steps, seconds = clock.window(args.warmup)
     tokens = steps * args.global_batch * args.seq
-    return _arm_result(tokens, times[-1] - times[args.warmup - 1], model)
+    return _arm_result(tokens, seconds, model)
 
 
 def arm_bare(args: argparse.Namespace, model_dir: Path, data: Path, work: Path) -> dict[str, Any]:

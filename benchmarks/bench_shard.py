@@ -25,11 +25,11 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
 import bench_gpu as G  # noqa: E402
 
 ARMS = ("nbtrain-ddp", "nbtrain-fsdp", "nbtrain-qlora", "nbtrain-qlora-fsdp", "hf", "hf-qlora")
@@ -71,7 +71,7 @@ def arm_nbtrain(
 def arm_hf(args: argparse.Namespace, model_dir: Path, data: Path, work: Path) -> dict[str, Any]:
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if on_gpu else torch.float32}
@@ -91,17 +91,16 @@ def arm_hf(args: argparse.Namespace, model_dir: Path, data: Path, work: Path) ->
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
     elif on_gpu:
         model = model.to("cuda")
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
+    # the LoRA settings of the nbtrain arms (SFTConfig's defaults, as bench_gpu's)
+    lora = LoraConfig(
+        r=G.LORA["lora_r"],
+        lora_alpha=G.LORA["lora_alpha"],
+        lora_dropout=G.LORA["lora_dropout"],
+        target_modules=G.LORA["target_modules"],
+    )
     model = get_peft_model(model, lora)
     ids = G.tokenized([json.loads(x) for x in data.read_text().splitlines()], model_dir)
-    times: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            if on_gpu:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter())
-
+    clock = C.StepClock()
     targs = TrainingArguments(
         output_dir=str(work / args.arm),
         per_device_train_batch_size=1,
@@ -117,11 +116,9 @@ def arm_hf(args: argparse.Namespace, model_dir: Path, data: Path, work: Path) ->
         use_cpu=not on_gpu,
     )
     train = [{"input_ids": x, "labels": x} for x in ids]
-    Trainer(model=model, args=targs, train_dataset=train, callbacks=[Clock()]).train()
-    seconds = times[-1] - times[args.warmup - 1]
-    out: dict[str, Any] = {
-        "tok_s": (len(times) - args.warmup) * args.global_batch * args.seq / seconds
-    }
+    Trainer(model=model, args=targs, train_dataset=train, callbacks=[clock.callback()]).train()
+    steps, seconds = clock.window(args.warmup)
+    out: dict[str, Any] = {"tok_s": steps * args.global_batch * args.seq / seconds}
     if on_gpu:
         out["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return out
