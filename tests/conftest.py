@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import sys
+import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
 import pytest
@@ -136,3 +139,48 @@ def tiny(tmp_path_factory):
     from nbtrain.sft.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+LR_RATES = (1e-2, 1e-3)
+
+
+@pytest.fixture(scope="module")
+def two_lr_runs(tiny, tmp_path_factory):
+    """Two real tiny finetune runs (6 steps, an eval every 3) that differ only in learning rate,
+    LR_RATES, in `root`/lr-0.01 and `root`/lr-0.001 (nothing else in `root`): {"root": root, "runs":
+    [{"cfg", "result", "started", "ended"}, ...]}, one per module (for the runs comparison in
+    tests/test_compare.py and the Lab's compare endpoint in tests/test_server.py)."""
+    import torch
+
+    from nbtrain.sft.config import SFTConfig
+    from nbtrain.sft.train import finetune
+
+    data = Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl"
+    root = tmp_path_factory.mktemp("compare") / "runs"
+    eval_rows = [json.loads(x) for x in data.read_text().splitlines()[:8]]
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    done = []
+    try:
+        for lr in LR_RATES:
+            cfg = SFTConfig(
+                model=tiny,
+                data=str(data),
+                eval_data=eval_rows,
+                eval_steps=3,
+                output_dir=str(root / f"lr-{lr:g}"),
+                max_steps=6,
+                per_device_train_batch_size=4,
+                learning_rate=lr,
+                max_length=48,
+                logging_steps=1,
+                save_steps=None,
+                lora_r=8,
+                lora_dropout=0.0,
+            )
+            started = time.time()
+            result = finetune(cfg)
+            done.append({"cfg": cfg, "result": result, "started": started, "ended": time.time()})
+    finally:
+        torch.set_num_threads(old)
+    return {"root": root, "runs": done}

@@ -10,7 +10,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,12 +27,11 @@ from nbtrain.compare import (
     series_csv,
 )
 from nbtrain.errors import NotARunError
+from tests.conftest import LR_RATES as RATES
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = str(ROOT / "nbtrain" / "data" / "instructions.jsonl")
 FIXTURE_RUN = ROOT / "tests" / "fixtures" / "runs" / "finished-sft"
 PNG = b"\x89PNG\r\n\x1a\n"
-RATES = (1e-2, 1e-3)
 
 
 def _ema_by_hand(values, w):
@@ -146,49 +144,11 @@ def test_compare_imports_cheaply():
     assert out.stdout.strip() == "True []"
 
 
-# ---- two real runs -----------------------------------------------------------------------------
+# ---- two real runs (two_lr_runs, tests/conftest.py) --------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def two_runs(tiny, tmp_path_factory):
-    """Two tiny finetune runs that differ only in learning rate."""
-    import torch
-
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.train import finetune
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("compare") / "runs"
-    eval_rows = [json.loads(x) for x in Path(DATA).read_text().splitlines()[:8]]
-    done = []
-    try:
-        for lr in RATES:
-            cfg = SFTConfig(
-                model=tiny,
-                data=DATA,
-                eval_data=eval_rows,
-                eval_steps=3,
-                output_dir=str(root / f"lr-{lr:g}"),
-                max_steps=6,
-                per_device_train_batch_size=4,
-                learning_rate=lr,
-                max_length=48,
-                logging_steps=1,
-                save_steps=None,
-                lora_r=8,
-                lora_dropout=0.0,
-            )
-            started = time.time()
-            result = finetune(cfg)
-            done.append({"cfg": cfg, "result": result, "started": started, "ended": time.time()})
-    finally:
-        torch.set_num_threads(old)
-    return {"root": root, "runs": done}
-
-
-def test_a_run_folder_holds_its_config_and_a_time_per_row(two_runs):
-    for run in two_runs["runs"]:
+def test_a_run_folder_holds_its_config_and_a_time_per_row(two_lr_runs):
+    for run in two_lr_runs["runs"]:
         out = Path(run["cfg"].output_dir)
         saved = json.loads((out / "sft_config.json").read_text())
         assert saved == json.loads(json.dumps(run["cfg"].to_dict(), default=str))
@@ -198,11 +158,11 @@ def test_a_run_folder_holds_its_config_and_a_time_per_row(two_runs):
         assert times == sorted(times)
         # the history DataFrame carries it too
         assert list(run["result"].history["time"]) == times
-    assert not list(Path(two_runs["runs"][0]["cfg"].output_dir).glob(".*.tmp"))
+    assert not list(Path(two_lr_runs["runs"][0]["cfg"].output_dir).glob(".*.tmp"))
 
 
-def test_data_layer_on_two_real_runs(two_runs):
-    paths = [r["cfg"].output_dir for r in two_runs["runs"]]
+def test_data_layer_on_two_real_runs(two_lr_runs):
+    paths = [r["cfg"].output_dir for r in two_lr_runs["runs"]]
     runs = [load_run(p) for p in paths]
     assert [r.name for r in runs] == ["lr-0.01", "lr-0.001"]
     assert [r.path for r in runs] == [str(Path(p).resolve()) for p in paths]
@@ -210,7 +170,7 @@ def test_data_layer_on_two_real_runs(two_runs):
     assert runs[0].adapter == str(Path(paths[0]).resolve() / "adapter")
     # the only setting that differs is the one the test changed
     assert config_diff(runs) == {"learning_rate": list(RATES)}
-    for run, done in zip(runs, two_runs["runs"], strict=True):
+    for run, done in zip(runs, two_lr_runs["runs"], strict=True):
         h = done["result"].history
         assert run.final["loss"] == pytest.approx(h["loss"].iloc[-1])
         assert run.final["eval_loss"] == pytest.approx(h["eval_loss"].dropna().iloc[-1])
@@ -219,7 +179,7 @@ def test_data_layer_on_two_real_runs(two_runs):
     loss = series(runs, "loss")
     assert [[x for x, _ in s] for s in loss] == [[1, 2, 3, 4, 5, 6]] * 2
     assert [y for _, y in loss[1]] == pytest.approx(
-        list(two_runs["runs"][1]["result"].history["loss"])
+        list(two_lr_runs["runs"][1]["result"].history["loss"])
     )
     assert [[x for x, _ in s] for s in series(runs, "eval_loss")] == [[3, 6], [3, 6]]
     by_time = series(runs, "loss", x="time")
@@ -237,8 +197,8 @@ def test_data_layer_on_two_real_runs(two_runs):
     assert [r["eval_loss"] != "" for r in table[:6]] == [False, False, True, False, False, True]
 
 
-def test_compare_draws_and_tables_two_real_runs(two_runs, tmp_path):
-    paths = [r["cfg"].output_dir for r in two_runs["runs"]]
+def test_compare_draws_and_tables_two_real_runs(two_lr_runs, tmp_path):
+    paths = [r["cfg"].output_dir for r in two_lr_runs["runs"]]
     plain = nbtrain.compare(paths)
     assert plain.metrics == ["loss", "eval_loss", "tokens_per_s", "learning_rate"]
     assert list(plain.diff.index) == ["learning_rate"]
@@ -276,7 +236,7 @@ def test_compare_draws_and_tables_two_real_runs(two_runs, tmp_path):
     assert "| learning_rate | 0.01 | 0.001 |" in md
 
     # a folder of run folders stands for all of them; one run is drawn, with a note
-    assert nbtrain.compare(two_runs["root"]).labels == ["lr-0.001", "lr-0.01"]
+    assert nbtrain.compare(two_lr_runs["root"]).labels == ["lr-0.001", "lr-0.01"]
     one = nbtrain.compare(paths[0])
     assert one.notes and "two or more" in one.notes[0]
     with pytest.raises(ValueError, match="none of the runs logged mfu"):

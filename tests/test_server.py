@@ -15,6 +15,7 @@ from pytest_jupyter.jupyter_server import *  # noqa: F403
 from tornado.httpclient import HTTPClientError
 
 from nbtrain import runs
+from tests.conftest import LR_RATES as RATES
 
 FIXTURE_RUN = Path(__file__).parent / "fixtures" / "runs" / "finished-sft"
 
@@ -344,41 +345,10 @@ def test_scaling_files_never_read_outside_the_report_folder(fetch, tmp_path):
     assert _status(fetch, "nbtrain", "api", "runs", scaling_id, "..%2Fsecret.png") == 404
 
 
-RATES = (1e-2, 1e-3)
-
-
 @pytest.fixture(scope="module")
-def two_real_runs(tiny, tmp_path_factory):
-    """Two real tiny finetune runs that differ only in learning rate (6 steps each)."""
-    import torch
-
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.train import finetune
-
-    data = Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl"
-    root = tmp_path_factory.mktemp("compare")
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for lr in RATES:
-            finetune(
-                SFTConfig(
-                    model=tiny,
-                    data=str(data),
-                    output_dir=str(root / f"lr-{lr:g}"),
-                    max_steps=6,
-                    per_device_train_batch_size=4,
-                    learning_rate=lr,
-                    max_length=48,
-                    logging_steps=1,
-                    save_steps=None,
-                    lora_r=8,
-                    lora_dropout=0.0,
-                )
-            )
-    finally:
-        torch.set_num_threads(old)
-    return [root / f"lr-{lr:g}" for lr in RATES]
+def two_real_runs(two_lr_runs):
+    """The folders of tests/conftest.py's two runs that differ only in learning rate."""
+    return [Path(r["cfg"].output_dir) for r in two_lr_runs["runs"]]
 
 
 def _register_done(folder: Path) -> str:

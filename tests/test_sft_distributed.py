@@ -25,6 +25,7 @@ from nbtrain.sft.train import finetune
 REPO = Path(__file__).resolve().parents[1]
 DATA = str(REPO / "nbtrain" / "data" / "instructions.jsonl")
 
+# one rank of run_ranks: finetune on the kw in argv[1], its result to the file argv[2].<rank>
 WORKER = textwrap.dedent(
     """
     import json, os, sys
@@ -34,10 +35,12 @@ WORKER = textwrap.dedent(
     from nbtrain.sft.train import finetune
 
     kw = json.loads(sys.argv[1])
-    result = finetune(SFTConfig(**kw))
+    merge = kw.pop("merge", False)
+    result = finetune(SFTConfig(**kw), merge=merge)
     rank = int(os.environ["RANK"])
     with open(sys.argv[2] + f".{rank}", "w") as f:
-        json.dump({"rank": rank, "adapter_dir": result.adapter_dir, "state": result.state,
+        json.dump({"rank": rank, "adapter_dir": result.adapter_dir, "merged_dir": result.merged_dir,
+                   "state": result.state, "plan": result.plan,
                    "history": result.history.to_dict(orient="records")}, f)
     """
 )
@@ -52,20 +55,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(tmp_path, world: int, **kw) -> list[dict]:
-    """Run finetune(SFTConfig(**kw)) on `world` processes; return each rank's result."""
-    script = tmp_path / "worker.py"
+def run_ranks(tmp: Path, world: int, local_world: int | None = None, **kw) -> list[dict]:
+    """Run finetune(SFTConfig(**kw)) on `world` processes with the torchrun environment, as nodes of
+    `local_world` ranks each (default: one node of all); `merge=True` in `kw` is passed to finetune.
+    Return each rank's result: rank, adapter_dir, merged_dir, state, plan and history (a list of rows).
+    A rank that fails fails the call with an AssertionError holding the tail of its output."""
+    script = tmp / "worker.py"
     script.write_text(WORKER)
-    results = tmp_path / f"result-{os.urandom(4).hex()}"
+    results = tmp / f"result-{os.urandom(4).hex()}"
     port = _free_port()
+    local = local_world or world
     procs = []
     for rank in range(world):
         env = {
             **os.environ,
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(rank % local),
             "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(local),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
@@ -83,7 +90,7 @@ def run_ranks(tmp_path, world: int, **kw) -> list[dict]:
     outputs = []
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=240)[0])
+            outputs.append(p.communicate(timeout=300)[0])
     finally:
         for p in procs:
             if p.poll() is None:

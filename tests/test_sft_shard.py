@@ -2,18 +2,14 @@
 checkpoints' resume, the refusals of what does not compose, and QLoRA (bitsandbytes' CPU kernels, so
 the 4-bit path runs here as it does on a GPU, slowly), alone and sharded.
 
-Each 2-rank run is a pair of Python processes with the torchrun environment, as in
-tests/test_sft_distributed.py; the runs are made once per module and shared by the tests.
+Each 2-rank run is a pair of Python processes with the torchrun environment, launched by
+tests/test_sft_distributed.py's run_ranks; the runs are made once per module and shared by the tests.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -23,66 +19,9 @@ from safetensors.torch import load_file
 from nbtrain.errors import ConfigError
 from nbtrain.sft.config import SFTConfig
 from nbtrain.sft.train import finetune
-from tests.test_sft_distributed import DATA, REPO, _free_port, _kw, _losses
+from tests.test_sft_distributed import DATA, REPO, _kw, _losses, run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-WORKER = textwrap.dedent(
-    """
-    import json, os, sys
-    import torch
-    torch.set_num_threads(1)
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.train import finetune
-
-    kw = json.loads(sys.argv[1])
-    merge = kw.pop("merge", False)
-    result = finetune(SFTConfig(**kw), merge=merge)
-    rank = int(os.environ["RANK"])
-    with open(sys.argv[2] + f".{rank}", "w") as f:
-        json.dump({"rank": rank, "adapter_dir": result.adapter_dir, "merged_dir": result.merged_dir,
-                   "plan": result.plan, "history": result.history.to_dict(orient="records")}, f)
-    """
-)
-
-
-def run_ranks(tmp: Path, world: int, local_world: int | None = None, **kw) -> list[dict]:
-    """finetune(SFTConfig(**kw)) on `world` processes, LOCAL_WORLD_SIZE=`local_world` (default: all)."""
-    script = tmp / "worker.py"
-    script.write_text(WORKER)
-    results = tmp / f"result-{os.urandom(4).hex()}"
-    port = _free_port()
-    local = local_world or world
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank % local),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(local),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO),
-        }
-        cmd = [sys.executable, str(script), json.dumps(kw), str(results)]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    outputs = []
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{out[-4000:]}"
-    return [json.loads(Path(f"{results}.{r}").read_text()) for r in range(world)]
-
 
 EVAL_ROWS = [json.loads(x) for x in Path(DATA).read_text().splitlines()[:21]]  # odd: uneven shards
 COMMON = dict(max_steps=4, save_steps=2, lora_dropout=0.1, eval_data=EVAL_ROWS, eval_steps=2)
@@ -331,58 +270,6 @@ def test_qlora_under_fsdp_equals_qlora_under_ddp(qruns):
     # each rank holds half of the 4-bit words (and of the fp32 embeddings and norms)
     (held0, total), (held1, _) = (r["fsdp"][k]["plan"]["base_params_held"] for k in (0, 1))
     assert held0 + held1 == total and abs(held0 - total / 2) <= 0.01 * total
-
-
-def test_sharded_qlora_quantises_weight_by_weight_as_from_pretrained_does(tiny, monkeypatch):
-    """shard='fsdp' with load_in_4bit never loads the whole base: from_pretrained is not called, each
-    weight is quantised alone, and the 4-bit words and their scales come out bit for bit those that
-    from_pretrained's quantised load makes (here on 1 rank, which keeps all the rows)."""
-    import bitsandbytes as bnb
-    from torch.distributed.tensor import DTensor
-    from transformers import AutoModelForCausalLM
-
-    from nbtrain.sft import quant
-    from nbtrain.sft.build import build_model
-    from nbtrain.sft.dist import Dist
-    from nbtrain.sft.shard import make_mesh
-
-    cfg = SFTConfig(**_kw(tiny, "unused", shard="fsdp", load_in_4bit=True))
-    d = Dist()
-    reference = quant.load_quantized(cfg, d.device, None)
-    expected = {n: m for n, m in reference.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
-
-    whole_loads, sizes = [], []
-    quantize_like = quant.quantize_like
-
-    def one_at_a_time(recipe, weight):
-        sizes.append(weight.numel())
-        return quantize_like(recipe, weight)
-
-    def from_pretrained(*a, **k):
-        whole_loads.append(a)
-        raise AssertionError("the sharded QLoRA load called from_pretrained")
-
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    monkeypatch.setattr(quant, "quantize_like", one_at_a_time)
-    model, _, levers = build_model(cfg, d, make_mesh(d, "fsdp", None), torch.float32, None)
-    assert not whole_loads and "4-bit NF4 base" in levers
-    got = {
-        n.removeprefix("base_model.model.").replace(".base_layer", ""): m
-        for n, m in model.named_modules()
-        if isinstance(m, bnb.nn.Linear4bit)
-    }
-    assert sorted(got) == sorted(expected) and len(sizes) == len(expected)
-    assert max(sizes) == max(m.in_features * m.out_features for m in expected.values())
-    for name, ref in expected.items():
-        w = got[name].weight
-        words = (w.to_local() if isinstance(w, DTensor) else w).detach()
-        assert torch.equal(
-            words.view(torch.uint8).flatten(), ref.weight.detach().view(torch.uint8).flatten()
-        ), name
-        mine, theirs = got[name].quant_state, ref.weight.quant_state
-        assert torch.equal(mine.absmax, theirs.absmax) and mine.shape == theirs.shape
-        assert torch.equal(mine.state2.absmax, theirs.state2.absmax)
-        assert mine.offset == theirs.offset and mine.dtype == theirs.dtype
 
 
 def test_qlora_under_fsdp_resumes_to_the_same_run(qruns, tiny):
