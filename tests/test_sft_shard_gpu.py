@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from nbtrain.errors import ConfigError
 from nbtrain.sft.config import SFTConfig
-from tests.test_sft_distributed import DATA, _kw, _losses, run_ranks
+from tests.test_sft_distributed import DATA, _adapter, _kw, _losses, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,8 +62,7 @@ def test_fsdp_on_one_gpu_trains_as_ddp_in_bf16(gpu_runs):
     held, total = fsdp["plan"]["base_params_held"]
     assert held == total  # one rank holds every shard
     # LoRA masters stay fp32 under bf16 mixed precision, as under DDP
-    adapter = load_file(str(Path(fsdp["adapter_dir"]) / "adapter_model.safetensors"))
-    assert {t.dtype for t in adapter.values()} == {torch.float32}
+    assert {t.dtype for t in _adapter(fsdp["adapter_dir"]).values()} == {torch.float32}
     assert all(row["peak_memory_gb"] > 0 for row in fsdp["history"])
 
 
@@ -104,9 +103,7 @@ def test_qlora_under_fsdp_on_the_gpu_equals_qlora_under_ddp(gpu_runs):
     ]
     assert len(ev) == 2
     torch.testing.assert_close(torch.tensor(ev)[:, 0], torch.tensor(ev)[:, 1], **BF16)
-    a = load_file(str(Path(fsdp["adapter_dir"]) / "adapter_model.safetensors"))
-    b = load_file(str(Path(ddp["adapter_dir"]) / "adapter_model.safetensors"))
-    torch.testing.assert_close(a, b, **BF16)
+    torch.testing.assert_close(_adapter(fsdp["adapter_dir"]), _adapter(ddp["adapter_dir"]), **BF16)
 
 
 def test_memory_check_refuses_70b_on_one_gpu_before_loading(tiny):
