@@ -88,7 +88,10 @@ def lora_params(shape: Shape, r: int) -> int:
     return shape.layers * per_layer
 
 
-PER_VALUE = {None: 2.0, "nf4": 0.5 + 1 / 64, "int8": 1.0 + 1 / 64}
+SCALES = (
+    1 / 64
+)  # bytes per value of a quantised weight's block scales (one 8-bit scale per 64 values)
+PER_VALUE = {None: 2.0, "nf4": 0.5 + SCALES, "int8": 1.0 + SCALES}
 
 
 def weight_bytes(shape: Shape, quant: str | None) -> float:
@@ -117,7 +120,7 @@ def rank_memory(
     if quant == "nf4" and n > 1:
         # each 4-bit layer's block scales (its quant_state) stay whole on every rank: FSDP2 shards the
         # packed words only
-        weights += shape.layers * shape.block_params / 64 * (1 - 1 / n)
+        weights += shape.layers * shape.block_params * SCALES * (1 - 1 / n)
     parts = {
         "weights": weights,
         "lora": lora * 4.0 / n,

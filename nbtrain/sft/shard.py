@@ -314,8 +314,7 @@ def _load_weights(
                 if param is None:
                     continue
                 if target in recipes:
-                    local = param.to_local() if hasattr(param, "to_local") else param
-                    weight = f.get_tensor(key).to(via[target]).to(local.device)
+                    weight = f.get_tensor(key).to(via[target]).to(param.device)
                     _fill(param, quant.quantize_like(recipes[target], weight))
                     del weight
                 else:
