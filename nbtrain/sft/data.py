@@ -12,7 +12,6 @@ all-reduce. Rows with no target token (a prompt longer than max_length) are drop
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ from nbtrain.sft.rows import (
     load_rows,
     row_format,
 )
+from nbtrain.sft.tokens import TokenStore
 
 __all__ = [
     "FORMATS",
@@ -138,7 +138,7 @@ def collate(
     return out
 
 
-def _cut(pieces: Sequence[Example], ends: Any, lo: int, hi: int) -> Example:
+def _cut(pieces: Any, ends: Any, lo: int, hi: int) -> Example:
     """Tokens lo..hi-1 of `pieces` laid end to end (`ends`: their cumulative lengths) as one block.
 
     A piece that started in an earlier block starts over here as a new sequence (positions from 0), so
@@ -162,10 +162,13 @@ def _cut(pieces: Sequence[Example], ends: Any, lo: int, hi: int) -> Example:
     return Example(ids, labels, pos)
 
 
-def _ends(examples: Sequence[Example]) -> Any:
+def _ends(pieces: Any) -> Any:
+    """Where each piece ends when they are laid end to end: from Examples, or an array of lengths."""
     import numpy as np
 
-    return np.cumsum([len(e.input_ids) for e in examples], dtype=np.int64)
+    if len(pieces) and isinstance(pieces[0], Example):
+        pieces = [len(e.input_ids) for e in pieces]
+    return np.cumsum(pieces, dtype=np.int64)
 
 
 def pack(examples: Sequence[Example], block: int) -> list[Example]:
@@ -186,16 +189,16 @@ class ShardedBatches:
     packing a max_length block of the epoch's rows laid end to end; the global micro-batch across ranks
     is units N*k*B ... N*(k+1)*B-1, exactly what one rank with batch N*B takes.
 
-    Every row is tokenized here, on every rank, before training starts (the caller runs this in its
-    set-up phase, where a bad row stops every rank before anything is written). Every rank needs every
-    row: each epoch is a fresh global shuffle, so over a run a rank takes rows from all over the data,
-    and packed blocks and the rows dropped for having no target must come out the same on every rank
-    without a collective. The work is in parallel across ranks, so it costs the wall time of one pass.
+    The rows come tokenized in a `TokenStore` (memory-mapped from the token cache in `finetune`; made
+    here from `rows` when given a list): every rank addresses every row, since each epoch is a fresh
+    global shuffle, but only the rows a micro-batch takes are read, when it takes them. What decides the
+    plan (row lengths, where each row's trained tokens are) is a few numbers per row, so packed blocks
+    and the rows dropped for having no target come out the same on every rank without a collective.
     """
 
     def __init__(
         self,
-        rows: list[dict],
+        rows: list[dict] | None,
         tokenizer: Any,
         *,
         max_length: int,
@@ -208,9 +211,14 @@ class ShardedBatches:
         padding_free: bool = False,
         attn_implementation: str | None = None,
         truncation_side: str = "right",
+        store: TokenStore | None = None,
     ):
+        import numpy as np
+
         self.rows = rows
+        self.store = store if store is not None else TokenStore.from_rows(list(rows or []), tokenizer)
         self.max_length = max_length
+        self.truncation_side = truncation_side
         self.batch_size = batch_size
         self.grad_accum = grad_accum
         self.seed = seed
@@ -227,28 +235,23 @@ class ShardedBatches:
         )
         if self.layout != "padded":
             check_packed_attention()
-        talk = rank == 0
         # packed rows are not cut at max_length: what does not fit continues in the next block
-        self.examples, truncated = encode_rows(
-            rows,
-            tokenizer,
-            None if packing else max_length,
-            truncation_side=truncation_side,
-            progress=talk and os.environ.get("NBTRAIN_ENGINE") != "1",
-        )
-        self.kept = [i for i, ex in enumerate(self.examples) if ex.n_targets > 0]
-        if talk:
-            self._report(truncated, truncation_side)
+        self.cut_at = None if packing else max_length
+        has = self.store.has_target(self.cut_at, truncation_side)
+        self.kept = np.flatnonzero(has).tolist()
+        if rank == 0:
+            self._report(has, truncation_side)
+        n = len(self.store)
         if not self.kept:
             msg = (
-                f"none of the {len(rows)} rows has a target token within max_length={max_length} "
+                f"none of the {n} rows has a target token within max_length={max_length} "
                 "(each prompt fills it); raise max_length or shorten the prompts"
             )
             raise ConfigError(msg)
         self._order: tuple[int, list[int]] | None = None
-        self._stream: tuple[int, list[Example], Any] | None = None
+        self._stream: tuple[int, Any, Any] | None = None
         if packing:
-            self.n_units = -(-sum(len(self.examples[i].input_ids) for i in self.kept) // max_length)
+            self.n_units = -(-int(self.store.lengths[self.kept].sum()) // max_length)
         else:
             self.n_units = len(self.kept)
         need = world_size * batch_size * grad_accum
@@ -264,19 +267,23 @@ class ShardedBatches:
         # the last step of an epoch takes the rows that are left
         self.steps_per_epoch = -(-self.n_units // need)
 
-    def _report(self, truncated: list[int], side: str) -> None:
-        n = len(self.rows)
-        if truncated:
-            lost = "end, eos included" if side == "right" else "beginning"
-            print(
-                f"nbtrain: {len(truncated)} of {n} rows are longer than max_length={self.max_length} "
-                f"tokens and are cut at the {side} (they lose their {lost}); raise max_length, set "
-                "truncation_side, or packing=True to keep every token",
-                flush=True,
-            )
-        dropped = [i for i, ex in enumerate(self.examples) if ex.n_targets == 0]
-        if dropped:
-            shown = ", ".join(map(str, dropped[:10])) + (", ..." if len(dropped) > 10 else "")
+    def _report(self, has: Any, side: str) -> None:
+        import numpy as np
+
+        n = len(self.store)
+        if self.cut_at is not None:
+            truncated = int((self.store.lengths > self.cut_at).sum())
+            if truncated:
+                lost = "end, eos included" if side == "right" else "beginning"
+                print(
+                    f"nbtrain: {truncated} of {n} rows are longer than max_length={self.max_length} "
+                    f"tokens and are cut at the {side} (they lose their {lost}); raise max_length, "
+                    "set truncation_side, or packing=True to keep every token",
+                    flush=True,
+                )
+        dropped = np.flatnonzero(~has)
+        if len(dropped):
+            shown = ", ".join(map(str, dropped[:10].tolist())) + (", ..." if len(dropped) > 10 else "")
             print(
                 f"nbtrain: {len(dropped)} of {n} rows have no target token within "
                 f"max_length={self.max_length} and are skipped (rows {shown}); raise max_length, "
@@ -285,8 +292,8 @@ class ShardedBatches:
             )
 
     def example(self, index: int) -> Example:
-        """Row `index` of the data, tokenized."""
-        return self.examples[index]
+        """Row `index` of the data, tokenized (and cut at max_length, without packing)."""
+        return self.store.example(index, self.cut_at, self.truncation_side)
 
     def collate(self, examples: Sequence[Example], pad_to: int) -> dict[str, Any]:
         """`examples` as model inputs in this run's layout (`pad_to` is ignored by padding-free)."""
@@ -304,12 +311,14 @@ class ShardedBatches:
         return self.order(epoch)[self.rank :: self.world_size]
 
     def _block(self, epoch: int, j: int) -> Example:
+        import numpy as np
+
         if self._stream is None or self._stream[0] != epoch:
-            pieces = [self.examples[i] for i in self.order(epoch)]
-            self._stream = (epoch, pieces, _ends(pieces))
-        _, pieces, ends = self._stream
+            order = np.asarray(self.order(epoch), dtype=np.int64)
+            self._stream = (epoch, order, _ends(self.store.lengths[order]))
+        _, order, ends = self._stream
         L = self.max_length
-        return _cut(pieces, ends, j * L, min((j + 1) * L, int(ends[-1])))
+        return _cut(_Rows(self.store, order), ends, j * L, min((j + 1) * L, int(ends[-1])))
 
     def _packed(self, epoch: int) -> list[Example]:
         """Every block of `epoch`, in order (all ranks' blocks)."""
@@ -334,7 +343,20 @@ class ShardedBatches:
         if self.packing:
             return [self._block(epoch, j) for j in units]
         order = self.order(epoch)
-        return [self.examples[order[j]] for j in units]
+        return [self.example(order[j]) for j in units]
+
+
+class _Rows:
+    """Rows of a store in an epoch's order, read one at a time as `_cut` takes them."""
+
+    def __init__(self, store: TokenStore, order: Any) -> None:
+        self.store, self.order = store, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, r: int) -> Example:
+        return self.store.example(int(self.order[r]))
 
 
 def eval_batches(
@@ -346,10 +368,12 @@ def eval_batches(
     rank: int,
     world_size: int,
     truncation_side: str = "right",
+    truncated: list[int] | None = None,
 ) -> list[list[Example]]:
-    """This rank's evaluation batches: rows r, r+N, ... in file order, none dropped."""
+    """This rank's evaluation batches: rows r, r+N, ... in file order, none dropped; the rows cut at
+    `max_length` are added to `truncated` where given."""
     indices = list(range(rank, len(rows), world_size))
-    mine, _ = encode_rows(
+    mine, cut_rows = encode_rows(
         [rows[i] for i in indices],
         tokenizer,
         max_length,
@@ -357,4 +381,6 @@ def eval_batches(
         where="eval_data",
         indices=indices,
     )
+    if truncated is not None:
+        truncated.extend(cut_rows)
     return [mine[k : k + batch_size] for k in range(0, len(mine), batch_size)]

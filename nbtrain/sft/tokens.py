@@ -1,0 +1,547 @@
+"""Tokenized training data: made once per cluster, cached on disk, read memory-mapped by every rank.
+
+`prepare(source, tokenizer, d, cache)` is the set-up's data phase:
+
+1. Rank 0 fingerprints the data's content, the tokenizer (its vocabulary, merges, special tokens and
+   chat template), the tokenization code and the cache format; the cache folder is named by it.
+2. If every rank finds that folder complete, nothing is tokenized.
+3. Otherwise the ranks that share a file system (found by each writing a probe file) split the rows
+   between them: rank k of K reads part k of K of the source (JSONL by byte range, Parquet by row
+   group), tokenizes it in batched fast-tokenizer calls, and streams its tokens to its own part files.
+   Nodes without a shared file system each build the whole cache, split among their own ranks.
+4. Bad rows are gathered from every rank and reported together (the first 20 and a count), and the
+   unfinished folder is removed: nothing is cached for a data set that has them.
+5. One rank per file system writes `meta.json` last and renames the folder into place, so a reader
+   sees a complete cache or none; a cache written by another nbtrain version or format is not read.
+
+Per token the cache holds the id (int32) and whether it is trained (uint8): 5 bytes a token, plus 24
+bytes a row. numpy files and `np.memmap`, rather than Arrow through `datasets`: a row's tokens are one
+contiguous slice, no per-row objects or list columns (Arrow stores each list with 64-bit ids and
+offsets), and the pages a rank reads are shared with every other rank on the node by the page cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nbtrain.errors import ConfigError
+from nbtrain.sft.rows import IGNORE, Example, cut, encode_batch, row_problem
+from nbtrain.sft.sources import Source
+
+#: the cache's layout; bump it when the files or the tokenization's meaning change
+FORMAT = 1
+ENV = "NBTRAIN_DATA_CACHE"
+OFF = ("off", "none", "false", "0")
+META = "meta.json"
+#: rows tokenized per batch: the tokenizer's call and the file writes work on this many at once
+CHUNK = 1000
+#: bad rows named in the message that refuses the data
+SHOWN = 20
+#: seconds between progress lines
+EVERY = 5.0
+
+
+def default_root() -> Path:
+    """$NBTRAIN_HOME/data-cache where nbtrain's home is moved, else ~/.cache/nbtrain/data."""
+    home = os.environ.get("NBTRAIN_HOME")
+    if home:
+        return Path(home).expanduser() / "data-cache"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "nbtrain" / "data"
+
+
+def cache_root(setting: str | None) -> Path | None:
+    """Where the cache lives: `setting` ('auto', a folder, or 'off'); 'auto' reads $NBTRAIN_DATA_CACHE,
+    else `default_root()`. None: caching is off."""
+    value = setting if setting not in (None, "", "auto") else os.environ.get(ENV, "auto")
+    if str(value).lower() in OFF:
+        return None
+    if value in ("", "auto"):
+        return default_root()
+    return Path(str(value)).expanduser()
+
+
+# ------------------------------------------------------------------------------------------ the store
+@dataclass
+class _Part:
+    ids: Any  # int32, every token of the part
+    trained: Any  # uint8, 1 where the token carries loss
+    ends: Any  # int64, where each row's tokens end in `ids`
+
+
+class TokenStore:
+    """Tokenized rows: row i's ids and trained flags, with each row's length and where its first and
+    last trained token (at position 1 or later) sit, for truncation and packing without reading rows.
+    """
+
+    def __init__(self, parts: list[_Part], first: Any, last: Any, location: str | None = None):
+        import numpy as np
+
+        self.parts = parts
+        counts = [len(p.ends) for p in parts]
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        lengths = [np.diff(np.concatenate([[0], p.ends])) for p in parts]
+        self.lengths = (
+            np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
+        )
+        self.first = first
+        self.last = last
+        self.location = location
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def arrays(self, i: int) -> tuple[Any, Any]:
+        """Row i's (input_ids, trained) as arrays (memory-mapped slices for a cached store)."""
+        import numpy as np
+
+        p = int(np.searchsorted(self.starts, i, side="right")) - 1
+        part, j = self.parts[p], i - int(self.starts[p])
+        a = int(part.ends[j - 1]) if j else 0
+        b = int(part.ends[j])
+        return part.ids[a:b], part.trained[a:b]
+
+    def example(self, i: int, max_length: int | None = None, side: str = "right") -> Example:
+        import numpy as np
+
+        ids, trained, _ = cut(*self.arrays(i), max_length, side)
+        ids = np.asarray(ids)
+        return Example(ids.tolist(), np.where(trained.astype(bool), ids, IGNORE).tolist())
+
+    def has_target(self, max_length: int | None, side: str) -> Any:
+        """Per row: whether a trained token at position >= 1 survives the cut to `max_length`."""
+
+        has = self.first >= 0
+        if max_length is None:
+            return has
+        long = self.lengths > max_length
+        if side == "right":
+            return has & (~long | (self.first < max_length))
+        # cut at the left: the kept window's first token is position 0 and is never a target
+        return has & (~long | (self.last > self.lengths - max_length))
+
+    @classmethod
+    def from_rows(cls, rows: list[Any], tokenizer: Any, where: str = "data") -> TokenStore:
+        """Rows held in memory, tokenized here (tests; small data); the first bad row is an error."""
+        w = _PartWriter(None)
+        for start in range(0, len(rows), CHUNK):
+            chunk = rows[start : start + CHUNK]
+            for j, res in enumerate(encode_batch(chunk, tokenizer)):
+                if isinstance(res, ConfigError):
+                    msg = row_problem(chunk[j], tokenizer, start + j, where)
+                    raise ConfigError(msg)
+                w.add(*res)
+        return w.store()
+
+
+class _PartWriter:
+    """A part's tokens, streamed to files under `stem` (or kept in memory when `stem` is None)."""
+
+    def __init__(self, stem: Path | None) -> None:
+        self.stem = stem
+        self.ends = array("q")
+        self.first = array("l")
+        self.last = array("l")
+        self.n = 0
+        self.chunks: list[tuple[Any, Any]] = []
+        self.files = (
+            (open(f"{stem}.ids", "wb"), open(f"{stem}.trained", "wb")) if stem else None  # noqa: SIM115
+        )
+
+    def add(self, ids: Any, trained: Any) -> None:
+        import numpy as np
+
+        self.n += len(ids)
+        self.ends.append(self.n)
+        # targets sit at position 1 or later: a sequence's first token is never predicted
+        hits = np.flatnonzero(trained[1:])
+        self.first.append(int(hits[0]) + 1 if len(hits) else -1)
+        self.last.append(int(hits[-1]) + 1 if len(hits) else -1)
+        if self.files:
+            self.files[0].write(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
+            self.files[1].write(np.ascontiguousarray(trained, dtype=np.uint8).tobytes())
+        else:
+            self.chunks.append((ids, trained))
+
+    def close(self) -> dict[str, int]:
+        import numpy as np
+
+        if self.files:
+            for f in self.files:
+                f.close()
+            rows = np.stack(
+                [
+                    np.frombuffer(self.ends, dtype=np.int64),
+                    np.asarray(self.first, dtype=np.int64),
+                    np.asarray(self.last, dtype=np.int64),
+                ],
+                axis=1,
+            )
+            np.save(f"{self.stem}.rows.npy", rows)
+        return {"rows": len(self.ends), "tokens": self.n}
+
+    def store(self) -> TokenStore:
+        """The rows added, as an in-memory store (a writer made with no files)."""
+        import numpy as np
+
+        ids = np.concatenate([c[0] for c in self.chunks]) if self.chunks else np.zeros(0, np.int32)
+        trained = (
+            np.concatenate([c[1] for c in self.chunks]) if self.chunks else np.zeros(0, np.uint8)
+        )
+        part = _Part(ids.astype(np.int32), trained.astype(np.uint8), np.asarray(self.ends))
+        return TokenStore(
+            [part], np.asarray(self.first, np.int64), np.asarray(self.last, np.int64), None
+        )
+
+
+def _part_stem(folder: Path, k: int) -> Path:
+    return folder / f"part-{k:05d}"
+
+
+def _open(folder: Path) -> TokenStore | None:
+    """The cache in `folder`, memory-mapped; None when it is missing, incomplete or another version's."""
+    import numpy as np
+
+    try:
+        meta = json.loads((folder / META).read_text())
+    except (OSError, ValueError):
+        return None
+    if meta.get("format") != FORMAT or meta.get("nbtrain") != _version():
+        return None
+    parts, firsts, lasts = [], [], []
+    try:
+        for k, info in enumerate(meta["parts"]):
+            stem = _part_stem(folder, k)
+            n, rows = int(info["tokens"]), int(info["rows"])
+            ids_f, tr_f = Path(f"{stem}.ids"), Path(f"{stem}.trained")
+            if ids_f.stat().st_size != 4 * n or tr_f.stat().st_size != n:
+                return None
+            table = np.load(f"{stem}.rows.npy", mmap_mode="r")
+            if table.shape != (rows, 3):
+                return None
+            ids = np.memmap(ids_f, dtype=np.int32, mode="r") if n else np.zeros(0, np.int32)
+            tr = np.memmap(tr_f, dtype=np.uint8, mode="r") if n else np.zeros(0, np.uint8)
+            parts.append(_Part(ids, tr, np.asarray(table[:, 0])))
+            firsts.append(np.asarray(table[:, 1]))
+            lasts.append(np.asarray(table[:, 2]))
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+    if not parts:
+        return None
+    return TokenStore(parts, np.concatenate(firsts), np.concatenate(lasts), str(folder))
+
+
+# ------------------------------------------------------------------------------------- fingerprints
+def _version() -> str:
+    from nbtrain import __version__
+
+    return str(__version__)
+
+
+def _code_digest() -> str:
+    """The tokenization code itself: a change to how rows become tokens is a different cache."""
+    here = Path(__file__).parent
+    h = hashlib.blake2b(digest_size=8)
+    for name in ("sources.py", "rows.py", "chat.py", "tokens.py"):
+        f = here / name
+        if f.is_file():
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Everything of a tokenizer that changes tokens: vocabulary and merges (the fast tokenizer's
+    whole definition), special tokens, chat template, and its class."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    extra = {
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "special": getattr(tokenizer, "special_tokens_map", None),
+        "ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
+        "add_bos": getattr(tokenizer, "add_bos_token", None),
+        "add_eos": getattr(tokenizer, "add_eos_token", None),
+    }
+    h.update(json.dumps(extra, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def fingerprint(source: Source, tokenizer: Any) -> str:
+    """The cache's name: data content, tokenizer, tokenization code, format and nbtrain version."""
+    h = hashlib.blake2b(digest_size=12)
+    for piece in (
+        f"format={FORMAT}",
+        _version(),
+        _code_digest(),
+        source.fingerprint(),
+        tokenizer_fingerprint(tokenizer),
+    ):
+        h.update(piece.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+# -------------------------------------------------------------------------------------------- progress
+class _Progress:
+    """Rows done on every rank, printed by rank 0 every few seconds with rows/s and the time left.
+
+    Ranks publish their counts in the process group's key-value store (no collective: the ranks' parts
+    end at different times); alone, or where the store cannot be had, rank 0 counts its own rows."""
+
+    def __init__(self, d: Any, label: str, run: str) -> None:
+        self.d, self.label, self.run = d, label, run
+        self.t0 = time.perf_counter()
+        self.last = self.t0
+        self.store = None
+        if d.active:
+            try:
+                from torch.distributed.distributed_c10d import _get_default_store
+
+                self.store = _get_default_store()
+            except Exception:  # an older torch: rank 0 reports its own share
+                self.store = None
+
+    def _key(self, rank: int) -> str:
+        return f"nbtrain/data/{self.run}/{rank}"
+
+    def update(self, rows: int, fraction: float) -> None:
+        now = time.perf_counter()
+        if now - self.last < EVERY:
+            return
+        self.last = now
+        if self.store is not None:
+            self.store.set(self._key(self.d.rank), f"{rows} {fraction:.6f}")
+        if not self.d.is_zero:
+            return
+        done, fracs = rows, [fraction]
+        if self.store is not None:
+            done, fracs = 0, []
+            for r in range(self.d.world):
+                value = "0 0"
+                try:
+                    if self.store.check([self._key(r)]):
+                        value = self.store.get(self._key(r)).decode()
+                except Exception:  # a rank that has not published yet counts as not started
+                    pass
+                count, part_done = value.split()
+                done += int(count)
+                fracs.append(float(part_done))
+        f = sum(fracs) / len(fracs) if fracs else 0.0
+        took = now - self.t0
+        line = f"nbtrain: {self.label}: {done:,} rows, {done / max(took, 1e-9):,.0f} rows/s"
+        if f > 0.01:
+            line += f", {100 * f:.0f}% done, about {took * (1 - f) / f:.0f} s left"
+        print(line, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ building
+def _tokenize_part(
+    source: Source, tokenizer: Any, k: int, parts: int, writer: _PartWriter, progress: _Progress
+) -> tuple[int, list[tuple[int, str]], int]:
+    """Tokenize part k of `parts` into `writer`: (rows read, the first bad rows as (local index, the
+    row's problem without its global index), how many rows are bad)."""
+    bad: list[tuple[int, Any]] = []
+    n_bad = 0
+    n = 0
+    pending: list[Any] = []
+
+    def flush() -> None:
+        nonlocal n_bad
+        results = encode_batch([r.value for r in pending], tokenizer)
+        for r, res in zip(pending, results, strict=True):
+            if isinstance(res, ConfigError):
+                n_bad += 1
+                if len(bad) < SHOWN:
+                    bad.append((r.local, r))
+            elif not n_bad:  # a data set with a bad row is not cached: stop writing, keep checking
+                writer.add(*res)
+        pending.clear()
+
+    fraction = 0.0
+    for row in source.part(k, parts):
+        pending.append(row)
+        n += 1
+        fraction = row.fraction
+        if len(pending) >= CHUNK:
+            flush()
+            progress.update(n, fraction)
+    if pending:
+        flush()
+    return n, bad, n_bad
+
+
+def _describe(source: Source, tokenizer: Any, row: Any, index: int) -> str:
+    return row_problem(row.value, tokenizer, index, source.row_where(row))
+
+
+def prepare(source: Source, tokenizer: Any, d: Any, setting: str | None = "auto") -> TokenStore:
+    """The tokenized rows of `source` on every rank of `d`: from the cache, or made now and cached.
+
+    Every step runs on every rank (each phase through `d.agree`, so one rank's failure stops all of
+    them instead of leaving the others waiting in a collective)."""
+    root = cache_root(setting)
+    t0 = time.perf_counter()
+    key, run = d.agree(
+        lambda: (fingerprint(source, tokenizer), uuid.uuid4().hex[:12]) if d.is_zero else None
+    ) or (None, None)
+    key, run = d.broadcast_object((key, run))
+    temporary = root is None
+    if root is None:  # caching off: a folder of this run's, removed once every rank has it mapped
+        root = Path(tempfile.gettempdir()) / f"nbtrain-tokens-{run}"
+    final = root / key
+
+    found = _open(final)
+    if all(d.gather_objects(found is not None)):
+        assert found is not None
+        if d.is_zero:
+            print(
+                f"nbtrain: {source.name}: {len(found):,} rows, {found.n_tokens:,} tokens, from the "
+                f"cache at {final} (SFTConfig(data_cache=...) or ${ENV} moves it; 'off' turns it off)",
+                flush=True,
+            )
+        return found
+
+    # ---- who builds with whom: the ranks that see each other's probe files share a file system
+    work = root / f"{key}.tmp-{run}"
+
+    def probe() -> None:
+        work.mkdir(parents=True, exist_ok=True)
+        (work / f"probe-{d.rank}").write_text(socket.gethostname())
+
+    d.agree(probe)
+    d.barrier()
+    seen = d.agree(lambda: sorted(int(p.name.split("-")[1]) for p in work.glob("probe-*")))
+    sites = d.gather_objects(tuple(seen))
+    site = [r for r in range(d.world) if sites[r] == tuple(seen)]
+    k, parts = site.index(d.rank), len(site)
+    leader = site[0] == d.rank
+    if d.is_zero:
+        shared = "every rank shares" if parts == d.world else f"{d.world // parts} file systems"
+        print(
+            f"nbtrain: {source.name}: tokenizing {source.where} on {d.world} rank(s) "
+            f"({shared}), caching in {final}",
+            flush=True,
+        )
+
+    # ---- each rank's part
+    progress = _Progress(d, f"tokenizing {source.name}", run)
+    writer = _PartWriter(_part_stem(work, k))
+    bad: list[Any] = []
+
+    def tokenize() -> tuple[int, int, dict[str, int]]:
+        n, bad_rows, n_bad = _tokenize_part(source, tokenizer, k, parts, writer, progress)
+        nonlocal bad
+        bad = bad_rows
+        return n, n_bad, writer.close()
+
+    try:
+        n, n_bad, counts = d.agree(tokenize)
+    except BaseException:
+        if leader:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    everyone = d.gather_objects((d.rank, n, n_bad, counts))
+    mine = [e for e in everyone if e[0] in site]
+    before = sum(e[1] for e in mine if site.index(e[0]) < k)
+    # each file system's ranks read the whole data between them: count one site's bad rows
+    total_bad = sum(e[2] for e in mine)
+    if any(e[2] for e in everyone):
+        # every rank words its own bad rows with their global index and line, then all raise alike
+        words = [
+            (before + local, _describe(source, tokenizer, row, before + local))
+            for local, row in bad
+        ]
+        shown = sorted(w for ws in d.gather_objects(words) for w in ws)
+        unique = sorted(dict(shown).items())[:SHOWN]
+        d.barrier()
+        if leader:
+            shutil.rmtree(work, ignore_errors=True)
+        n_rows = sum(e[1] for e in mine)
+        more = f"\n... and {total_bad - len(unique)} more" if total_bad > len(unique) else ""
+        msg = (
+            f"{source.where}: {total_bad} of {n_rows} rows are refused, nothing was trained or "
+            "cached; fix or remove them:\n" + "\n".join(text for _, text in unique) + more
+        )
+        raise ConfigError(msg)
+    if not sum(e[1] for e in mine):
+        d.barrier()
+        if leader:
+            shutil.rmtree(work, ignore_errors=True)
+        msg = f"{source.where} has no rows; give at least one row with 'prompt' + 'completion', 'messages' or 'text'"
+        raise ConfigError(msg)
+
+    # ---- the site's first rank makes it one cache: meta.json last, then the folder into place
+    d.barrier()
+
+    def publish() -> None:
+        if not leader:
+            return
+        for p in work.glob("probe-*"):
+            p.unlink()
+        site_parts = [e[3] for e in sorted(mine, key=lambda e: site.index(e[0]))]
+        meta = {
+            "format": FORMAT,
+            "nbtrain": _version(),
+            "fingerprint": key,
+            "source": source.where,
+            "tokenizer": getattr(tokenizer, "name_or_path", ""),
+            "rows": sum(p["rows"] for p in site_parts),
+            "tokens": sum(p["tokens"] for p in site_parts),
+            "parts": site_parts,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        tmp = work / f"{META}.tmp"
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, work / META)
+        try:
+            os.replace(work, final)
+        except OSError:  # another run made the same cache first: use that one
+            shutil.rmtree(work, ignore_errors=True)
+
+    d.agree(publish)
+    d.barrier()
+    store = d.agree(lambda: _open(final) or _fail_open(final))
+    if temporary:
+        d.barrier()  # every rank has its memory maps: the files can go (the maps keep the data)
+        if leader:
+            shutil.rmtree(root, ignore_errors=True)
+        store.location = None
+    if d.is_zero:
+        took = time.perf_counter() - t0
+        size = sum(f.stat().st_size for f in final.glob("*")) if final.exists() else 0
+        per = size / max(store.n_tokens, 1)
+        where = "not kept (data_cache='off')" if temporary else f"cached at {final}"
+        print(
+            f"nbtrain: {source.name}: {len(store):,} rows, {store.n_tokens:,} tokens in {took:.1f} s "
+            f"({len(store) / max(took, 1e-9):,.0f} rows/s), {where}"
+            + ("" if temporary else f", {size / 2**20:,.1f} MiB ({per:.1f} bytes/token)"),
+            flush=True,
+        )
+    return store
+
+
+def _fail_open(folder: Path) -> TokenStore:
+    msg = (
+        f"the token cache at {folder} could not be read back after it was written; check the disk "
+        f"(free space, permissions), or set SFTConfig(data_cache='off') or ${ENV}=off"
+    )
+    raise ConfigError(msg)
