@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import ConfigError
+from nbtrain.sft import chat
 
 IGNORE = -100
 FORMATS = ("prompt/completion", "messages", "text")
@@ -127,10 +128,14 @@ def load_rows(source: Any, name: str = "data") -> list[dict]:
 
 
 def _is_messages(value: Any) -> bool:
+    # content is checked with the template (chat.normalise); a tool-calling turn may have none
     return (
         isinstance(value, list)
         and bool(value)
-        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+        and all(
+            isinstance(m, dict) and "role" in m and ("content" in m or "tool_calls" in m)
+            for m in value
+        )
     )
 
 
@@ -199,51 +204,6 @@ class _Text:
     eos: bool  # end with a trained eos token (so the model learns to stop)
 
 
-def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
-        )
-    except Exception as e:  # a template's raise_exception(...), or one that needs other roles
-        msg = (
-            f"the chat template could not render it ({type(e).__name__}: {e}); change the row to what "
-            "the template accepts (many want user and assistant turns to alternate), or convert it "
-            "to prompt/completion strings"
-        )
-        raise ConfigError(msg) from None
-
-
-def _check_chat_template(tokenizer: Any) -> None:
-    if not getattr(tokenizer, "chat_template", None):
-        msg = (
-            "rows in the 'messages' format need a tokenizer with a chat template, and this model's "
-            "tokenizer has none; use an instruct/chat model, set tokenizer.chat_template, or convert the "
-            "rows to prompt/completion"
-        )
-        raise ConfigError(msg)
-
-
-def _chat_spans(tokenizer: Any, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of its assistant turns."""
-    full = _render(tokenizer, messages, False)
-    spans: list[tuple[int, int]] = []
-    pos = 0
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], True) if i else ""
-        through = _render(tokenizer, messages[: i + 1], False)
-        if not (full.startswith(before) and full.startswith(through)) or len(before) < pos:
-            msg = (
-                "the chat template does not render conversations prefix by prefix, so assistant tokens "
-                "cannot be found; convert the rows to prompt/completion"
-            )
-            raise ConfigError(msg)
-        spans.append((len(before), len(through)))
-        pos = len(through)
-    return full, spans
-
-
 def _as_text(row: dict, tokenizer: Any) -> _Text:
     fmt = row_format(row)
     if fmt == "text":
@@ -251,16 +211,16 @@ def _as_text(row: dict, tokenizer: Any) -> _Text:
     if fmt == "prompt/completion" and isinstance(row["prompt"], str):
         p, c = row["prompt"], row["completion"]
         return _Text(p + c, [(len(p), len(p) + len(c))], True, True)
-    _check_chat_template(tokenizer)
+    # TRL's per-row keys: tools the template lists, and its arguments (Qwen3's enable_thinking)
+    tools, kwargs = row.get("tools"), row.get("chat_template_kwargs")
+    if isinstance(tools, str):
+        tools = json.loads(tools)
     if fmt == "messages":
-        full, spans = _chat_spans(tokenizer, row["messages"])
-    else:  # conversational prompt/completion
-        prompt = _render(tokenizer, row["prompt"], True)
-        full = _render(tokenizer, row["prompt"] + row["completion"], False)
-        if not full.startswith(prompt):
-            msg = "the chat template does not render the prompt as a prefix of the conversation; use string prompt/completion rows"
-            raise ConfigError(msg)
-        spans = [(len(prompt), len(full))]
+        full, spans = chat.conversation(tokenizer, row["messages"], tools, kwargs)
+    else:
+        full, spans = chat.prompt_completion(
+            tokenizer, row["prompt"], row["completion"], tools, kwargs
+        )
     return _Text(full, spans, False, False)
 
 
