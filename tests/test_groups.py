@@ -4,6 +4,9 @@ errors, and the groups surviving a re-init and a replaced engine."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from nbtrain.errors import ConfigError
@@ -181,3 +184,69 @@ def test_a_kernel_that_attaches_knows_the_groups(ip, cluster):
         assert other.pull("seen", ranks="2-3") == [2, 2]
     finally:
         close_client(other.client)
+
+
+def test_diagnose_after_group_cells_on_an_idle_cluster_reports_no_hang(ip, cluster):
+    # the groups count their collectives apart: actor runs 3, rollout 1, the world 1 more. An idle
+    # cluster is in step in every group, though rank 0's count (3 in actor) is not rank 2's
+    cluster.groups(actor="0-1", rollout="2-3")
+    run_cell(ip, "dist.all_reduce(torch.ones(1))")
+    run_cell(
+        ip, "for _ in range(3):\n    dist.all_reduce(torch.ones(1), group=group)", "--group actor"
+    )
+    run_cell(ip, "dist.all_reduce(torch.ones(1), group=group)", "--group rollout")
+    diag = cluster.diagnose()
+    assert diag.behind == [] and diag.waiting == {}, diag.text
+    assert "did not" not in diag.text
+    groups = [s["collectives"]["groups"] for s in (diag.stacks[0], diag.stacks[2])]
+    actor = max((int(pg), g["seq"]) for pg, g in groups[0].items() if g["desc"] == "actor")
+    rollout = max((int(pg), g["seq"]) for pg, g in groups[1].items() if g["desc"] == "rollout")
+    assert actor[1] - rollout[1] == 2  # the counts differ, and that is no hang
+    assert "group actor's ranks all at" in diag.text and "group rollout's ranks all at" in diag.text
+    out = quiet(ip.run_line_magic, "nbtrain", "diagnose")
+    assert "did not" not in out and "idle (no cell running)" in out
+
+
+def test_diagnose_names_the_group_of_a_hang_inside_it(ip, cluster):
+    cluster.groups(actor="0-1", rollout="2-3")
+    run_cell(ip, "dist.all_reduce(torch.ones(1), group=group)", "--group actor")
+    result = {}
+
+    def cell():
+        try:
+            cluster.execute(
+                "import time\n"
+                "if rank == 0:\n"
+                "    dist.all_reduce(torch.ones(1), group=group)\n"
+                "else:\n"
+                "    time.sleep(600)  # rank 1 skips the group's all_reduce\n",
+                group="actor",
+                live=False,
+            )
+        except BaseException as e:  # the interrupt below ends it
+            result["error"] = e
+
+    host = cluster.ranks[0].host
+    runner = threading.Thread(target=cell)
+    runner.start()
+    try:
+        time.sleep(2.0)
+        diag = cluster.diagnose()
+        assert set(diag.waiting) == {0} and "all_reduce" in diag.waiting[0]
+        assert diag.behind == [1], diag.text
+        # the newest group named actor (each `cluster.groups` call made a new one)
+        actor = diag.stacks[0]["collectives"]["groups"]
+        seq = max((int(pg), g["seq"]) for pg, g in actor.items() if g["desc"] == "actor")[1]
+        assert (
+            f"flight recorder, group actor (ranks 0-1): rank 0 on {host} entered collective #{seq} "
+            f"(gloo:all_reduce); rank 1 on {host} did not (last: rank 1 #{seq - 1})."
+        ) in diag.text
+        # ranks 2 and 3 are idle and in step: not blamed
+        assert diag.text.count("did not") == 1
+    finally:
+        cluster.interrupt()
+        runner.join(30)
+    assert not runner.is_alive()
+    cluster.restart()
+    cluster.execute("import torch, torch.distributed as dist", output="none")
+    assert cluster.diagnose().behind == []

@@ -280,6 +280,49 @@ def test_push_pull(started):
     assert cluster.run(lambda a, b=0: a + b, 1, b=2) == [3, 3]
 
 
+def test_two_runs_in_one_cell_each_get_their_own_live_display(ip, started, monkeypatch):
+    # two finetune calls in one cell publish begin, rows, end twice: notebooks/06 does this
+    from nbtrain import live
+    from nbtrain.cluster import cell
+
+    drawn = []
+
+    def render(self, final=False):
+        drawn.append((id(self), self.name, final, [r["step"] for r in self.rows]))
+        self._handle = object()
+
+    monkeypatch.setattr(cell, "in_kernel", lambda: True)  # live plots only draw in a kernel
+    monkeypatch.setattr(live.LiveDisplay, "render", render)
+    displays = []
+    monkeypatch.setattr(live.LiveDisplay, "__init__", _recording_init(displays))
+    run_cell(
+        ip,
+        "from nbtrain.engine import metrics\n"
+        "for name in ('first', 'second'):\n"
+        "    metrics.begin(total_steps=2, name=name)\n"
+        "    for step in (1, 2):\n"
+        "        metrics.log(step=step, loss=1.0 / step)\n"
+        "    metrics.end()\n",
+    )
+    assert [d.name for d in displays] == ["first", "second"]
+    for d in displays:
+        assert d.closed and [r["step"] for r in d.rows] == [1, 2]
+        finals = [x for x in drawn if x[0] == id(d) and x[2]]
+        assert len(finals) == 1 and finals[0][3] == [1, 2], drawn
+
+
+def _recording_init(displays):
+    from nbtrain import live
+
+    init = live.LiveDisplay.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        displays.append(self)
+
+    return recording
+
+
 def test_second_start_refused_without_force(ip, started):
     with pytest.raises(ClusterError, match="already running.*--force"):
         ip.run_line_magic("nbtrain", "start -n 2")
@@ -362,3 +405,66 @@ def test_a_comment_after_the_options_is_ignored(ip, capsys):
     assert "no cluster is running" in capsys.readouterr().out
     with pytest.raises(Exception, match="no nbtrain cluster is running"):
         ip.run_cell_magic("distributed", "--output all  # every rank's output", "print(1)")
+
+
+def _subcommands():
+    from nbtrain.magics.cluster import _PARSER
+
+    return sorted(next(a for a in _PARSER._actions if a.dest == "command").choices)
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_every_magic_and_subcommand_answers_help(ip, capsys, flag):
+    ip.run_line_magic("load_ext", "nbtrain")
+    names = _subcommands()
+    assert {"start", "stop", "status", "diagnose", "groups", "scaling", "restart"} <= set(names)
+    for line in ["", *names]:
+        capsys.readouterr()
+        assert ip.run_line_magic("nbtrain", f"{line} {flag}".strip()) is None
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: %nbtrain {line}".rstrip()), (line, out[:200])
+    # the cell magic prints its help and runs nothing, with or without a cluster
+    capsys.readouterr()
+    assert ip.run_cell_magic("distributed", flag, "raise SystemExit('ran')") is None
+    out = capsys.readouterr().out
+    assert out.startswith("usage: %%distributed [--ranks RANKS]")
+    assert "--group NAME" in out and "--output" in out
+
+
+@pytest.mark.parametrize(
+    "line, usage, hint",
+    [
+        ("start --backnd gloo", "usage: %nbtrain start [-h]", "did you mean --backend?"),
+        ("diagnose --timout 3", "usage: %nbtrain diagnose [-h]", "did you mean --timeout?"),
+        ("start --launcher rya", "usage: %nbtrain start [-h]", "did you mean ray?"),
+        ("strat -n 2", "usage: %nbtrain [-h] COMMAND", "did you mean start?"),
+    ],
+)
+def test_an_unknown_option_names_the_nearest_and_its_subcommands_usage(ip, line, usage, hint):
+    ip.run_line_magic("load_ext", "nbtrain")
+    with pytest.raises(ConfigError) as info:
+        ip.run_line_magic("nbtrain", line)
+    text = str(info.value)
+    assert hint in text and usage in text, text
+    if usage != "usage: %nbtrain [-h] COMMAND":
+        assert "usage: %nbtrain [-h] COMMAND" not in text
+
+
+def test_distributed_unknown_option_names_the_nearest(ip):
+    ip.run_line_magic("load_ext", "nbtrain")
+    with pytest.raises(ConfigError) as info:
+        ip.run_cell_magic("distributed", "--rnaks 0", "pass")
+    text = str(info.value)
+    assert "unrecognized arguments: --rnaks 0; did you mean --ranks?" in text
+    assert "usage: %%distributed [--ranks RANKS]" in text
+    with pytest.raises(ConfigError, match="invalid choice: 'everyone'"):
+        ip.run_cell_magic("distributed", "--output everyone", "pass")
+
+
+def test_help_lists_the_ray_launcher():
+    import nbtrain
+    from nbtrain.magics.cluster import _PARSER
+
+    start = _PARSER._subcommand("start").format_help()
+    assert "multi-node (--launcher ssh, slurm, mpi or ray)" in start
+    assert 'launcher="ray"' in nbtrain.start.__doc__ and '"ray"' in nbtrain.start.__doc__

@@ -52,13 +52,15 @@ def start(
     (`nbtrain.cluster.plan`): `"auto"` is NCCL on cuda:<local rank> when every rank gets a GPU of
     its own, else gloo on CPU for every rank, with one printed line saying why; `"nccl"` where a
     rank would lack a GPU is a `ConfigError`; `"gloo"` keeps the GPUs only where every rank has its
-    own. With `launcher="ssh"`, `"slurm"` or `"mpi"`, engines start elsewhere instead (settings in
-    `nbtrain.cluster.options.LaunchOptions`: hosts, nodes, gpus_per_node, partition, account,
-    time, ip, iface, port, allow_version_mismatch, ...):
+    own. With `launcher="ssh"`, `"slurm"`, `"mpi"` or `"ray"`, engines start elsewhere instead
+    (settings in `nbtrain.cluster.options.LaunchOptions`: hosts, nodes, gpus_per_node, partition,
+    account, time, ip, iface, port, address, placement, gpus_per_rank, cpus_per_rank,
+    allow_version_mismatch, ...):
 
     In [3]: nbtrain.start(launcher="ssh", hosts="node1:2,node2:2", force=True)
     In [4]: nbtrain.start(launcher="slurm", nodes=2, gpus_per_node=4, partition="gpu", time="02:00:00")
     In [5]: nbtrain.start(launcher="mpi", n=8)
+    In [6]: nbtrain.start(launcher="ray", address="auto", n=8, gpus_per_rank=1, placement="SPREAD")
 
     Local CPU engines run with tcmalloc where the machine has it (`allocator="auto"`, or
     $NBTRAIN_ALLOCATOR): 3-10% more tokens/s on CPU here. `"system"` keeps glibc's malloc;

@@ -181,6 +181,16 @@ class CellRun:
             if not key.startswith(KEY_PREFIX):
                 continue
             payload = data[key]
+            kind = payload.get("kind")
+            if (
+                self._display is not None
+                and kind != "end"
+                and (self._display.closed or (kind == "begin" and self._display.rows))
+            ):
+                # a second run in the same cell (two finetune calls): the first keeps its final
+                # image where it was, and the second gets a display of its own below it
+                self._display.close()
+                self._display = None
             if self._display is None:
                 from nbtrain.live import LiveDisplay
 

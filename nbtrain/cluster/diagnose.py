@@ -15,7 +15,7 @@ from typing import Any
 
 from nbtrain.cluster.ranges import parse_ranks
 from nbtrain.cluster.session import Session
-from nbtrain.cluster.topology import describe_ranks
+from nbtrain.cluster.topology import compact, describe_ranks
 
 COLLECTIVES = {
     "all_reduce",
@@ -43,6 +43,8 @@ COLLECTIVES = {
     "batch_isend_irecv",
     "wait",
 }
+# the world group's description in torch's flight recorder
+WORLD = "default_pg"
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
 
 
@@ -120,18 +122,55 @@ def _classify_stack(info: dict[str, Any]) -> tuple[str, str]:
     return "busy", f"{what} ({site or f'{file}:{line}'})"
 
 
-def _seqs(stacks: dict[int, dict[str, Any]]) -> dict[int, tuple[int, str]]:
-    out = {}
+def _pg_order(pg: str) -> tuple[int, str]:
+    """Process groups in the order they were made (torch names them 0, 1, 2, ...)."""
+    return (int(pg), "") if pg.isdigit() else (-1, pg)
+
+
+def _group_seqs(
+    stacks: dict[int, dict[str, Any]], named: dict[str, list[int]]
+) -> dict[str, dict[int, tuple[int, str]]]:
+    """Process group -> rank -> (last collective's sequence number, op), from each rank's recorder.
+
+    Sequence numbers count per process group, so only ranks of one group are comparable. A group is
+    keyed by its description: `default_pg` for the world, the name for `%nbtrain groups` (nbtrain
+    passes it as torch's `group_desc`), `pg <name>` for a group the user made without one. A member
+    of a world or named group whose recorder holds none of its collectives has run none there (#0).
+    """
+    recorded: dict[int, dict[str, dict[str, Any]]] = {}
+    newest: dict[str, str] = {}  # description -> its newest process group
     for r, info in stacks.items():
         fr = info.get("collectives") or {}
-        entries = fr.get("entries") or []
-        if fr.get("available") and not entries:
-            out[r] = (0, "none yet")  # recording, but this rank has run no collective
-        if entries:
-            last = entries[-1]
-            if last.get("seq") is not None:
-                out[r] = (int(last["seq"]), str(last.get("op", "")))
-    return out
+        if not fr.get("available"):
+            continue
+        per = fr.get("groups")
+        if per is None:  # an engine from before per-group records: its last entry, as the world's
+            entries = fr.get("entries") or []
+            per = {}
+            if entries and entries[-1].get("seq") is not None:
+                last = entries[-1]
+                per = {"0": {"seq": last["seq"], "op": last.get("op", ""), "desc": WORLD}}
+        recorded[r] = per
+        for pg, g in per.items():
+            desc = g.get("desc") or ""
+            if desc and desc != "undefined" and _pg_order(pg) > _pg_order(newest.get(desc, "")):
+                newest[desc] = pg
+    out: dict[str, dict[int, tuple[int, str]]] = {}
+    for r, per in recorded.items():
+        for pg, g in per.items():
+            desc = g.get("desc") or ""
+            if desc and desc != "undefined":
+                if newest[desc] != pg:
+                    continue  # a group redefined since (`%nbtrain groups` destroys the old ones)
+                key = desc
+            else:
+                key = f"pg {pg}"
+            out.setdefault(key, {})[r] = (int(g["seq"]), str(g.get("op", "")))
+        for key, members in [(WORLD, list(stacks)), *named.items()]:
+            if r in members and r not in out.get(key, {}):
+                out.setdefault(key, {})[r] = (0, "none yet")
+    # a group where no rank has run a collective says nothing
+    return {k: v for k, v in out.items() if any(s for s, _ in v.values())}
 
 
 def diagnose(
@@ -155,22 +194,30 @@ def diagnose(
     for r in sorted(stacks):
         kind, what = classify(stacks[r])
         (waiting if kind == "collective" else other)[r] = what
-    seqs = _seqs(stacks)
+    named = dict(cluster.group_specs)
     behind: list[int] = []
     summary = []
-    if seqs:
+    in_step: list[str] = []
+    for key, seqs in sorted(_group_seqs(stacks, named).items(), key=lambda kv: kv[0] != WORLD):
         top = max(s for s, _ in seqs.values())
         ahead = sorted(r for r, (s, _) in seqs.items() if s == top)
-        behind = sorted(r for r, (s, _) in seqs.items() if s < top)
+        late = sorted(r for r, (s, _) in seqs.items() if s < top)
         op = seqs[ahead[0]][1]
-        if behind:
+        where = "" if key == WORLD else f", group {key} (ranks {compact(sorted(seqs))})"
+        if late:
+            behind.extend(r for r in late if r not in behind)
             summary.append(
-                f"flight recorder: {describe_ranks(cluster.ranks, ahead)} entered collective #{top} "
-                f"({op}); {describe_ranks(cluster.ranks, behind)} did not "
-                f"(last: {', '.join(f'rank {r} #{seqs[r][0]}' for r in behind)})."
+                f"flight recorder{where}: {describe_ranks(cluster.ranks, ahead)} entered collective "
+                f"#{top} ({op}); {describe_ranks(cluster.ranks, late)} did not "
+                f"(last: {', '.join(f'rank {r} #{seqs[r][0]}' for r in late)})."
             )
+        elif key == WORLD:
+            in_step.insert(0, f"every rank's last collective is #{top} ({op})")
         else:
-            summary.append(f"flight recorder: every rank's last collective is #{top} ({op}).")
+            in_step.append(f"group {key}'s ranks all at #{top}")
+    behind.sort()
+    if in_step:
+        summary.append(f"flight recorder: {'; '.join(in_step)}.")
     not_done = {
         r: (info.get("collectives") or {}).get("pending") or []
         for r, info in sorted(stacks.items())

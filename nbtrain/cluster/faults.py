@@ -145,7 +145,7 @@ def check_alive(cluster: Session, which: Sequence[int]) -> None:
     msg = (
         f"{describe_ranks(cluster.ranks, dead)} of this cluster died or were ended, so the process group "
         "is broken. Run %nbtrain restart (cluster.restart()) to replace them; then re-run your set-up "
-        "cells, and continue training with finetune(..., resume='latest')."
+        "cells, and continue training with finetune(SFTConfig(..., resume='latest'))."
     )
     raise ClusterError(msg)
 
@@ -367,7 +367,7 @@ def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
     parts.append(
         "The process group is broken until the lost ranks are replaced: run %nbtrain restart "
         "(cluster.restart()). Their in-memory state is gone: re-run your set-up cells, and continue "
-        "training with finetune(..., resume='latest')."
+        "training with finetune(SFTConfig(..., resume='latest'))."
     )
     err = RankDiedError("\n".join(parts), deaths)
     raise err
@@ -438,5 +438,5 @@ def restart(cluster: Session, all_ranks: bool = False, timeout: float | None = N
     return (
         f"nbtrain: replaced {describe_ranks(cluster.ranks, replace)}{why} with fresh engines and re-created "
         f"the process group in {took:.1f} s. The in-memory state of the replaced ranks was lost: re-run "
-        f"your set-up cells, and continue training with finetune(..., resume='latest').{kept_note}"
+        f"your set-up cells, and continue training with finetune(SFTConfig(..., resume='latest')).{kept_note}"
     )

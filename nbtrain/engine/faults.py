@@ -211,11 +211,18 @@ def summarize_dump(
         for pg, s in (dump.get("pg_status") or {}).items()
         if isinstance(s, dict)
     }
+    # each process group's last collective, over the whole ring: sequence numbers count per group,
+    # so diagnosis compares ranks group by group (a rank of one sub-group is not behind one of another)
+    groups: dict[str, dict[str, Any]] = {}
+    for e in entries:
+        if not e["p2p"] and e["seq"] is not None:
+            groups[e["pg"]] = {"seq": int(e["seq"]), "op": e["op"], "desc": e["pg_desc"]}
     return {
         "available": True,
         "entries": entries[-last:],
         "pending": [e for e in entries if e["pending"]][-pending:],
         "pg_status": status,
+        "groups": groups,
     }
 
 

@@ -91,7 +91,9 @@ def define(specs: Sequence[tuple[str, Sequence[int]]]) -> dict[str, Any]:
     _drop_old()
     for name, ranks in specs:
         members = sorted(int(r) for r in ranks)
-        GROUPS[name] = dist.new_group(members)
+        # the name as torch's group description: the flight recorder labels the group's collectives
+        # with it, and `%nbtrain diagnose` names the group from it
+        GROUPS[name] = dist.new_group(members, group_desc=name)
         GROUPS.ranks[name] = members
     ns = _user_ns()
     ns["groups"] = GROUPS

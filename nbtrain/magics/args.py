@@ -3,18 +3,61 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from nbtrain.errors import ConfigError
 
+_CHOICE = re.compile(r"invalid choice: '(?P<word>[^']*)' \(choose from (?P<choices>.*)\)")
+
+
+def nearest(word: str, known: Iterable[str]) -> str | None:
+    """The known name closest to a mistyped `word` (`--backnd` -> `--backend`), if one is close."""
+    found = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def unknown_options(parser: argparse.ArgumentParser, extra: Sequence[str]) -> str:
+    """ "unrecognized arguments: --backnd gloo; did you mean --backend?" for `parser`'s options."""
+    options = [o for o in parser._option_string_actions if o.startswith("--")]
+    guesses = []
+    for token in extra:
+        if token.startswith("-"):
+            guess = nearest(token.split("=", 1)[0], options)
+            if guess and guess not in guesses:
+                guesses.append(guess)
+    hint = f"; did you mean {' or '.join(guesses)}?" if guesses else ""
+    return f"unrecognized arguments: {' '.join(extra)}{hint}"
+
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises instead of exiting the kernel."""
+    """argparse that raises instead of exiting the kernel, naming the nearest option or choice."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        msg = f"{self.prog}: {message}\n\n{self.format_usage().strip()}\nSee %nbtrain? for help."
+        m = _CHOICE.search(message)
+        if m:
+            guess = nearest(m["word"], re.findall(r"[\w.-]+", m["choices"]))
+            message += f"; did you mean {guess}?" if guess else ""
+        msg = f"{self.prog}: {message}\n\n{self.format_usage().strip()}\nSee {self.prog} --help."
         raise ConfigError(msg)
+
+    def parse_command(self, tokens: Sequence[str]) -> argparse.Namespace:
+        """`parse_args`, but an unknown option is reported by its subcommand's parser, with that
+        subcommand's usage and the nearest option it has."""
+        args, extra = self.parse_known_args(tokens)
+        if extra:
+            sub = self._subcommand(getattr(args, "command", None)) or self
+            sub.error(unknown_options(sub, extra))
+        return args
+
+    def _subcommand(self, name: str | None) -> argparse.ArgumentParser | None:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and name:
+                return action.choices.get(name)
+        return None
 
     def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
         if message:
@@ -54,7 +97,7 @@ def engine_count(text: str) -> int:
 
 def add_multinode_start_args(p: argparse.ArgumentParser) -> None:
     """The --launcher ssh/slurm/mpi options of `%nbtrain start`."""
-    g = p.add_argument_group("multi-node (--launcher ssh, slurm or mpi)")
+    g = p.add_argument_group("multi-node (--launcher ssh, slurm, mpi or ray)")
     g.add_argument(
         "--launcher",
         choices=("local", "ssh", "slurm", "mpi", "ray"),

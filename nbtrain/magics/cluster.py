@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbtrain.errors import ConfigError, NbtrainError
 from nbtrain.magics import check, faults, groups, scaling
@@ -19,6 +19,7 @@ from nbtrain.magics.args import (
     add_multinode_start_args,
     engine_count,
     positive_float,
+    unknown_options,
 )
 
 
@@ -87,7 +88,7 @@ class NbtrainMagics(Magics):
     def nbtrain(self, line: str) -> Any:
         try:
             # a `# comment` after the options is the user's note, as in any Python line
-            args = _PARSER.parse_args(shlex.split(line, comments=True))
+            args = _PARSER.parse_command(shlex.split(line, comments=True))
         except HelpShown:
             return None
         try:
@@ -289,10 +290,9 @@ class NbtrainMagics(Magics):
         """
         from nbtrain.cluster.facade import require_cluster
 
-        try:
-            args = parse_argstring(self.distributed, shlex.join(shlex.split(line, comments=True)))
-        except Exception as e:
-            raise ConfigError(f"%%distributed: {e}") from None
+        args = _distributed_args(line)
+        if args is None:
+            return
         try:
             cluster = require_cluster()
             cluster.execute(
@@ -322,6 +322,32 @@ NbtrainMagics.nbtrain.__doc__ = f"""Start, inspect and stop the nbtrain cluster.
     %nbtrain stop
 
 {_help_text()}"""
+
+
+def _distributed_args(line: str) -> argparse.Namespace | None:
+    """`%%distributed`'s options from `line`; None after printing its help for -h or --help."""
+    parser = NbtrainMagics.distributed.parser  # type: ignore[attr-defined]
+    tokens = shlex.split(line, comments=True)
+
+    # magic_arguments writes its usage as reST ("::" and an indented %distributed); a user types %%
+    def plain(text: str) -> str:
+        return text.replace("::\n\n  %distributed", "usage: %%distributed", 1)
+
+    usage = plain(parser.format_usage()).strip()
+    if "-h" in tokens or "--help" in tokens:
+        print(plain(parser.format_help()))
+        return None
+    try:
+        args, extra = parser.parse_known_args(tokens)
+    except Exception as e:  # a bad value: magic_arguments raises UsageError
+        msg = f"%%distributed: {e}\n\n{usage}\nSee %%distributed --help."
+        raise ConfigError(msg) from None
+    if extra:
+        msg = (
+            f"%%distributed: {unknown_options(parser, extra)}\n\n{usage}\nSee %%distributed --help."
+        )
+        raise ConfigError(msg)
+    return args
 
 
 def _user_error(e: NbtrainError) -> NbtrainError:

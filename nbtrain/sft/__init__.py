@@ -1,1 +1,18 @@
 """LoRA/SFT fine-tuning that runs on every rank (engine side): `SFTConfig` and `finetune`."""
+
+import logging
+
+
+class _NoKernelsNote(logging.Filter):
+    """Drops bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" warning.
+
+    peft imports bitsandbytes wherever it is installed, and on a CPU with AVX512-BF16 bitsandbytes
+    then logs that the optional `kernels` package is missing: twice per process, in every run, 4-bit
+    or not. Its own CPU 4-bit kernels work without it (tests/test_sft_shard_load.py).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "gemm_4bit_forward" not in str(record.msg)
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoKernelsNote())

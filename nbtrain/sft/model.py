@@ -2,16 +2,76 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import warnings
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from nbtrain.errors import ConfigError
 
 
 def _is_local(model: str) -> bool:
     return Path(model).expanduser().exists()
+
+
+# whether the Hub answered this process's probe, by endpoint: asked once, not once per file
+_REACHABLE: dict[str, str | None] = {}
+PROBE_TIMEOUT_S = 3.0
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.ENDPOINT)
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    flags = (os.environ.get(n, "") for n in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return bool(constants.HF_HUB_OFFLINE) or any(
+        f.upper() in ("1", "ON", "YES", "TRUE") for f in flags
+    )
+
+
+def _probe(endpoint: str) -> str | None:
+    """None when `endpoint` takes a TCP connection within PROBE_TIMEOUT_S, else why not."""
+    if endpoint not in _REACHABLE:
+        url = urlsplit(endpoint)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            socket.create_connection((url.hostname or "", port), timeout=PROBE_TIMEOUT_S).close()
+            _REACHABLE[endpoint] = None
+        except OSError as e:
+            _REACHABLE[endpoint] = (
+                f"{url.hostname}:{port} cannot be reached from {socket.gethostname()} ({e})"
+            )
+    return _REACHABLE[endpoint]
+
+
+def require_hub(model: str) -> None:
+    """Fail at once where `model` is neither a folder, nor in the Hugging Face cache, nor reachable
+    on the Hub (HF_HUB_OFFLINE, or one short probe): transformers would retry for about 28 s first."""
+    if _is_local(model):
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return  # cached: transformers falls back to the cache
+    except Exception:  # not a valid repo id: from_pretrained's own error says so
+        return
+    why = "HF_HUB_OFFLINE is set" if _offline() else _probe(_hub_endpoint())
+    if why:
+        msg = (
+            f"model {model!r} is not a local folder and not in the Hugging Face cache, and the Hub "
+            f"cannot be asked: {why}. Pass the folder of a model saved with save_pretrained, or "
+            "download it where the Hub can be reached (hf download ORG/NAME) first"
+        )
+        raise ConfigError(msg)
 
 
 def _load_error(model: str, what: str, err: Exception) -> ConfigError:
@@ -38,6 +98,7 @@ def check_causal_lm(model: str) -> Any:
     if path.is_dir() and not (path / "config.json").is_file():
         msg = f"model folder {model!r} has no config.json, so it is not a saved model; pass the folder save_pretrained wrote"
         raise ConfigError(msg)
+    require_hub(model)
     try:
         config = AutoConfig.from_pretrained(str(path) if path.exists() else model)
     except Exception as e:
@@ -57,6 +118,7 @@ def load_tokenizer(model: str) -> Any:
     from transformers import AutoTokenizer
 
     source = str(Path(model).expanduser()) if _is_local(model) else model
+    require_hub(model)
     try:
         tok = AutoTokenizer.from_pretrained(source)
     except Exception as e:

@@ -1,0 +1,70 @@
+"""nbtrain.sft.model: a model name that cannot come from anywhere fails at once, not after the Hub
+client's retries (about 28 s here with no network)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nbtrain.errors import ConfigError
+from nbtrain.sft import model
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probe(monkeypatch):
+    # imported before the clock starts: transformers' first import alone takes seconds
+    import transformers.models.auto.modeling_auto  # noqa: F401
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+
+    monkeypatch.setattr(model, "_REACHABLE", {})
+
+
+@pytest.mark.parametrize("load", [model.check_causal_lm, model.load_tokenizer])
+def test_offline_fails_at_once(monkeypatch, load):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.monotonic()
+    with pytest.raises(
+        ConfigError,
+        match="not a local folder and not in the Hugging Face cache.*HF_HUB_OFFLINE is set",
+    ):
+        load("someorg/no-such-model")
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_an_unreachable_hub_fails_after_one_short_probe(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(model, "_offline", lambda: False)
+    # nothing listens on port 9 here: refused at once, as a machine without a route fails its probe
+    monkeypatch.setattr(model, "_hub_endpoint", lambda: "http://127.0.0.1:9")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"127.0.0.1:9 cannot be reached from .*save_pretrained"):
+        model.check_causal_lm("someorg/no-such-model")
+    assert time.monotonic() - t0 < model.PROBE_TIMEOUT_S + 1
+    assert model._REACHABLE  # asked once per process, then remembered
+
+
+def test_a_folder_is_never_probed(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="has no config.json"):
+        model.check_causal_lm(str(tmp_path))
+    model.require_hub(str(tmp_path))  # a folder: nothing to ask the Hub
+
+
+def test_bitsandbytes_kernels_note_is_not_shown():
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed: nothing prints the note")
+
+    def stderr(code: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        ).stderr
+
+    if "gemm_4bit_forward" not in stderr("import peft"):
+        pytest.skip("bitsandbytes prints no kernels note on this CPU (it needs AVX512-BF16)")
+    assert "gemm_4bit_forward" not in stderr("import nbtrain.sft.model, peft")
