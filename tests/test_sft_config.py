@@ -97,3 +97,16 @@ def test_hub_id_is_not_checked_locally(base):
     # a Hub id cannot be checked without the network; finetune reports it when loading
     cfg = SFTConfig(**{**base, "model": "Qwen/Qwen2.5-0.5B"})
     assert cfg.model == "Qwen/Qwen2.5-0.5B"
+
+
+def test_an_unknown_keyword_names_the_nearest_setting(base):
+    with pytest.raises(ConfigError) as info:
+        SFTConfig(**base, learning_rte=1e-3, max_stpes=3, frobnicate=1)
+    text = str(info.value)
+    assert "unknown setting learning_rte (did you mean learning_rate?)" in text
+    assert "unknown setting max_stpes (did you mean max_steps?)" in text
+    assert "unknown setting frobnicate." in text and "SFTConfig.help()" in text
+    # the known keywords still reach the dataclass, and its checks
+    assert SFTConfig(**base, learning_rate=1e-3).learning_rate == 1e-3
+    with pytest.raises(ConfigError, match="invalid SFTConfig"):
+        SFTConfig(**base, learning_rate=-1.0)

@@ -392,6 +392,32 @@ class SFTConfig:
         return "\n".join(f"{f.name} = {f.default!r}: {f.metadata['help']}" for f in fields(cls))
 
 
+def _known_keywords_only(init: Any) -> Any:
+    """SFTConfig's generated __init__, refusing an unknown keyword with the nearest field's name
+    (`learning_rte=` -> learning_rate) instead of Python's bare TypeError."""
+    import difflib
+    import functools
+
+    @functools.wraps(init)
+    def checked(self: SFTConfig, *args: Any, **kwargs: Any) -> None:
+        names = [f.name for f in fields(SFTConfig)]
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            lines = []
+            for k in unknown:
+                near = difflib.get_close_matches(k, names, n=1, cutoff=0.6)
+                hint = f" (did you mean {near[0]}?)" if near else ""
+                lines.append(f"unknown setting {k}{hint}")
+            msg = "SFTConfig: " + "; ".join(lines) + ". SFTConfig.help() lists every setting."
+            raise ConfigError(msg)
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+SFTConfig.__init__ = _known_keywords_only(SFTConfig.__init__)  # type: ignore[method-assign]
+
+
 SHARDS = ("ddp", "fsdp", "hsdp")
 
 
