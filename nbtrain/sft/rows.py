@@ -12,15 +12,13 @@ otherwise train a first completion token the model never sees after that prompt.
 from __future__ import annotations
 
 import json
-import math
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import ConfigError
 from nbtrain.sft import chat
+from nbtrain.sft.sources import Source
 
 IGNORE = -100
 FORMATS = ("prompt/completion", "messages", "text")
@@ -28,102 +26,26 @@ TRUNCATION_SIDES = ("right", "left")
 _ACCEPTED = "'prompt' + 'completion', 'messages' (a list of {'role', 'content'}), or 'text'"
 # rows per tokenizer call: fast tokenizers encode a list in parallel
 _CHUNK = 1000
-# fewer rows than this tokenize in a second or two: no progress bar
-_PROGRESS_ROWS = 20_000
 
 
 # --------------------------------------------------------------------------------------------- loading
-def _plain(value: Any) -> Any:
-    """numpy/pandas values (from DataFrames and Parquet) as plain Python, NaN as None."""
-    if hasattr(value, "tolist") and not isinstance(value, str):
-        value = value.tolist()
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-def _records(frame: Any) -> list[dict]:
-    rows = frame.to_dict(orient="records")
-    # a CSV or DataFrame mixing formats has NaN where a row lacks a column: treat it as absent
-    return [
-        {k: v for k, v in ((k, _plain(v)) for k, v in row.items()) if v is not None} for row in rows
-    ]
-
-
-def _read_jsonl(path: Path, name: str) -> list[dict]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                msg = (
-                    f"{name} file {str(path)!r}: line {lineno} is not valid JSON ({e.msg} at column "
-                    f"{e.colno}); fix or remove that line"
-                )
-                raise ConfigError(msg) from None
-    return rows
-
-
 def load_rows(source: Any, name: str = "data") -> list[dict]:
-    """Every row of `source` as a list of dicts; a ConfigError for files that are missing or malformed."""
-    if isinstance(source, str | os.PathLike):
-        path = Path(source).expanduser()
-        if not path.is_file():
-            msg = f"{name} file {os.fspath(source)!r} not found; check the path (relative paths are from {os.getcwd()})"
-            raise ConfigError(msg)
-        suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            rows = _read_jsonl(path, name)
-        elif suffix == ".json":
-            text = path.read_text(encoding="utf-8")
-            stripped = text.lstrip()
-            if stripped.startswith("["):
-                try:
-                    rows = json.loads(text)
-                except json.JSONDecodeError as e:
-                    msg = f"{name} file {str(path)!r}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}); fix that line"
-                    raise ConfigError(msg) from None
-            else:  # JSON lines saved as .json
-                rows = _read_jsonl(path, name)
-        elif suffix == ".parquet":
-            import pandas as pd
+    """Every row of `source` as a list of dicts; a ConfigError for files that are missing or malformed.
 
-            rows = _records(pd.read_parquet(path))
-        elif suffix == ".csv":
-            import pandas as pd
-
-            rows = _records(pd.read_csv(path))
-        else:
-            msg = f"{name} file {str(path)!r} has an unknown suffix; use .jsonl, .json, .parquet or .csv"
-            raise ConfigError(msg)
-        where = f"{name} file {str(path)!r}"
-    elif hasattr(source, "to_dict") and hasattr(source, "columns"):  # pandas DataFrame
-        rows = _records(source)
-        where = f"{name} DataFrame"
-    elif hasattr(source, "to_list") and hasattr(source, "column_names"):  # datasets.Dataset
-        rows = [_plain(r) for r in source.to_list()]
-        where = f"{name} Dataset"
-    elif isinstance(source, Sequence) and not isinstance(source, str | bytes):
-        rows = list(source)
-        where = f"{name} list"
-    else:
-        msg = (
-            f"{name} of type {type(source).__name__} is not supported; pass a .jsonl/.json/.parquet/.csv "
-            "path, a list of dicts, a pandas DataFrame or a datasets.Dataset"
-        )
-        raise ConfigError(msg)
+    Small data only (evaluation rows, tests): training data is read a part per rank (tokens.prepare).
+    """
+    src = Source(source, name)
+    rows = []
+    for r in src.part(0, 1):
+        try:
+            row_format(r.value, r.local, src.where)
+        except ConfigError:  # again, naming the line an editor shows (counted only now)
+            row_format(r.value, r.local, src.row_where(r))
+            raise
+        rows.append(r.value)
     if not rows:
-        msg = f"{where} has no rows; give at least one row with {_ACCEPTED}"
+        msg = f"{src.where} has no rows; give at least one row with {_ACCEPTED}"
         raise ConfigError(msg)
-    for i, row in enumerate(rows):
-        row_format(row, i, where)
     return rows
 
 
@@ -224,15 +146,18 @@ def _as_text(row: dict, tokenizer: Any) -> _Text:
     return _Text(full, spans, False, False)
 
 
-def _labels_from_offsets(
-    ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
-) -> list[int]:
+def _trained_from_offsets(offsets: Any, spans: list[tuple[int, int]]) -> Any:
+    """1 for each token that holds any trained character, else 0 (uint8)."""
+    import numpy as np
+
+    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    s, e = off[:, 0], off[:, 1]
+    trained = np.zeros(len(off), dtype=bool)
     # a token is trained when it holds any trained character: one that straddles the prompt's end
     # (" tac" after "Answer:") carries completion text the model must produce
-    return [
-        t if e > s and any(s < b and e > a for a, b in spans) else IGNORE
-        for t, (s, e) in zip(ids, offsets, strict=True)
-    ]
+    for a, b in spans:
+        trained |= (e > s) & (s < b) & (e > a)
+    return trained.astype(np.uint8)
 
 
 def _labels_from_prefixes(tokenizer: Any, t: _Text, ids: list[int]) -> list[int]:
@@ -254,23 +179,123 @@ def _labels_from_prefixes(tokenizer: Any, t: _Text, ids: list[int]) -> list[int]
     return labels
 
 
-def _tokenize(tokenizer: Any, texts: list[_Text]) -> Iterator[tuple[list[int], list[int]]]:
-    """(input_ids, labels) of each text, from one tokenizer call per text."""
+def _backend(tokenizer: Any) -> Any:
+    """The fast tokenizer's Rust backend, where calling it directly gives what the wrapper gives: no
+    truncation or padding configured on it, special tokens encoded as the wrapper would."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer.is_fast else None
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return None
+    if backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return backend
+
+
+def _trained_tokens(enc: Any, spans: list[tuple[int, int]], n: int) -> Any:
+    """1 for each token of a backend Encoding that holds a trained character, from the tokens that
+    hold each span's first and last characters; None where a span's end maps to no token."""
+    import numpy as np
+
+    trained = np.zeros(n, dtype=np.uint8)
+    for a, b in spans:
+        if b <= a:
+            continue
+        lo, hi = enc.char_to_token(a), enc.char_to_token(b - 1)
+        if lo is None or hi is None:
+            return None
+        trained[lo : hi + 1] = 1
+    return trained
+
+
+def _tokenize(tokenizer: Any, texts: list[_Text]) -> list[tuple[Any, Any]]:
+    """(input_ids int32, trained uint8) of each text, in order: one batched tokenizer call per kind.
+
+    Fast tokenizers are called through their backend, and a span's tokens found from the tokens of
+    its end characters: the per-token offsets the wrapper would build as Python tuples are the
+    larger part of tokenizing a big data set."""
+    import numpy as np
+
     fast = getattr(tokenizer, "is_fast", False)
+    backend = _backend(tokenizer) if fast else None
+    out: list[Any] = [None] * len(texts)
     for special in (True, False):
-        group = [t for t in texts if t.special == special]
+        group = [j for j, t in enumerate(texts) if t.special == special]
         if not group:
             continue
+        if backend is not None:
+            encs = backend.encode_batch([texts[j].text for j in group], add_special_tokens=special)
+            for j, enc in zip(group, encs, strict=True):
+                ids = np.asarray(enc.ids, dtype=np.int32)
+                trained = _trained_tokens(enc, texts[j].spans, len(ids))
+                if trained is None:  # a character no token holds (normalised away): use offsets
+                    trained = _trained_from_offsets(enc.offsets, texts[j].spans)
+                out[j] = (ids, trained)
+            continue
         enc = tokenizer(
-            [t.text for t in group], add_special_tokens=special, return_offsets_mapping=fast
+            [texts[j].text for j in group],
+            add_special_tokens=special,
+            return_offsets_mapping=fast,
+            return_attention_mask=False,
         )
-        for j, t in enumerate(group):
-            ids = list(enc["input_ids"][j])
+        for k, j in enumerate(group):
+            ids = np.asarray(enc["input_ids"][k], dtype=np.int32)
             if fast:
-                labels = _labels_from_offsets(ids, enc["offset_mapping"][j], t.spans)
+                trained = _trained_from_offsets(enc["offset_mapping"][k], texts[j].spans)
             else:
-                labels = _labels_from_prefixes(tokenizer, t, ids)
-            yield ids, labels
+                labels = _labels_from_prefixes(tokenizer, texts[j], ids.tolist())
+                trained = (np.asarray(labels) != IGNORE).astype(np.uint8)
+            out[j] = (ids, trained)
+    return out
+
+
+def encode_batch(rows: Sequence[Any], tokenizer: Any) -> list[Any]:
+    """Each row as (input_ids int32, trained uint8) arrays, untruncated, or the ConfigError that
+    refuses it (`row_problem` words it with the row's place)."""
+    import numpy as np
+
+    eos = tokenizer.eos_token_id
+    out: list[Any] = [None] * len(rows)
+    texts: list[tuple[int, _Text]] = []
+    for j, row in enumerate(rows):
+        try:
+            texts.append((j, _as_text(row, tokenizer)))
+        except ConfigError as e:
+            out[j] = e
+    encoded = _tokenize(tokenizer, [t for _, t in texts])
+    for (j, t), (ids, trained) in zip(texts, encoded, strict=True):
+        if t.eos and eos is not None:
+            if len(ids) and ids[-1] == eos:
+                trained[-1] = 1  # a tokenizer that appends eos itself
+            else:
+                ids = np.append(ids, np.int32(eos))
+                trained = np.append(trained, np.uint8(1))
+        out[j] = (ids, trained)
+    return out
+
+
+def row_problem(row: Any, tokenizer: Any, index: int, where: str) -> str:
+    """Why `row` is refused, naming `where` (file and line) and its index, with the fix."""
+    try:
+        row_format(row, index, where)
+        _as_text(row, tokenizer)
+    except ConfigError as e:
+        text = str(e)
+        return text if text.startswith(where) else f"{where} row {index}: {text}"
+    return f"{where} row {index}: refused"  # not reached: encode_batch refused it for a reason
+
+
+def to_example(ids: Any, trained: Any) -> Example:
+    """Arrays from `encode_batch` (or the token cache) as an Example."""
+    import numpy as np
+
+    return Example(ids.tolist(), np.where(trained.astype(bool), ids, IGNORE).tolist())
+
+
+def cut(ids: Any, trained: Any, max_length: int | None, side: str) -> tuple[Any, Any, bool]:
+    """`ids` and `trained` cut to `max_length` tokens at `side`; whether anything was cut."""
+    if max_length is None or len(ids) <= max_length:
+        return ids, trained, False
+    keep = slice(0, max_length) if side == "right" else slice(len(ids) - max_length, None)
+    return ids[keep], trained[keep], True
 
 
 def encode_rows(
@@ -281,56 +306,26 @@ def encode_rows(
     truncation_side: str = "right",
     where: str = "data",
     indices: Sequence[int] | None = None,
-    progress: bool = False,
 ) -> tuple[list[Example], list[int]]:
     """Tokenize `rows` with their loss masks; also the indices of the rows cut at `max_length`.
 
     `indices` are the rows' numbers in the data (for error messages); `max_length` None cuts nothing.
     A row the tokenizer or chat template cannot handle is a ConfigError naming its index and the fix.
+    Rows held in memory: training data goes through the token cache (tokens.prepare) instead.
     """
     indices = list(range(len(rows))) if indices is None else list(indices)
-    eos = tokenizer.eos_token_id
     examples: list[Example] = []
     truncated: list[int] = []
-    bar = None
-    if progress and len(rows) >= _PROGRESS_ROWS:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(rows), desc=f"tokenizing {where}", unit="rows")
-    try:
-        for start in range(0, len(rows), _CHUNK):
-            texts = []
-            for i, row in zip(indices[start : start + _CHUNK], rows[start : start + _CHUNK]):
-                try:
-                    texts.append(_as_text(row, tokenizer))
-                except ConfigError as e:
-                    msg = f"{where} row {i}: {e}"
-                    raise ConfigError(msg) from None
-            # keep the rows' order: the tokenizer is called per group (with or without special tokens)
-            order = sorted(range(len(texts)), key=lambda j: not texts[j].special)
-            encoded = dict(zip(order, _tokenize(tokenizer, texts), strict=True))
-            for j, t in enumerate(texts):
-                ids, labels = encoded[j]
-                if t.eos and eos is not None:
-                    if ids and ids[-1] == eos:
-                        labels[-1] = eos  # a tokenizer that appends eos itself
-                    else:
-                        ids.append(eos)
-                        labels.append(eos)
-                if max_length is not None and len(ids) > max_length:
-                    truncated.append(indices[start + j])
-                    keep = (
-                        slice(0, max_length)
-                        if truncation_side == "right"
-                        else slice(-max_length, None)
-                    )
-                    ids, labels = ids[keep], labels[keep]
-                examples.append(Example(ids, labels))
-            if bar is not None:
-                bar.update(len(texts))
-    finally:
-        if bar is not None:
-            bar.close()
+    for start in range(0, len(rows), _CHUNK):
+        chunk = rows[start : start + _CHUNK]
+        for j, res in enumerate(encode_batch(chunk, tokenizer)):
+            i = indices[start + j]
+            if isinstance(res, ConfigError):
+                raise ConfigError(row_problem(chunk[j], tokenizer, i, where)) from None
+            ids, trained, was_cut = cut(res[0], res[1], max_length, truncation_side)
+            if was_cut:
+                truncated.append(i)
+            examples.append(to_example(ids, trained))
     return examples, truncated
 
 

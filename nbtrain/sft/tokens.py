@@ -248,7 +248,7 @@ def _open(folder: Path) -> TokenStore | None:
 
 # ------------------------------------------------------------------------------------- fingerprints
 def _version() -> str:
-    from nbtrain import __version__
+    from nbtrain.version import __version__
 
     return str(__version__)
 
@@ -512,6 +512,11 @@ def prepare(source: Source, tokenizer: Any, d: Any, setting: str | None = "auto"
         tmp = work / f"{META}.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, work / META)
+        if final.exists() and _open(final) is None:
+            # an unreadable cache of the same name (cut short, another version's): moved aside first
+            stale = root / f"{key}.stale-{run}"
+            os.replace(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
         try:
             os.replace(work, final)
         except OSError:  # another run made the same cache first: use that one
