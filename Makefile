@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine by themselves:
-#   make demo   # a small LoRA fine-tune on 2 local CPU engines, headless (nbtrain demo)
+#   make demo   # a small LoRA fine-tune on 2 local CPU engines, headless (nbtrain demo); it writes
+#               # under OUT, except the run's record ($NBTRAIN_HOME/runs) and ~/.ipython, named when it starts
 #   make test   # everything CI runs
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -13,9 +13,11 @@ PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 export PATH="$(dirname "$PYTHON"):$PATH"
 
 "$PYTHON" -m pip install -q "hatchling>=1.21" "hatch-jupyter-builder>=0.9" "jupyter-builder>=1.3" editables
-# npm ci refuses a lockfile that lacks some platform's optional binaries (npm/cli#4828, #8320);
-# here the registry mirror has no android/darwin builds of the newest rollup/rspack bindings, so
-# npm could not record them. Then install from the same lockfile without rewriting it.
+# npm ci installs the lockfile as it is, and refuses one out of step with package.json. The
+# lockfile holds every platform's optional rspack/rollup bindings, so npm install (which
+# hatch-jupyter-builder runs in `pip install -e .`) leaves it as it is too; tests/test_cli.py checks
+# that npm ci accepts it. Where a registry mirror lacks some of those bindings (npm/cli#4828, #8320),
+# npm ci fails: then install from the same lockfile without rewriting it (--no-save).
 npm ci --no-audit --no-fund 2>/dev/null || npm install --no-save --no-audit --no-fund
 npm run build:prod
 # no build isolation: the build hook sees the fresh prebuilt/ and skips its own npm run

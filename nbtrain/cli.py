@@ -6,7 +6,10 @@
     ...
 
 Everything the notebook writes (the executed notebook, the tiny model, the run folder with
-metrics.jsonl and the exported adapter, the kernel's own log) lands under `--out`.
+metrics.jsonl and the exported adapter, the kernel's own log, the tokenized-data cache, matplotlib's
+font cache) lands under `--out`, except two things it names when it starts: the run's record in the
+run registry (`$NBTRAIN_HOME/runs`, which the Lab sidebar lists) and the IPython folder (`~/.ipython`:
+the kernel's profile and the cluster's `profile_nbtrain`).
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ def run_notebook(
         elapsed = time.monotonic() - started.get(cell_index, time.monotonic())
         echo(f" {elapsed:.1f} s" if status == "ok" else f" failed after {elapsed:.1f} s")
 
-    env = {**os.environ, OUT_ENV: str(out)}
+    env = {**demo_env(out), OUT_ENV: str(out)}
     client = NotebookClient(
         nb,
         km=_kernel_manager(),
@@ -164,6 +167,27 @@ def run_notebook(
     return executed
 
 
+def demo_env(out: Path) -> dict[str, str]:
+    """The kernel's environment: caches a user has not placed elsewhere go under `out`."""
+    env = dict(os.environ)
+    env.setdefault("NBTRAIN_DATA_CACHE", str(out / "data-cache"))  # the tokenized rows
+    env.setdefault("MPLCONFIGDIR", str(out / "matplotlib"))  # matplotlib's font cache
+    return env
+
+
+def written_elsewhere() -> list[tuple[str, Path]]:
+    """What the demo writes outside `--out`: shared with every notebook of this user, so kept where
+    nbtrain and IPython always keep them."""
+    from IPython.paths import get_ipython_dir
+
+    from nbtrain.runs import nbtrain_home
+
+    return [
+        ("run registry", nbtrain_home() / "runs"),
+        ("IPython folder", Path(get_ipython_dir())),
+    ]
+
+
 def _summary(out: Path) -> list[str]:
     """Final loss, adapter and metrics of the newest run under `out`, if it trained one."""
     lines = []
@@ -194,6 +218,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(
         f"nbtrain demo: running {notebook.name} in a python3 kernel ({sys.executable}); "
         f"output in {out}",
+        flush=True,
+    )
+    registry, ipython = (path for _, path in written_elsewhere())
+    print(
+        f"nbtrain demo: outside it, the run's record goes to the run registry {registry} and the "
+        f"kernel's and the cluster's profiles to the IPython folder {ipython}",
         flush=True,
     )
 
@@ -235,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Execute the quickstart notebook in a fresh Jupyter kernel of this Python: start 2 local "
             "engines, fine-tune a tiny model with LoRA on the shipped dataset, load the adapter and "
             "generate. Everything it writes (the executed notebook, the model, metrics.jsonl, the "
-            "adapter) goes under --out."
+            "adapter, the caches) goes under --out, except the run's record in the run registry "
+            "($NBTRAIN_HOME/runs) and the IPython folder (~/.ipython), named when it starts."
         ),
     )
     demo.add_argument(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import subprocess
 import sys
@@ -21,12 +22,12 @@ from tests.conftest import wait_gone
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _nbtrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _nbtrain(*args: str, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
     """The installed console script, as a user runs it."""
     script = Path(sys.executable).with_name("nbtrain")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "nbtrain.cli"]
     return subprocess.run(
-        [*cmd, *args], capture_output=True, text=True, timeout=timeout, check=False
+        [*cmd, *args], capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
 
 
@@ -51,12 +52,17 @@ def test_console_script_help():
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "out"  # does not exist yet: the demo creates it
-    proc = _nbtrain("demo", "--out", str(out))
-    return out, proc
+    # a home of its own, with no nbtrain, IPython or XDG folders moved: whatever the demo writes
+    # outside --out shows up there (tests/test_cli.py::test_demo_writes_only_under_out_and_says_where_else)
+    home = tmp_path_factory.mktemp("demo-home")
+    moved = ("NBTRAIN_HOME", "IPYTHONDIR", "XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+    env = {k: v for k, v in os.environ.items() if k not in moved} | {"HOME": str(home)}
+    proc = _nbtrain("demo", "--out", str(out), env=env)
+    return out, proc, home
 
 
 def test_demo_runs_end_to_end(demo):
-    out, proc = demo
+    out, proc, _ = demo
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # progress per cell, then the summary
     assert re.search(r"^\[1/\d+\] .* \d+\.\d s$", proc.stdout, re.M), proc.stdout
@@ -72,8 +78,25 @@ def test_demo_runs_end_to_end(demo):
     assert (out / "tiny-llama" / "config.json").exists()
 
 
+def test_demo_writes_only_under_out_and_says_where_else(demo):
+    out, proc, home = demo
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    registry = home / ".local" / "share" / "nbtrain" / "runs"
+    ipython = home / ".ipython"
+    assert (
+        f"outside it, the run's record goes to the run registry {registry} and the kernel's and "
+        f"the cluster's profiles to the IPython folder {ipython}"
+    ) in proc.stdout
+    elsewhere = [p for p in home.rglob("*") if p.is_file()]
+    assert any(p.is_relative_to(registry) for p in elsewhere)  # the run's record, named above
+    stray = [p for p in elsewhere if not (p.is_relative_to(registry) or p.is_relative_to(ipython))]
+    assert stray == [], (
+        stray
+    )  # no cache in ~/.cache: the data and matplotlib caches went under --out
+
+
 def test_demo_notebook_keeps_plot_table_history_and_generation(demo):
-    out, _ = demo
+    out, _, _ = demo
     nb = nbformat.read(str(out / "01-quickstart.ipynb"), as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in code), "every code cell ran"
@@ -134,3 +157,28 @@ def test_demo_failing_cell_names_it_and_leaves_nothing_running(tmp_path):
     for pid in left:  # a failing check must not leak engines onto the machine
         psutil.Process(pid).kill()
     assert left == [], f"cluster processes outlived the demo's kernel: {left}"
+
+
+def test_the_lockfile_installs_as_it_is(tmp_path):
+    # `make dev` builds the Lab extension through hatch-jupyter-builder, which runs `npm install`:
+    # a lockfile out of step with package.json (optional platform bindings missing) is rewritten
+    # there and leaves the clone modified. npm ci accepts only a lockfile in step.
+    import shutil
+
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed")
+    lab = Path(__file__).resolve().parents[1] / "labextension"
+    for name in ("package.json", "package-lock.json"):
+        shutil.copy(lab / name, tmp_path / name)
+    proc = subprocess.run(
+        ["npm", "ci", "--dry-run", "--ignore-scripts", "--no-audit", "--no-fund"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if "ENOTFOUND" in proc.stderr or "EAI_AGAIN" in proc.stderr:
+        pytest.skip("the npm registry cannot be reached")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "package-lock.json").read_bytes() == (lab / "package-lock.json").read_bytes()
