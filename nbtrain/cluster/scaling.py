@@ -11,6 +11,7 @@ afterwards: nothing is written to `cfg.output_dir`, and the report goes only whe
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -108,6 +109,14 @@ def _strong_batch(d: dict[str, Any], sizes_ranks: list[int]) -> int:
             split_global(fixed, n, micro)
         except ConfigError as e:
             msg = f"--mode strong at {n} rank(s): {e}"
+            if not d.get("global_batch_size"):
+                # the default (the smallest size's global batch) rarely divides at the larger sizes
+                every = math.lcm(*sizes_ranks) * micro
+                msg += (
+                    f". Without global_batch_size, strong scaling keeps the smallest size's global "
+                    f"batch ({fixed} rows); set one that every size divides, a multiple of {every}: "
+                    f"SFTConfig(..., global_batch_size={every})"
+                )
             raise ConfigError(msg) from None
     return int(fixed)
 
