@@ -78,6 +78,22 @@ def test_demo_runs_end_to_end(demo):
     assert (out / "tiny-llama" / "config.json").exists()
 
 
+def test_quickstart_page_shows_what_the_demo_prints(demo):
+    # the demo is deterministic: docs/quickstart.md's sample output has this run's losses
+    _, proc, _ = demo
+    line = re.compile(
+        r"final loss +(\d+\.\d+) \(first logged (\d+\.\d+), (\d+) rows, last step (\d+)\)"
+    )
+    page = (Path(__file__).resolve().parents[1] / "docs" / "quickstart.md").read_text()
+    shown, ran = line.search(page), line.search(proc.stdout)
+    assert shown and ran, proc.stdout
+    assert shown.groups()[2:] == ran.groups()[2:]
+    # four decimals as printed; a CPU with other vector kernels may differ in the last ones
+    for doc, now in zip(shown.groups()[:2], ran.groups()[:2]):
+        assert abs(float(doc) - float(now)) < 0.01, (shown.group(0), ran.group(0))
+    assert "nbtrain demo: outside it, the run's record goes to the run registry" in page
+
+
 def test_demo_writes_only_under_out_and_says_where_else(demo):
     out, proc, home = demo
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -61,16 +61,6 @@ def test_markers_mark_python_fences():
         snippets(page)  # raises on a marker that marks nothing
 
 
-def test_no_comment_after_a_line_magic():
-    # `%nbtrain start -n 2  # comment` passes the comment to the magic as arguments, which fail
-    bad = []
-    for page in [ROOT / "README.md", *PAGES]:
-        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
-            if re.match(r"\s*%(?!%)\w+ [^#\n]*#", line):
-                bad.append(f"{page.name}:{n}: {line.strip()}")
-    assert not bad, "comments after line magics (move them to their own line):\n" + "\n".join(bad)
-
-
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)
 def test_snippets_run(ip, page, tmp_path, monkeypatch, capsys):
     from nbtrain.cluster.facade import current_cluster
