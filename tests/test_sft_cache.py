@@ -93,7 +93,9 @@ def test_a_bad_row_names_its_file_line_not_its_index(tmp_path):
     rows[25] = {"question": "q", "answer": "a"}
     p = tmp_path / "d.jsonl"
     p.write_text("\n\n" + "\n".join(json.dumps(r) for r in rows) + "\n")
-    with pytest.raises(ConfigError, match=r"d.jsonl' line 28 row 25 is in none of the known formats"):
+    with pytest.raises(
+        ConfigError, match=r"d.jsonl' line 28 row 25 is in none of the known formats"
+    ):
         load_rows(p)
 
 
@@ -141,7 +143,8 @@ def test_what_changes_tokens_changes_the_cache(tmp_path, tok):
     templated = copy.deepcopy(tok)
     templated.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
     _prepare(str(DATA), templated, str(root))
-    assert len(_folders(root)) == 3
+    tokens.prepare(Source(str(DATA), "data"), tok, Dist(), str(root), {"enable_thinking": False})
+    assert len(_folders(root)) == 4
 
 
 def test_an_incomplete_or_foreign_cache_is_never_read(tmp_path, tok, monkeypatch):
@@ -208,10 +211,12 @@ WORKER = textwrap.dedent(
     from nbtrain.sft.model import load_tokenizer
     from nbtrain.sft.sources import Source
     model, data, setting, out = sys.argv[1:5]
+    # a progress line after every batch of 50 rows, so a small data set shows what a big one does
+    tokens.EVERY, tokens.CHUNK = 0.0, 50
     tok = load_tokenizer(model)
     calls = []
     real = tokens.encode_batch
-    tokens.encode_batch = lambda rows, t: calls.append(len(rows)) or real(rows, t)
+    tokens.encode_batch = lambda rows, *a: calls.append(len(rows)) or real(rows, *a)
     try:
         store = tokens.prepare(Source(data, "data"), tok, Dist(), setting)
         res = {"rows": len(store), "tokens": store.n_tokens, "tokenized": sum(calls),
@@ -269,6 +274,16 @@ def test_two_ranks_split_the_rows_and_write_one_cache(tmp_path, tiny, tok):
     meta = json.loads((folder / "meta.json").read_text())
     assert [p["rows"] for p in meta["parts"]] == [r["tokenized"] for r in res]
     assert "tokenizing data file" in res[0]["out"] and "cached at" in res[0]["out"]
+    # rank 0's progress counts the rows of both ranks (their counts meet in the group's store)
+    counts = [
+        int(line.split(": ")[2].split(" rows")[0].replace(",", ""))
+        for line in res[0]["out"].splitlines()
+        if line.startswith("nbtrain: tokenizing data: ")
+    ]
+    assert counts and max(counts) > res[0]["tokenized"], res[0]["out"]
+    assert "rows/s" in res[0]["out"] and not any(
+        line.startswith("nbtrain: tokenizing data: ") for line in res[1]["out"].splitlines()
+    )
     # a second run on three ranks (another world size) reads it without tokenizing
     again = _run(tmp_path, 3, tiny, DATA, str(tmp_path / "c"))
     assert [r["tokenized"] for r in again] == [0, 0, 0]
@@ -298,7 +313,7 @@ def test_bad_rows_on_every_rank_are_reported_together_and_nothing_is_cached(tmp_
     err = res[0]["error"]
     assert err == res[1]["error"]
     assert f"27 of {n} rows are refused" in err
-    assert f"bad.jsonl' line 5 row 3:" in err and f"line {n // 2 + 7} row {n // 2 + 5}:" in err
+    assert "bad.jsonl' line 5 row 3:" in err and f"line {n // 2 + 7} row {n // 2 + 5}:" in err
     assert "... and 7 more" in err  # the first 20 are shown
     assert len([x for x in err.splitlines() if " row " in x]) == 20
     assert not any((tmp_path / "c").glob("*/meta.json"))
