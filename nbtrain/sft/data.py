@@ -216,7 +216,9 @@ class ShardedBatches:
         import numpy as np
 
         self.rows = rows
-        self.store = store if store is not None else TokenStore.from_rows(list(rows or []), tokenizer)
+        self.store = (
+            store if store is not None else TokenStore.from_rows(list(rows or []), tokenizer)
+        )
         self.max_length = max_length
         self.truncation_side = truncation_side
         self.batch_size = batch_size
@@ -283,7 +285,9 @@ class ShardedBatches:
                 )
         dropped = np.flatnonzero(~has)
         if len(dropped):
-            shown = ", ".join(map(str, dropped[:10].tolist())) + (", ..." if len(dropped) > 10 else "")
+            shown = ", ".join(map(str, dropped[:10].tolist())) + (
+                ", ..." if len(dropped) > 10 else ""
+            )
             print(
                 f"nbtrain: {len(dropped)} of {n} rows have no target token within "
                 f"max_length={self.max_length} and are skipped (rows {shown}); raise max_length, "
@@ -369,6 +373,7 @@ def eval_batches(
     world_size: int,
     truncation_side: str = "right",
     truncated: list[int] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[list[Example]]:
     """This rank's evaluation batches: rows r, r+N, ... in file order, none dropped; the rows cut at
     `max_length` are added to `truncated` where given."""
@@ -380,6 +385,7 @@ def eval_batches(
         truncation_side=truncation_side,
         where="eval_data",
         indices=indices,
+        template_kwargs=template_kwargs,
     )
     if truncated is not None:
         truncated.extend(cut_rows)

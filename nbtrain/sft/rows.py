@@ -126,7 +126,7 @@ class _Text:
     eos: bool  # end with a trained eos token (so the model learns to stop)
 
 
-def _as_text(row: dict, tokenizer: Any) -> _Text:
+def _as_text(row: dict, tokenizer: Any, template_kwargs: dict | None = None) -> _Text:
     fmt = row_format(row)
     if fmt == "text":
         return _Text(row["text"], [(0, len(row["text"]))], True, True)
@@ -135,6 +135,8 @@ def _as_text(row: dict, tokenizer: Any) -> _Text:
         return _Text(p + c, [(len(p), len(p) + len(c))], True, True)
     # TRL's per-row keys: tools the template lists, and its arguments (Qwen3's enable_thinking)
     tools, kwargs = row.get("tools"), row.get("chat_template_kwargs")
+    if template_kwargs:  # SFTConfig(chat_template_kwargs=...) for every row; a row's own win
+        kwargs = {**template_kwargs, **(kwargs or {})}
     if isinstance(tools, str):
         tools = json.loads(tools)
     if fmt == "messages":
@@ -247,7 +249,9 @@ def _tokenize(tokenizer: Any, texts: list[_Text]) -> list[tuple[Any, Any]]:
     return out
 
 
-def encode_batch(rows: Sequence[Any], tokenizer: Any) -> list[Any]:
+def encode_batch(
+    rows: Sequence[Any], tokenizer: Any, template_kwargs: dict | None = None
+) -> list[Any]:
     """Each row as (input_ids int32, trained uint8) arrays, untruncated, or the ConfigError that
     refuses it (`row_problem` words it with the row's place)."""
     import numpy as np
@@ -257,7 +261,7 @@ def encode_batch(rows: Sequence[Any], tokenizer: Any) -> list[Any]:
     texts: list[tuple[int, _Text]] = []
     for j, row in enumerate(rows):
         try:
-            texts.append((j, _as_text(row, tokenizer)))
+            texts.append((j, _as_text(row, tokenizer, template_kwargs)))
         except ConfigError as e:
             out[j] = e
     encoded = _tokenize(tokenizer, [t for _, t in texts])
@@ -272,11 +276,13 @@ def encode_batch(rows: Sequence[Any], tokenizer: Any) -> list[Any]:
     return out
 
 
-def row_problem(row: Any, tokenizer: Any, index: int, where: str) -> str:
+def row_problem(
+    row: Any, tokenizer: Any, index: int, where: str, template_kwargs: dict | None = None
+) -> str:
     """Why `row` is refused, naming `where` (file and line) and its index, with the fix."""
     try:
         row_format(row, index, where)
-        _as_text(row, tokenizer)
+        _as_text(row, tokenizer, template_kwargs)
     except ConfigError as e:
         text = str(e)
         return text if text.startswith(where) else f"{where} row {index}: {text}"
@@ -306,6 +312,7 @@ def encode_rows(
     truncation_side: str = "right",
     where: str = "data",
     indices: Sequence[int] | None = None,
+    template_kwargs: dict | None = None,
 ) -> tuple[list[Example], list[int]]:
     """Tokenize `rows` with their loss masks; also the indices of the rows cut at `max_length`.
 
@@ -318,10 +325,11 @@ def encode_rows(
     truncated: list[int] = []
     for start in range(0, len(rows), _CHUNK):
         chunk = rows[start : start + _CHUNK]
-        for j, res in enumerate(encode_batch(chunk, tokenizer)):
+        for j, res in enumerate(encode_batch(chunk, tokenizer, template_kwargs)):
             i = indices[start + j]
             if isinstance(res, ConfigError):
-                raise ConfigError(row_problem(chunk[j], tokenizer, i, where)) from None
+                msg = row_problem(chunk[j], tokenizer, i, where, template_kwargs)
+                raise ConfigError(msg) from None
             ids, trained, was_cut = cut(res[0], res[1], max_length, truncation_side)
             if was_cut:
                 truncated.append(i)

@@ -136,14 +136,20 @@ class TokenStore:
         return has & (~long | (self.last > self.lengths - max_length))
 
     @classmethod
-    def from_rows(cls, rows: list[Any], tokenizer: Any, where: str = "data") -> TokenStore:
+    def from_rows(
+        cls,
+        rows: list[Any],
+        tokenizer: Any,
+        where: str = "data",
+        template_kwargs: dict | None = None,
+    ) -> TokenStore:
         """Rows held in memory, tokenized here (tests; small data); the first bad row is an error."""
         w = _PartWriter(None)
         for start in range(0, len(rows), CHUNK):
             chunk = rows[start : start + CHUNK]
-            for j, res in enumerate(encode_batch(chunk, tokenizer)):
+            for j, res in enumerate(encode_batch(chunk, tokenizer, template_kwargs)):
                 if isinstance(res, ConfigError):
-                    msg = row_problem(chunk[j], tokenizer, start + j, where)
+                    msg = row_problem(chunk[j], tokenizer, start + j, where, template_kwargs)
                     raise ConfigError(msg)
                 w.add(*res)
         return w.store()
@@ -285,11 +291,13 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def fingerprint(source: Source, tokenizer: Any) -> str:
-    """The cache's name: data content, tokenizer, tokenization code, format and nbtrain version."""
+def fingerprint(source: Source, tokenizer: Any, template_kwargs: dict | None = None) -> str:
+    """The cache's name: data content, tokenizer, template arguments, tokenization code, format and
+    nbtrain version."""
     h = hashlib.blake2b(digest_size=12)
     for piece in (
         f"format={FORMAT}",
+        json.dumps(template_kwargs or {}, sort_keys=True, default=str),
         _version(),
         _code_digest(),
         source.fingerprint(),
@@ -355,7 +363,13 @@ class _Progress:
 
 # ------------------------------------------------------------------------------------------ building
 def _tokenize_part(
-    source: Source, tokenizer: Any, k: int, parts: int, writer: _PartWriter, progress: _Progress
+    source: Source,
+    tokenizer: Any,
+    k: int,
+    parts: int,
+    writer: _PartWriter,
+    progress: _Progress,
+    template_kwargs: dict | None,
 ) -> tuple[int, list[tuple[int, str]], int]:
     """Tokenize part k of `parts` into `writer`: (rows read, the first bad rows as (local index, the
     row's problem without its global index), how many rows are bad)."""
@@ -366,7 +380,7 @@ def _tokenize_part(
 
     def flush() -> None:
         nonlocal n_bad
-        results = encode_batch([r.value for r in pending], tokenizer)
+        results = encode_batch([r.value for r in pending], tokenizer, template_kwargs)
         for r, res in zip(pending, results, strict=True):
             if isinstance(res, ConfigError):
                 n_bad += 1
@@ -389,19 +403,33 @@ def _tokenize_part(
     return n, bad, n_bad
 
 
-def _describe(source: Source, tokenizer: Any, row: Any, index: int) -> str:
-    return row_problem(row.value, tokenizer, index, source.row_where(row))
+def _describe(
+    source: Source, tokenizer: Any, row: Any, index: int, template_kwargs: dict | None
+) -> str:
+    return row_problem(row.value, tokenizer, index, source.row_where(row), template_kwargs)
 
 
-def prepare(source: Source, tokenizer: Any, d: Any, setting: str | None = "auto") -> TokenStore:
+def prepare(
+    source: Source,
+    tokenizer: Any,
+    d: Any,
+    setting: str | None = "auto",
+    template_kwargs: dict | None = None,
+) -> TokenStore:
     """The tokenized rows of `source` on every rank of `d`: from the cache, or made now and cached.
+
+    `template_kwargs` go to the chat template of every row (SFTConfig.chat_template_kwargs).
 
     Every step runs on every rank (each phase through `d.agree`, so one rank's failure stops all of
     them instead of leaving the others waiting in a collective)."""
     root = cache_root(setting)
     t0 = time.perf_counter()
     key, run = d.agree(
-        lambda: (fingerprint(source, tokenizer), uuid.uuid4().hex[:12]) if d.is_zero else None
+        lambda: (
+            (fingerprint(source, tokenizer, template_kwargs), uuid.uuid4().hex[:12])
+            if d.is_zero
+            else None
+        )
     ) or (None, None)
     key, run = d.broadcast_object((key, run))
     temporary = root is None
@@ -448,7 +476,9 @@ def prepare(source: Source, tokenizer: Any, d: Any, setting: str | None = "auto"
     bad: list[Any] = []
 
     def tokenize() -> tuple[int, int, dict[str, int]]:
-        n, bad_rows, n_bad = _tokenize_part(source, tokenizer, k, parts, writer, progress)
+        n, bad_rows, n_bad = _tokenize_part(
+            source, tokenizer, k, parts, writer, progress, template_kwargs
+        )
         nonlocal bad
         bad = bad_rows
         return n, n_bad, writer.close()
@@ -467,7 +497,7 @@ def prepare(source: Source, tokenizer: Any, d: Any, setting: str | None = "auto"
     if any(e[2] for e in everyone):
         # every rank words its own bad rows with their global index and line, then all raise alike
         words = [
-            (before + local, _describe(source, tokenizer, row, before + local))
+            (before + local, _describe(source, tokenizer, row, before + local, template_kwargs))
             for local, row in bad
         ]
         shown = sorted(w for ws in d.gather_objects(words) for w in ws)
