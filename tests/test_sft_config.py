@@ -110,3 +110,15 @@ def test_an_unknown_keyword_names_the_nearest_setting(base):
     assert SFTConfig(**base, learning_rate=1e-3).learning_rate == 1e-3
     with pytest.raises(ConfigError, match="invalid SFTConfig"):
         SFTConfig(**base, learning_rate=-1.0)
+
+
+def test_eval_steps_without_eval_data_is_refused(base, tmp_path):
+    # it would be ignored silently: nothing to evaluate on
+    with pytest.raises(ConfigError) as e:
+        SFTConfig(**base, eval_steps=10)
+    for words in ("eval_steps=10", "eval_data", "None", "pass eval_data", "drop eval_steps"):
+        assert words in str(e.value)
+    assert not (tmp_path / "out").exists()
+    # with eval_data it is a setting, and eval_data alone evaluates at the end
+    assert SFTConfig(**base, eval_steps=10, eval_data=[{"text": "a"}]).eval_steps == 10
+    assert SFTConfig(**base, eval_data=[{"text": "a"}]).eval_steps is None

@@ -290,6 +290,12 @@ class SFTConfig:
         ):
             positive_int(name)
         positive_int("eval_steps", allow_none=True)
+        # without eval_data there is nothing to evaluate, and the setting would be ignored silently
+        need(
+            self.eval_steps is None or self.eval_data is not None,
+            f"eval_steps={self.eval_steps!r} needs eval_data, which is None; pass eval_data (rows to "
+            "evaluate on, in any form data accepts) or drop eval_steps",
+        )
         positive_int("save_steps", allow_none=True)
         positive_int("save_total_limit", allow_none=True)
         need(

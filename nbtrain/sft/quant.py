@@ -188,3 +188,29 @@ def prepare_for_training(base: Any, cfg: Any, device: Any) -> Any:
         use_gradient_checkpointing=cfg.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False},
     )
+
+
+def logical_numel(model: Any) -> int:
+    """The parameters of `model` as it computes with them, a 4-bit weight counted at its logical shape.
+
+    bitsandbytes stores a 4-bit weight as packed words (two values a byte, or more per element in a
+    wider `bnb_4bit_quant_storage`), so its `numel()` is a fraction of the weight's; the logical shape
+    is the quant_state's. Under FSDP2 the weight is a plain (sharded) tensor of those words and the
+    quant_state stays on the Linear4bit module (`fix_4bit_weight_quant_state_from_module`), where it is
+    read instead. A weight shared by two modules is counted once.
+    """
+    import math
+
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            qs = getattr(p, "quant_state", None)
+            if qs is None and name == "weight":
+                qs = getattr(module, "quant_state", None)
+            shape = getattr(qs, "shape", None)
+            total += math.prod(shape) if shape is not None else p.numel()
+    return total

@@ -49,6 +49,17 @@ def peak_bf16_flops(device_name: str) -> float | None:
     return None
 
 
+def flops_per_token(model: Any) -> float:
+    """Training FLOPs per token of a LoRA model, for MFU: 4N for the forward (2N) and the backward's
+    activation gradients (2N), and 2 per trainable parameter for its weight gradients; frozen weights
+    need none. N counts a 4-bit base's logical weights, not its packed storage (`quant.logical_numel`).
+    """
+    from nbtrain.sft.quant import logical_numel
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return float(4 * logical_numel(model) + 2 * trainable)
+
+
 def peak_flops(device: Any) -> float | None:
     import torch
 
@@ -142,12 +153,23 @@ def fmt_line(row: dict[str, Any], total: int) -> str:
 
 
 class Meter:
-    """Accumulates the steps between two logged rows and turns them into one row, the same on every rank."""
+    """Accumulates the steps between two logged rows and turns them into one row, the same on every rank.
 
-    def __init__(self, d: Dist, spe: int, flops_per_token: float, peak_flops: float | None):
+    `step_shift`: the data step minus the optimizer step, nonzero in a run resumed on another world
+    size or batch, so that `epoch` says how far through its data the run is.
+    """
+
+    def __init__(
+        self,
+        d: Dist,
+        spe: int,
+        flops_per_token: float,
+        peak_flops: float | None,
+        step_shift: int = 0,
+    ):
         import torch
 
-        self.d, self.spe = d, spe
+        self.d, self.spe, self.step_shift = d, spe, step_shift
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.on_gpu = d.device.type == "cuda"
         self.loss = torch.zeros(
@@ -190,7 +212,7 @@ class Meter:
             "learning_rate": float(lr),
             "tokens_per_s": tokens_per_s,
             "step_time": elapsed / steps,
-            "epoch": step / self.spe,
+            "epoch": (step + self.step_shift) / self.spe,
             # wall-clock time of the row, so runs can be compared against time as well as step
             "time": float(vec[1]),
         }

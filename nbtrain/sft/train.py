@@ -14,7 +14,6 @@ in the whole global batch, so N ranks with batch B train exactly like 1 rank wit
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,8 @@ from nbtrain.sft.batch import BatchPlan, split_global
 from nbtrain.sft.build import build_model
 from nbtrain.sft.config import SFTConfig
 from nbtrain.sft.dist import Dist
-from nbtrain.sft.report import Meter, RunLog, peak_flops, read_history
+from nbtrain.sft.report import Meter, RunLog, flops_per_token, peak_flops, read_history
+from nbtrain.sft.span import drop_taken, run_span
 
 
 @dataclass
@@ -55,47 +55,6 @@ class TrainResult:
             f"TrainResult(state={self.state!r}, global_step={self.global_step}{loss_s}, "
             f"adapter_dir={self.adapter_dir!r}, rows={len(self.history)})"
         )
-
-
-def _total_steps(
-    cfg: SFTConfig, spe: int, resumed: dict[str, Any] | None, resume_from: str | None
-) -> int:
-    """The run's length in optimizer steps, which also shapes the learning-rate schedule.
-
-    A resumed run keeps the length its checkpoint recorded, so the schedule goes on where it was even
-    when another world size or batch gives another number of steps per epoch; only a length the user
-    changed (max_steps, or num_train_epochs while max_steps is -1) is recomputed. A ConfigError when
-    the checkpoint is already at or past that length: such a run would report done without training.
-    """
-    new_total = (
-        cfg.max_steps if cfg.max_steps > 0 else max(1, math.ceil(cfg.num_train_epochs * spe))
-    )
-    if resumed is None:
-        return new_total
-    state, saved = resumed["state"], resumed.get("config") or {}
-    step = int(state["global_step"])
-
-    def length(max_steps: Any, epochs: Any) -> tuple[Any, Any]:
-        return (max_steps, epochs if max_steps == -1 else None)
-
-    changed = length(cfg.max_steps, cfg.num_train_epochs) != length(
-        saved.get("max_steps"), saved.get("num_train_epochs")
-    )
-    total = new_total if changed or "total_steps" not in state else int(state["total_steps"])
-    if step >= total:
-        if changed and cfg.max_steps > 0:
-            why = f"max_steps={cfg.max_steps}"
-        elif changed:
-            why = f"num_train_epochs={cfg.num_train_epochs} at {spe} steps per epoch"
-        else:
-            why = "the length the checkpoint recorded"
-        msg = (
-            f"nothing to train: checkpoint {resume_from} is at step {step} and the run is {total} "
-            f"steps long ({why}); pass max_steps larger than {step} to train further, or drop "
-            "resume to start a new run"
-        )
-        raise ConfigError(msg)
-    return total
 
 
 def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainResult:
@@ -244,13 +203,17 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
         shard.check_resume(cfg, resumed["state"], resume_from)
     start_step = int(resumed["state"]["global_step"]) if resumed else 0
     # every rank has the same checkpoint and plan, so every rank raises here alike, before any write
-    total_steps = _total_steps(cfg, spe, resumed, resume_from)
+    GA = plan.grad_accum
+    span = run_span(
+        cfg, spe, batches.n_units, d.world * plan.micro_batch * GA, resumed, resume_from
+    )
+    total_steps = span.total
     global_batch = plan.global_batch
     if resumed and resumed["state"].get("global_batch_size") != global_batch and d.is_zero:
         print(
             f"nbtrain: resuming with a global batch of {global_batch} rows where the checkpoint used "
-            f"{resumed['state'].get('global_batch_size')}; the data order continues by step, not by "
-            f"row, and the learning-rate schedule runs to step {total_steps}",
+            f"{resumed['state'].get('global_batch_size')}; the data goes on from the rows the "
+            f"checkpoint had consumed, and the run ends at step {total_steps}",
             flush=True,
         )
 
@@ -298,14 +261,16 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
         cfg.lr_scheduler_type,
         optimizer,
         num_warmup_steps=cfg.warmup_steps,
-        num_training_steps=total_steps,
+        num_training_steps=span.schedule_length,
     )
     if resumed:
         if sharded:  # every rank reads its own shards of the adapter and the optimizer state
             shard.load_sharded(Path(resume_from) / shard.SHARDED_DIR, model, optimizer, d.group)
         else:
             optimizer.load_state_dict(resumed["optimizer"])
-        ckpt.restore_schedule(scheduler, optimizer, resumed["scheduler"])
+        # the schedule's position is the span's, not the step the checkpoint's schedule was at
+        saved_schedule = {**resumed["scheduler"], "last_epoch": span.schedule_start}
+        ckpt.restore_schedule(scheduler, optimizer, saved_schedule)
         rng = resumed["rng"]
         if d.rank < len(rng):
             ckpt.set_rng_state(rng[d.rank])
@@ -315,11 +280,9 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
         # dropout masks differ across ranks, as distinct samples would get
         torch.manual_seed(cfg.seed + 1 + d.rank)
 
-    n_params = sum(p.numel() for p in peft_model.parameters())
-    # LoRA training FLOPs: forward 2N, backward 2N for activations; frozen weights need no weight grads
-    flops_per_token = 4 * n_params + 2 * sum(p.numel() for p in trainable)
+    # LoRA training FLOPs, a 4-bit base counted at its logical shape, not its packed storage
+    token_flops = flops_per_token(peft_model)
     peak = peak_flops(d.device) if compute_dtype is not None else None
-    GA = plan.grad_accum
 
     n_eval = len(evals or [])
     if sharded and evals is not None:
@@ -335,15 +298,16 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
             shard.save_sharded(tmp / shard.SHARDED_DIR, peft_model, optimizer, d.group)
             adapter = shard.full_adapter(peft_model, d.is_zero)
         if d.is_zero:
-            epoch, in_epoch = divmod(step, spe)
+            data_step = step + span.shift
+            epoch, in_epoch = divmod(data_step, spe)
             state = {
                 "global_step": step,
                 "total_steps": total_steps,
-                "epoch": step / spe,
+                "epoch": data_step / spe,
                 "data_position": {
                     "epoch": epoch,
                     "step_in_epoch": in_epoch,
-                    "rows_consumed": batches.consumed(step),
+                    "rows_consumed": batches.consumed(data_step),
                 },
                 "steps_per_epoch": spe,
                 "world_size": d.world,
@@ -377,8 +341,17 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
     if d.device.type == "cuda":
         # the peak of this run's training, not of the set-up's probes or an earlier cell's work
         torch.cuda.reset_peak_memory_stats(d.device)
-    meter = Meter(d, spe, flops_per_token, peak)
+    meter = Meter(d, spe, token_flops, peak, step_shift=span.shift)
     clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+
+    def micro_batch(step: int, a: int) -> list[Any]:
+        exs = batches.micro_batch(step + span.shift, a)
+        if step != start_step or not span.skip:
+            return exs
+        # the first step of a run resumed on another world size or batch, whose checkpoint ended
+        # inside this step's global batch: the units before `skip` were trained already
+        k = ((step + span.shift) % spe) * GA + a
+        return drop_taken(exs, d.world * k * plan.micro_batch + d.rank, d.world, span.skip)
 
     def log(row: dict[str, Any]) -> None:
         history.append(row)
@@ -392,7 +365,7 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
         stopped = False
         while step < total_steps:
             # one small collective per step: target tokens and lengths per micro-batch, and the stop flag
-            micro = [batches.micro_batch(step, a) for a in range(GA)]
+            micro = [micro_batch(step, a) for a in range(GA)]
             stats = torch.zeros((d.world, 2 * GA + 2), dtype=torch.float64)
             for a, exs in enumerate(micro):
                 stats[d.rank, a] = sum(e.n_targets for e in exs)
