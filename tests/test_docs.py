@@ -22,15 +22,20 @@ MARKER = "<!-- run -->"
 FENCE = re.compile(r"^```(?P<info>[^\n`]*)\n(?P<code>.*?)^```[ \t]*$", re.M | re.S)
 
 
-def snippets(path: Path) -> list[tuple[int, str]]:
-    """(line number, code) of every marked snippet of a page, in order."""
+# snippets that need Slurm run on the single-machine Slurm test bed (tests/test_slurm.py), with the
+# names of a real cluster (partition, account, shared paths) replaced by the test bed's
+SLURM_MARKER = "<!-- run: slurm -->"
+
+
+def snippets(path: Path, marker: str = MARKER) -> list[tuple[int, str]]:
+    """(line number, code) of every snippet of a page marked with `marker`, in order."""
     text = path.read_text(encoding="utf-8")
     found = []
-    for m in re.finditer(re.escape(MARKER), text):
+    for m in re.finditer(re.escape(marker), text):
         line = text.count("\n", 0, m.start()) + 1
         fence = FENCE.match(text, m.end() + 1)
         if fence is None or fence.group("info").strip() != "python":
-            msg = f"{path.name}:{line}: {MARKER} must be followed on the next line by a ```python fence"
+            msg = f"{path.name}:{line}: {marker} must be followed on the next line by a ```python fence"
             raise AssertionError(msg)
         found.append((line + 1, fence.group("code")))
     return found
@@ -59,6 +64,9 @@ RUNNABLE = [p for p in [ROOT / "README.md", *PAGES] if MARKER in p.read_text(enc
 def test_markers_mark_python_fences():
     for page in [ROOT / "README.md", *PAGES]:
         snippets(page)  # raises on a marker that marks nothing
+        snippets(page, SLURM_MARKER)
+    # the Slurm recipe: start, train, stop (run by tests/test_slurm.py on the Slurm test bed)
+    assert len(snippets(DOCS / "multinode.md", SLURM_MARKER)) == 3
 
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)

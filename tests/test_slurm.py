@@ -432,3 +432,54 @@ def test_check_runs_the_probe_on_each_node_through_srun(ip, slurm_bed, capsys):
     while "nbtrain-check" in _squeue() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "nbtrain-check" not in _squeue()
+
+
+# the Slurm recipe of docs/multinode.md on the test bed: each real cluster's name in it, and the test
+# bed's. Every one must be found, so the page cannot change under the test unnoticed.
+def _recipe_on_the_bed(code: str, tiny: str, tmp: Path) -> str:
+    import sys
+
+    from nbtrain.data import instructions_path
+
+    swaps = {
+        'nodes=2, gpus_per_node=4, partition="gpu", account="proj",': "nodes=1, engines_per_node=2,",
+        'time="04:00:00",': 'time="10",',
+        'remote_python="/shared/envs/nbtrain/bin/python",': f"remote_python={sys.executable!r},",
+        "timeout=1800,": "timeout=90,",
+        '"HF_HOME": "/shared/hf"': f'"HF_HOME": {str(tmp / "hf")!r}',
+        'model="Qwen/Qwen2.5-7B-Instruct"': f"model={tiny!r}",
+        'data="/shared/data/train.jsonl"': f"data={str(instructions_path())!r}",
+        'output_dir="/shared/runs/qwen7b"': f"output_dir={str(tmp / 'qwen7b')!r}",
+        "max_steps=3000, save_steps=200,": "max_steps=4, save_steps=2, max_length=64,",
+    }
+    for old, new in swaps.items():
+        if old in code:
+            code = code.replace(old, new)
+    return code
+
+
+@pytest.mark.slurm
+def test_the_docs_slurm_recipe_runs(ip, slurm_bed, tiny, tmp_path, capsys):
+    from tests.test_docs import DOCS, SLURM_MARKER, snippets
+
+    steps = snippets(DOCS / "multinode.md", SLURM_MARKER)
+    assert len(steps) == 3  # start, train, stop
+    codes = [_recipe_on_the_bed(code, str(tiny), tmp_path) for _, code in steps]
+    for (line, _), after in zip(steps, codes):
+        # every name of the page's cluster was replaced: nothing of /shared, gpu or proj is left
+        for name in ("/shared", '"gpu"', '"proj"', "Qwen/"):
+            assert name not in after, f"multinode.md:{line}: {name} is not replaced:\n{after}"
+    try:
+        for (line, _), code in zip(steps, codes):
+            result = ip.run_cell(code, store_history=False)
+            assert result.success, (
+                f"multinode.md:{line}: {result.error_before_exec or result.error_in_exec}\n"
+                f"{capsys.readouterr().out[-3000:]}"
+            )
+        out = capsys.readouterr().out
+        assert re.search(r"slurm job \d+ running on", out), out
+        assert (tmp_path / "qwen7b" / "adapter" / "adapter_config.json").exists()
+        assert "cluster stopped" in out
+    finally:
+        if core.current_cluster() is not None:
+            core.current_cluster().stop()
