@@ -217,7 +217,7 @@ def test_config_error_on_two_ranks_is_raised_everywhere(tiny, tmp_path):
     assert not (tmp_path / "bad-out").exists()
 
 
-def test_resume_on_more_ranks_keeps_the_learning_rate_schedule(tiny, tmp_path):
+def test_resume_on_more_ranks_ends_after_its_epochs_on_the_same_schedule(tiny, tmp_path):
     # one epoch of 32 rows: 16 steps on one rank with batch 2, but 8 on two ranks with batch 2 each
     rows = [json.loads(x) for x in Path(DATA).read_text().splitlines()[:32]]
     kw = dict(
@@ -239,13 +239,16 @@ def test_resume_on_more_ranks_keeps_the_learning_rate_schedule(tiny, tmp_path):
     (crashed / "metrics.jsonl").write_text("\n".join(lines[:9]) + "\n")
     two = run_ranks(tmp_path, 2, **_kw(tiny, crashed, resume="latest", **kw))
 
-    # the run keeps its 16 steps (not the 8 that one epoch is on two ranks), so it trains on
+    # checkpoint-8 had trained 16 of the 32 rows: the other 16 are 4 steps of 4 rows on two ranks,
+    # so the one epoch asked for ends at step 12 (not at the 16 steps one rank needed)
     h = two[0]["history"]
-    assert two[0]["state"] == "done" and [r["step"] for r in h] == list(range(1, 17))
-    # ... and the learning rate goes on down the same line as the uninterrupted one-rank run
+    assert two[0]["state"] == "done" and [r["step"] for r in h] == list(range(1, 13))
+    assert h[-1]["epoch"] == pytest.approx(1.0)
+    # the learning rate follows the data: step 8+k is where the one-rank run was after 8+2k steps
+    lr_one = one.history["learning_rate"].to_numpy()
     torch.testing.assert_close(
         torch.tensor([r["learning_rate"] for r in h], dtype=torch.float64),
-        torch.tensor(one.history["learning_rate"].to_numpy()),
+        torch.tensor([*lr_one[:8], lr_one[8], lr_one[10], lr_one[12], lr_one[14]]),
     )
     assert all(r["loss"] > 0 for r in h[8:])
     moved = [
@@ -259,6 +262,5 @@ def test_resume_on_more_ranks_keeps_the_learning_rate_schedule(tiny, tmp_path):
     assert max(moved) > 1e-4  # it trained after the checkpoint
     assert [p.name for p in sorted(crashed.glob("checkpoint-*"))] == [
         "checkpoint-12",
-        "checkpoint-16",
         "checkpoint-8",
     ]

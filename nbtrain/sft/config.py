@@ -49,6 +49,18 @@ class SFTConfig:
     eval_data: Any = field(
         default=None, metadata={"help": "Optional evaluation rows, in any form `data` accepts."}
     )
+    chat_template_kwargs: dict | None = field(
+        default=None,
+        metadata={
+            "help": "Arguments for the chat template of every row, e.g. {'enable_thinking': False} (Qwen3); a row's own chat_template_kwargs win."
+        },
+    )
+    data_cache: str = field(
+        default="auto",
+        metadata={
+            "help": "Folder of the tokenized-data cache; 'auto': $NBTRAIN_DATA_CACHE, else $NBTRAIN_HOME/data-cache, else ~/.cache/nbtrain/data; 'off': tokenize every run, keep nothing."
+        },
+    )
     output_dir: str = field(
         default="nbtrain-output",
         metadata={"help": "Folder for checkpoints, metrics.jsonl and the exported adapter."},
@@ -128,7 +140,10 @@ class SFTConfig:
         },
     )
     eval_steps: int | None = field(
-        default=None, metadata={"help": "Evaluate every this many steps; None: at the end only."}
+        default=None,
+        metadata={
+            "help": "Evaluate every this many steps (needs eval_data); None: at the end only."
+        },
     )
     save_steps: int | None = field(
         default=500,
@@ -295,6 +310,15 @@ class SFTConfig:
             self.eval_steps is None or self.eval_data is not None,
             f"eval_steps={self.eval_steps!r} needs eval_data, which is None; pass eval_data (rows to "
             "evaluate on, in any form data accepts) or drop eval_steps",
+        )
+        need(
+            self.chat_template_kwargs is None or isinstance(self.chat_template_kwargs, dict),
+            f"chat_template_kwargs={self.chat_template_kwargs!r} must be a dict such as "
+            "{'enable_thinking': False}, or None",
+        )
+        need(
+            isinstance(self.data_cache, str) and bool(self.data_cache),
+            f"data_cache={self.data_cache!r} must be 'auto', 'off' or a folder path (a string)",
         )
         positive_int("save_steps", allow_none=True)
         positive_int("save_total_limit", allow_none=True)

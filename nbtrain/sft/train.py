@@ -23,7 +23,7 @@ from typing import Any
 from nbtrain.engine import metrics as live
 from nbtrain.errors import ConfigError
 from nbtrain.sft import checkpoint as ckpt
-from nbtrain.sft import commtime, memory, quant, shard, speed, tracking
+from nbtrain.sft import commtime, memory, quant, shard, speed, tokens, tracking
 from nbtrain.sft import step as one_step
 from nbtrain.sft.batch import BatchPlan, split_global
 from nbtrain.sft.build import build_model
@@ -77,6 +77,7 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
 
     from nbtrain.sft.data import ShardedBatches, eval_batches, load_rows
     from nbtrain.sft.model import check_causal_lm, load_tokenizer
+    from nbtrain.sft.sources import Source
 
     d = Dist(group)
     out = Path(cfg.output_dir).expanduser()
@@ -86,7 +87,7 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
     mesh = d.agree(lambda: shard.make_mesh(d, cfg.shard, group)) if sharded else None
 
     # ---- set-up phase: everything that can be wrong is found here, on every rank, before any write
-    def setup() -> dict[str, Any]:
+    def check() -> dict[str, Any]:
         if not d.is_zero or os.environ.get("NBTRAIN_ENGINE") == "1":
             # N copies of the same "Loading weights" bar would bury rank 0's output in the cell, and on
             # an engine even rank 0's bar is a notebook widget the client cannot draw: the live display
@@ -95,33 +96,49 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
 
             hf_logging.disable_progress_bar()
         resume_from = ckpt.check_output_dir(cfg) if d.is_zero else None
-        rows = load_rows(cfg.data, "data")
+        source = Source(cfg.data, "data")
         eval_rows = load_rows(cfg.eval_data, "eval_data") if cfg.eval_data is not None else None
         base_config = check_causal_lm(cfg.model)
         tokenizer = load_tokenizer(cfg.model)
+        quant.check_quant(cfg, d.device, d.rank, d.host)
+        fits = memory.check_fits(cfg, base_config, d.device, d.world)
+        return {
+            "resume_from": resume_from,
+            "source": source,
+            "tokenizer": tokenizer,
+            "eval_rows": eval_rows,
+            "base_config": base_config,
+            "fits": fits,
+        }
+
+    s = d.agree(check)
+    tokenizer = s["tokenizer"]
+    # the rows, tokenized once across the ranks (or read from the token cache), before the model
+    store = tokens.prepare(s["source"], tokenizer, d, cfg.data_cache, cfg.chat_template_kwargs)
+
+    def setup() -> dict[str, Any]:
         compute_dtype = one_step.compute_dtype(cfg, d.device)
         weights_dtype = (
             compute_dtype if d.device.type == "cuda" and compute_dtype else torch.float32
         )
-        quant.check_quant(cfg, d.device, d.rank, d.host)
-        fits = memory.check_fits(cfg, base_config, d.device, d.world)
+        t0 = time.perf_counter()
+        if d.is_zero:
+            print(f"nbtrain: loading {cfg.model} on {d.world} rank(s)", flush=True)
         model, notes, levers = build_model(cfg, d, mesh, weights_dtype, compute_dtype)
-        notes = [n for n in (shard_note, fits) if n] + notes
+        if d.is_zero:
+            print(f"nbtrain: model loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+        notes = [n for n in (shard_note, s["fits"]) if n] + notes
         return {
-            "resume_from": resume_from,
-            "tokenizer": tokenizer,
             "model": model,
-            "rows": rows,
-            "eval_rows": eval_rows,
             "compute_dtype": compute_dtype,
             "notes": notes,
             "levers": levers,
             # the base model's own KV-cache setting (training turns it off), for the merged export
-            "use_cache": getattr(base_config, "use_cache", None),
+            "use_cache": getattr(s["base_config"], "use_cache", None),
         }
 
-    s = d.agree(setup)
-    model, tokenizer = s["model"], s["tokenizer"]
+    s.update(d.agree(setup))
+    model = s["model"]
     compute_dtype = s["compute_dtype"]
     levers: list[str] = s["levers"]
 
@@ -139,7 +156,7 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
         return one_step.loss_sum(net, batch, autocast, loss_fn)
 
     # ---- the batch plan: micro-batch and accumulation steps (measured where 'auto')
-    plan = d.agree(lambda: one_step.plan_batch(cfg, d, model, loss_sum, len(s["rows"])))
+    plan = d.agree(lambda: one_step.plan_batch(cfg, d, model, loss_sum, len(store)))
     if cfg.per_device_train_batch_size == "auto":
         agreed = d.min_int(plan.micro_batch)
         if agreed != plan.micro_batch:
@@ -154,8 +171,9 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
 
     def make_batches() -> tuple[Any, Any]:
         batches = ShardedBatches(
-            s["rows"],
+            None,
             tokenizer,
+            store=store,
             max_length=cfg.max_length,
             batch_size=plan.micro_batch,
             grad_accum=plan.grad_accum,
@@ -177,10 +195,21 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
                 rank=d.rank,
                 world_size=d.world,
                 truncation_side=cfg.truncation_side,
+                truncated=eval_cut,
+                template_kwargs=cfg.chat_template_kwargs,
             )
         return batches, evals
 
+    eval_cut: list[int] = []
     batches, evals = d.agree(make_batches)
+    if evals is not None:
+        n_cut = sum(d.gather_objects(len(eval_cut)))
+        if n_cut and d.is_zero:
+            notes.append(
+                f"{n_cut} of {len(s['eval_rows'])} eval_data rows are longer than "
+                f"max_length={cfg.max_length} tokens and are cut at the {cfg.truncation_side}; "
+                "the eval loss covers only what is left (raise max_length to keep them whole)"
+            )
     if cfg.torch_compile:
         why_not = speed.compile_layers(model.get_base_model())
         if why_not is None:
@@ -203,12 +232,12 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
         shard.check_resume(cfg, resumed["state"], resume_from)
     start_step = int(resumed["state"]["global_step"]) if resumed else 0
     # every rank has the same checkpoint and plan, so every rank raises here alike, before any write
+    global_batch = plan.global_batch
     GA = plan.grad_accum
     span = run_span(
         cfg, spe, batches.n_units, d.world * plan.micro_batch * GA, resumed, resume_from
     )
     total_steps = span.total
-    global_batch = plan.global_batch
     if resumed and resumed["state"].get("global_batch_size") != global_batch and d.is_zero:
         print(
             f"nbtrain: resuming with a global batch of {global_batch} rows where the checkpoint used "
