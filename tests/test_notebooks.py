@@ -350,3 +350,50 @@ def test_sharding_notebook_runs(tmp_path, monkeypatch):
         )
     assert "QLoRA adapter on the unquantised base:" in text
     assert "70B, shard='fsdp', load_in_4bit:" in text
+
+
+@pytest.mark.timeout(400)
+def test_real_data_notebook_runs(tmp_path, monkeypatch):
+    """notebooks/08-real-data.ipynb top to bottom in a real kernel: 25,000 chat rows tokenized once on
+    two ranks into a token cache, the same run again from the cache, and a file with bad rows refused
+    before any step with each bad row's line and index, nothing cached for it."""
+    monkeypatch.setenv("NBTRAIN_DEMO_OUT", str(tmp_path / "out"))
+    nb = nbformat.read(ROOT / "notebooks" / "08-real-data.ipynb", as_version=4)
+    _execute(nb, tmp_path)
+    out = tmp_path / "out"
+    cache = out / "data-cache"
+
+    def shown(start: str) -> str:
+        cell = next(c for c in nb.cells if c.source.startswith(start))
+        return ANSI.sub("", _stdout(cell))
+
+    first = shown("%%distributed\nimport os")
+    found = re.search(
+        r"nbtrain: data: 25,000 rows, ([\d,]+) tokens in [\d.]+ s \([\d,]+ rows/s\), cached at "
+        rf"({re.escape(str(cache))}/\w+), [\d.]+ MiB \(([\d.]+) bytes/token\)",
+        first,
+    )
+    assert found, first[-3000:]
+    n_tokens, folder = found[1], found[2]
+    assert 5.0 <= float(found[3]) < 6.0  # 5 bytes a token and 24 a row, as docs/fine-tuning.md says
+    assert "step 6/6 | loss" in first
+
+    again = shown("%%distributed\nsecond_run")
+    assert f"25,000 rows, {n_tokens} tokens, from the cache at {folder} " in again, again
+    assert "nbtrain: data: tokenizing" not in again
+    times = re.search(r"([\d.]+) s the first time .*, ([\d.]+) s from the cache", again)
+    assert times and float(times[2]) < float(times[1]), again
+
+    refused = shown("%%distributed\nfrom nbtrain.errors import ConfigError")
+    assert "bad.jsonl': 3 of 7 rows are refused, nothing was trained or cached" in refused, refused
+    for line, row, why in (
+        (3, 1, "has content of type int"),
+        (5, 3, "has role 'robot'"),
+        (9, 5, "at least one 'assistant' turn"),
+    ):
+        assert re.search(rf"bad\.jsonl' line {line} row {row}: .*{why}", refused), refused
+    assert "step 1/" not in refused
+    assert [p.name for p in cache.iterdir()] == [Path(folder).name]  # nothing cached for bad.jsonl
+    assert not (out / "runs" / "bad").exists()
+    for run in ("first", "second"):
+        assert (out / "runs" / run / "adapter" / "adapter_config.json").is_file()
