@@ -18,7 +18,9 @@ from nbtrain.version import __version__
 __all__ = [
     "Cluster",
     "ClusterPicker",
+    "ConfigError",
     "DistributedCellError",
+    "Preempted",
     "SFTConfig",
     "TrainResult",
     "__version__",
@@ -40,7 +42,9 @@ __all__ = [
 _LAZY = {
     "Cluster": "nbtrain.cluster.facade",
     "ClusterPicker": "nbtrain.display.picker",
+    "ConfigError": "nbtrain.errors",
     "DistributedCellError": "nbtrain.errors",
+    "Preempted": "nbtrain.sft.preempt",
     "check": "nbtrain.cluster.check",
     # the module itself, which is callable: nbtrain.compare([...]) draws, nbtrain.compare.load_run reads
     "compare": "nbtrain.compare",
@@ -64,8 +68,9 @@ if TYPE_CHECKING:
     from nbtrain.display.picker import ClusterPicker
     from nbtrain.engine.metrics import log, log_end
     from nbtrain.engine.rank import is_rank_zero
-    from nbtrain.errors import DistributedCellError
+    from nbtrain.errors import ConfigError, DistributedCellError
     from nbtrain.sft.config import SFTConfig
+    from nbtrain.sft.preempt import Preempted
     from nbtrain.sft.train import TrainResult, finetune
 
 

@@ -29,7 +29,7 @@ RUN = "import nbtrain\nresult = nbtrain.finetune(nbtrain.SFTConfig(**cfg))"
 
 
 def _cfg(model, out, **kw):
-    return dict(
+    base = dict(
         model=str(model),
         data=instructions_path(),
         output_dir=str(out),
@@ -41,8 +41,8 @@ def _cfg(model, out, **kw):
         max_length=64,
         lora_dropout=0.0,
         seed=7,
-        **kw,
     )
+    return base | kw
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +177,70 @@ def test_rank0_killed_during_checkpoint_save(setup):
     _assert_same_adapter(out, ref)
     files = {p.name for p in (out / "adapter").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json"} <= files
+
+
+def test_preemption_signal_checkpoints_then_resume_equals_uninterrupted(setup):
+    """SIGUSR1 (Slurm's --signal) to one rank mid-run: every rank ends its step, one checkpoint is
+    written for it, the cell fails with one message whose resume hint runs; after a restart, resuming
+    ends with the uninterrupted run's adapter."""
+    import dataclasses
+    import os
+    import re
+    import signal
+
+    from nbtrain.errors import DistributedCellError
+
+    cluster, model, tmp, ref = setup
+    out = tmp / "preempted"
+    # no periodic checkpoint: the one the signal asks for is all there is to resume from
+    cluster.push({"cfg": _cfg(model, out, save_steps=None)})
+    slow = (
+        "import time, nbtrain.sft.step as T\n"
+        "_orig = T.loss_sum\n"
+        "def _slow(*a, **k):\n"
+        "    time.sleep(0.3)\n"
+        "    return _orig(*a, **k)\n"
+        "T.loss_sum = _slow\n"
+        "try:\n"
+        "    result = nbtrain.finetune(nbtrain.SFTConfig(**cfg))\n"
+        "finally:\n"
+        "    T.loss_sum = _orig\n"
+    )
+    pid = cluster.ranks[1].pid
+
+    def preempt_after_step_3():
+        deadline = time.monotonic() + 120
+        metrics = out / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGUSR1)
+
+    threading.Thread(target=preempt_after_step_3, daemon=True).start()
+    with pytest.raises(DistributedCellError) as info:
+        cluster.execute("import nbtrain\n" + slow, live=False)
+    msg = str(info.value)
+    found = re.search(
+        r"preempted at step (\d+)/8 on rank 1 \((.+?), SIGUSR1\); checkpoint at (\S+);", msg
+    )
+    assert found, msg
+    step = int(found.group(1))
+    assert 3 <= step < STEPS
+    assert Path(found.group(3)) == out / f"checkpoint-{step}"
+    assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{step}"]
+    assert _steps(out) == list(range(1, step + 1))
+    # the hint is code: it runs with this run's config
+    hint = re.search(r"resume with (nbtrain\.finetune\(.+?\)\)) where cfg", msg).group(1)
+    compile(hint, "<hint>", "eval")
+    assert (
+        dataclasses.replace(nbtrain.SFTConfig(**_cfg(model, out)), resume="latest").resume
+        == "latest"
+    )
+    # the engines caught the signal and live on: the handler they had is back after the run
+    assert {r["state"] for r in cluster.status()} == {"idle"}
+    cluster.restart()
+    result = _resume(cluster, model, out)
+    assert result.global_step == STEPS
+    assert _steps(out) == list(range(1, STEPS + 1))
+    _assert_same_adapter(out, ref)

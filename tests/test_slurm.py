@@ -483,3 +483,78 @@ def test_the_docs_slurm_recipe_runs(ip, slurm_bed, tiny, tmp_path, capsys):
     finally:
         if core.current_cluster() is not None:
             core.current_cluster().stop()
+
+
+@pytest.mark.slurm
+def test_preempted_job_checkpoints_and_resumes_to_the_uninterrupted_adapter(
+    ip, slurm_bed, tiny, tmp_path, capsys
+):
+    """`scancel --signal=USR1` (what `--signal=USR1@90` sends before a preemption) while finetune runs
+    in a Slurm job: every rank ends its step, one checkpoint is written, the cell fails with one
+    message; in a new job, resume='latest' ends with the uninterrupted run's adapter."""
+    from safetensors.torch import load_file
+
+    from nbtrain.data import instructions_path
+    from nbtrain.errors import DistributedCellError
+
+    ip.run_line_magic(
+        "nbtrain", "start --launcher slurm --nodes 1 --engines-per-node 2 --time 10 --timeout 90"
+    )
+    job_id = re.search(r"slurm job (\d+) running on", capsys.readouterr().out).group(1)
+    cluster = core.require_cluster()
+
+    def cfg(out, **kw):
+        base = dict(
+            model=str(tiny), data=instructions_path(), output_dir=str(out), max_steps=8,
+            per_device_train_batch_size=2, learning_rate=5e-3, logging_steps=1, save_steps=None,
+            max_length=64, lora_dropout=0.0, seed=7,
+        )  # fmt: skip
+        return base | kw
+
+    run = "import nbtrain\nresult = nbtrain.finetune(nbtrain.SFTConfig(**cfg))"
+    slow = (
+        "import time, nbtrain.sft.step as T\n_orig = T.loss_sum\n"
+        "def _slow(*a, **k):\n    time.sleep(0.3)\n    return _orig(*a, **k)\n"
+        "T.loss_sum = _slow\ntry:\n    " + run.replace("\n", "\n    ") + "\nfinally:\n"
+        "    T.loss_sum = _orig\n"
+    )
+    try:
+        cluster.push({"cfg": cfg(tmp_path / "ref")})
+        cluster.execute(run, live=False)
+        ref = load_file(str(tmp_path / "ref" / "adapter" / "adapter_model.safetensors"))
+        out = tmp_path / "preempted"
+        cluster.push({"cfg": cfg(out)})
+
+        def preempt():
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                m = out / "metrics.jsonl"
+                if m.is_file() and len(m.read_text().splitlines()) >= 3:
+                    break
+                time.sleep(0.05)
+            subprocess.run(["scancel", "--signal=USR1", job_id], check=True, timeout=30)
+
+        threading.Thread(target=preempt, daemon=True).start()
+        with pytest.raises(DistributedCellError) as info:
+            cluster.execute(slow, live=False)
+        found = re.search(
+            r"preempted at step (\d+)/8 on rank \d .*SIGUSR1\); checkpoint at", str(info.value)
+        )
+        assert found, str(info.value)
+        step = int(found.group(1))
+        assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{step}"]
+        # the job would be killed after the grace period: the resume runs in a new job
+        ip.run_line_magic("nbtrain", "stop")
+        ip.run_line_magic(
+            "nbtrain", "start --launcher slurm --nodes 1 --engines-per-node 2 --time 10 --timeout 90"
+        )
+        cluster = core.require_cluster()
+        cluster.push({"cfg": cfg(out, resume="latest")})
+        cluster.execute(run, live=False)
+        got = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+        for key in ref:
+            torch_close = (got[key] - ref[key]).abs().max().item()
+            assert torch_close < 1e-5, key
+    finally:
+        if core.current_cluster() is not None:
+            core.current_cluster().stop()

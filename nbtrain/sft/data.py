@@ -28,7 +28,7 @@ from nbtrain.sft.rows import (
     load_rows,
     row_format,
 )
-from nbtrain.sft.tokens import TokenStore
+from nbtrain.sft.store import TokenStore
 
 __all__ = [
     "FORMATS",

@@ -9,6 +9,9 @@ In [2]: result.history.plot(x="step", y="loss")
 The loop follows nanoGPT's train.py and torchtune's distributed LoRA recipe: one global batch per
 optimizer step, gradients summed across ranks by DDP, the loss normalised by the number of target tokens
 in the whole global batch, so N ranks with batch B train exactly like 1 rank with batch N*B.
+
+This module is longer than ~500 lines while `finetune` is one function: issue 27 makes it a recipe
+(set-up, train, save), each phase in a module of its own.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from nbtrain.sft.batch import BatchPlan, split_global
 from nbtrain.sft.build import build_model
 from nbtrain.sft.config import SFTConfig
 from nbtrain.sft.dist import Dist
+from nbtrain.sft.preempt import Preempted, Preemption
+from nbtrain.sft.preempt import message as preempt_message
 from nbtrain.sft.report import Meter, RunLog, flops_per_token, peak_flops, read_history
 from nbtrain.sft.span import drop_taken, run_span
 
@@ -388,6 +393,9 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
         if runlog is not None:
             runlog.row(row)
 
+    # SIGTERM/SIGUSR1 (a preemption) is only recorded: the step's collective below tells every rank
+    preemption = Preemption().__enter__()
+    preempted: tuple[int, int] | None = None  # (the rank that got the signal, the signal)
     try:
         model.train()
         grad_norm = None
@@ -395,15 +403,19 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
         while step < total_steps:
             # one small collective per step: target tokens and lengths per micro-batch, and the stop flag
             micro = [micro_batch(step, a) for a in range(GA)]
-            stats = torch.zeros((d.world, 2 * GA + 2), dtype=torch.float64)
+            stats = torch.zeros((d.world, 2 * GA + 3), dtype=torch.float64)
             for a, exs in enumerate(micro):
                 stats[d.rank, a] = sum(e.n_targets for e in exs)
                 stats[d.rank, GA + a] = max((len(e.input_ids) for e in exs), default=1)
             stats[d.rank, 2 * GA] = sum(len(e.input_ids) for exs in micro for e in exs)
             if runlog is not None:
                 stats[0, 2 * GA + 1] = float(runlog.stop_requested())
+            stats[d.rank, 2 * GA + 2] = float(preemption.signum)
             stats = d.sum_meta(stats)
-            if stats[0, 2 * GA + 1] > 0:
+            signalled = [r for r in range(d.world) if stats[r, 2 * GA + 2] > 0]
+            if signalled:
+                preempted = (signalled[0], int(stats[signalled[0], 2 * GA + 2]))
+            if stats[0, 2 * GA + 1] > 0 or preempted:
                 stopped = True
                 break
             n_targets = max(float(stats[:, :GA].sum()), 1.0)
@@ -451,6 +463,12 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
                 log(meter.row(step, grad_norm, scheduler.get_last_lr()[0], None))
             if last_saved != step:
                 save(step)
+            if preempted:
+                hosts = d.gather_objects(d.host)
+                final_state = "preempted"
+                r, signum = preempted
+                where = str(out / f"checkpoint-{step}")
+                raise Preempted(preempt_message(step, total_steps, r, hosts[r], signum, where))
             if d.is_zero:
                 print(f"nbtrain: stopped at step {step}/{total_steps} on request; checkpoint saved")
 
@@ -465,6 +483,7 @@ def finetune(cfg: SFTConfig, merge: bool = False, group: Any = None) -> TrainRes
         d.barrier()
         final_state = "stopped" if stopped else "done"
     finally:
+        preemption.__exit__()
         live.end()
         if runlog is not None:
             runlog.finish(final_state)
