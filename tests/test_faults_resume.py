@@ -26,6 +26,19 @@ pytestmark = pytest.mark.timeout(300)
 
 STEPS = 8
 RUN = "import nbtrain\nresult = nbtrain.finetune(nbtrain.SFTConfig(**cfg))"
+# RUN with every micro-batch 0.3 s slower, so a test can act between two steps
+SLOW_RUN = (
+    "import time, nbtrain.sft.step as T\n"
+    "_orig = T.loss_sum\n"
+    "def _slow(*a, **k):\n"
+    "    time.sleep(0.3)\n"
+    "    return _orig(*a, **k)\n"
+    "T.loss_sum = _slow\n"
+    "try:\n"
+    "    result = nbtrain.finetune(nbtrain.SFTConfig(**cfg))\n"
+    "finally:\n"
+    "    T.loss_sum = _orig\n"
+)
 
 
 def _cfg(model, out, **kw):
@@ -109,18 +122,7 @@ def test_interrupt_mid_finetune_stops_every_rank_then_resumes(setup):
     cluster, model, tmp, ref = setup
     out = tmp / "interrupted"
     cluster.push({"cfg": _cfg(model, out)})
-    slow = (
-        "import time, nbtrain.sft.step as T\n"
-        "_orig = T.loss_sum\n"
-        "def _slow(*a, **k):\n"
-        "    time.sleep(0.3)\n"
-        "    return _orig(*a, **k)\n"
-        "T.loss_sum = _slow\n"
-        "try:\n"
-        "    result = nbtrain.finetune(nbtrain.SFTConfig(**cfg))\n"
-        "finally:\n"
-        "    T.loss_sum = _orig\n"
-    )
+    slow = SLOW_RUN
     sent = {}
 
     def interrupt_after_checkpoint():
@@ -194,18 +196,7 @@ def test_preemption_signal_checkpoints_then_resume_equals_uninterrupted(setup):
     out = tmp / "preempted"
     # no periodic checkpoint: the one the signal asks for is all there is to resume from
     cluster.push({"cfg": _cfg(model, out, save_steps=None)})
-    slow = (
-        "import time, nbtrain.sft.step as T\n"
-        "_orig = T.loss_sum\n"
-        "def _slow(*a, **k):\n"
-        "    time.sleep(0.3)\n"
-        "    return _orig(*a, **k)\n"
-        "T.loss_sum = _slow\n"
-        "try:\n"
-        "    result = nbtrain.finetune(nbtrain.SFTConfig(**cfg))\n"
-        "finally:\n"
-        "    T.loss_sum = _orig\n"
-    )
+    slow = SLOW_RUN
     pid = cluster.ranks[1].pid
 
     def preempt_after_step_3():

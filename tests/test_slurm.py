@@ -511,13 +511,9 @@ def test_preempted_job_checkpoints_and_resumes_to_the_uninterrupted_adapter(
         )  # fmt: skip
         return base | kw
 
-    run = "import nbtrain\nresult = nbtrain.finetune(nbtrain.SFTConfig(**cfg))"
-    slow = (
-        "import time, nbtrain.sft.step as T\n_orig = T.loss_sum\n"
-        "def _slow(*a, **k):\n    time.sleep(0.3)\n    return _orig(*a, **k)\n"
-        "T.loss_sum = _slow\ntry:\n    " + run.replace("\n", "\n    ") + "\nfinally:\n"
-        "    T.loss_sum = _orig\n"
-    )
+    from tests.test_faults_resume import RUN as run
+    from tests.test_faults_resume import SLOW_RUN as slow
+
     try:
         cluster.push({"cfg": cfg(tmp_path / "ref")})
         cluster.execute(run, live=False)
@@ -536,7 +532,7 @@ def test_preempted_job_checkpoints_and_resumes_to_the_uninterrupted_adapter(
 
         threading.Thread(target=preempt, daemon=True).start()
         with pytest.raises(DistributedCellError) as info:
-            cluster.execute(slow, live=False)
+            cluster.execute("import nbtrain\n" + slow, live=False)
         found = re.search(
             r"preempted at step (\d+)/8 on rank \d .*SIGUSR1\); checkpoint at", str(info.value)
         )
