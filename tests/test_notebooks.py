@@ -368,6 +368,7 @@ def test_real_data_notebook_runs(tmp_path, monkeypatch):
         return ANSI.sub("", _stdout(cell))
 
     first = shown("%%distributed\nimport os")
+    assert "nbtrain: data: checking and tokenizing" in first, first[-3000:]
     found = re.search(
         r"nbtrain: data: 25,000 rows, ([\d,]+) tokens in [\d.]+ s \([\d,]+ rows/s\), cached at "
         rf"({re.escape(str(cache))}/\w+), [\d.]+ MiB \(([\d.]+) bytes/token\)",
@@ -380,7 +381,7 @@ def test_real_data_notebook_runs(tmp_path, monkeypatch):
 
     again = shown("%%distributed\nsecond_run")
     assert f"25,000 rows, {n_tokens} tokens, from the cache at {folder} " in again, again
-    assert "nbtrain: data: tokenizing" not in again
+    assert "nbtrain: data: checking and tokenizing" not in again
     times = re.search(r"([\d.]+) s the first time .*, ([\d.]+) s from the cache", again)
     assert times and float(times[2]) < float(times[1]), again
 

@@ -273,7 +273,7 @@ def test_two_ranks_split_the_rows_and_write_one_cache(tmp_path, tiny, tok):
     (folder,) = _folders(tmp_path / "c")
     meta = json.loads((folder / "meta.json").read_text())
     assert [p["rows"] for p in meta["parts"]] == [r["tokenized"] for r in res]
-    assert "tokenizing data file" in res[0]["out"] and "cached at" in res[0]["out"]
+    assert "checking and tokenizing data file" in res[0]["out"] and "cached at" in res[0]["out"]
     # rank 0's progress counts the rows of both ranks (their counts meet in the group's store)
     counts = [
         int(line.split(": ")[2].split(" rows")[0].replace(",", ""))

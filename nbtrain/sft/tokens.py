@@ -271,10 +271,11 @@ def prepare(
     k, parts = site.index(d.rank), len(site)
     leader = site[0] == d.rank
     if d.is_zero:
-        shared = "every rank shares" if parts == d.world else f"{d.world // parts} file systems"
+        n_sites = len(set(sites))
+        shared = "one file system" if n_sites == 1 else f"{n_sites} file systems, a cache on each"
         print(
-            f"nbtrain: {source.name}: tokenizing {source.where} on {d.world} rank(s) "
-            f"({shared}), caching in {final}",
+            f"nbtrain: {source.name}: checking and tokenizing {source.where} on {d.world} rank(s) "
+            f"({shared}); the cache goes to {final}",
             flush=True,
         )
 
