@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/run_all.py            # the full set (~15 min on 2 cores)
     .venv/bin/python benchmarks/run_all.py --quick    # smoke run; writes into benchmarks/_work/ instead
+    .venv/bin/python benchmarks/run_all.py --data     # also bench_data.py (nbtrain vs TRL data set-up, 20+ min)
 
 Each benchmark runs in its own process (`bench_*.py --out FILE`), so one's engines and imports never
 share a process with the next.
@@ -21,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 BENCHES = ("startup", "cell", "finetune")
+# long benchmarks, run only when asked for by their flag
+LONG = ("data",)
 
 
 def _fmt(x: Any, unit: str = "") -> str:
@@ -208,6 +211,15 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_markdown(results: dict[str, Any], path: Path) -> None:
+    """RESULTS.md: the table above, and bench_data's section where the results hold it."""
+    path.write_text(render_markdown(results))
+    if "data" in results["benchmarks"]:
+        import bench_data
+
+        bench_data.render_results(results["benchmarks"]["data"], path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run of every benchmark")
@@ -221,6 +233,11 @@ def main() -> None:
         help="where results.json and RESULTS.md go (default: benchmarks/results/ and benchmarks/, or benchmarks/_work with --quick)",
     )
     ap.add_argument(
+        "--data",
+        action="store_true",
+        help="also run bench_data.py: nbtrain's data set-up against TRL at 10k-400k rows (long: 20+ min)",
+    )
+    ap.add_argument(
         "--render",
         action="store_true",
         help="only rewrite RESULTS.md from the existing results.json",
@@ -232,7 +249,7 @@ def main() -> None:
     json_dir = C.RESULTS if out_dir == C.HERE else out_dir
     if args.render:
         results = json.loads((json_dir / "results.json").read_text())
-        (out_dir / "RESULTS.md").write_text(render_markdown(results))
+        write_markdown(results, out_dir / "RESULTS.md")
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     json_dir.mkdir(parents=True, exist_ok=True)
@@ -244,13 +261,17 @@ def main() -> None:
         "benchmarks": {},
     }
     previous = json_dir / "results.json"
-    if set(args.only) != set(BENCHES) and previous.is_file():
-        # a partial re-run keeps the other benchmarks' last results (each carries its own date and load)
+    if previous.is_file():
+        # a partial re-run keeps the other benchmarks' last results (each carries its own date and
+        # load), and a run without --data keeps the last bench_data results
         old = json.loads(previous.read_text())
         if old.get("quick") == args.quick:
-            results["benchmarks"].update(old.get("benchmarks", {}))
+            kept = old.get("benchmarks", {})
+            if set(args.only) == set(BENCHES):
+                kept = {k: v for k, v in kept.items() if k in LONG}
+            results["benchmarks"].update(kept)
     failed = []
-    for name in args.only:
+    for name in [*args.only, *(["data"] if args.data else [])]:
         part = C.WORK / f"{name}{'-quick' if args.quick else ''}.json"
         cmd = [C.python(), str(C.HERE / f"bench_{name}.py"), "--out", str(part)]
         if args.quick:
@@ -265,7 +286,7 @@ def main() -> None:
         results["benchmarks"][name] = json.loads(part.read_text())
     results["loadavg_end"] = C.loadavg()
     (json_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    (out_dir / "RESULTS.md").write_text(render_markdown(results))
+    write_markdown(results, out_dir / "RESULTS.md")
     print(f"wrote {json_dir / 'results.json'} and {out_dir / 'RESULTS.md'}", file=sys.stderr)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
