@@ -542,7 +542,8 @@ def test_preempted_job_checkpoints_and_resumes_to_the_uninterrupted_adapter(
         # the job would be killed after the grace period: the resume runs in a new job
         ip.run_line_magic("nbtrain", "stop")
         ip.run_line_magic(
-            "nbtrain", "start --launcher slurm --nodes 1 --engines-per-node 2 --time 10 --timeout 90"
+            "nbtrain",
+            "start --launcher slurm --nodes 1 --engines-per-node 2 --time 10 --timeout 90",
         )
         cluster = core.require_cluster()
         cluster.push({"cfg": cfg(out, resume="latest")})
