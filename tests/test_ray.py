@@ -1,28 +1,33 @@
 """`%nbtrain start --launcher ray`: settings and placement logic (always), and real engines as actors
 of a real Ray (the `ray` package; these skip, saying so, where it is not installed).
 
-One Ray head per module (`ray start --head` with 4 CPUs and 4 declared GPUs, so `--address auto`
-joins it), shared by the tests; `--address local` starts and stops its own. Ray's processes share
-this machine's two cores: the module starts Ray twice in all.
+One Ray head per module (`ray start --head` with 4 CPUs and 4 declared GPUs, its own temp dir and
+ports; `--address auto` joins it through RAY_ADDRESS), shared by the tests, and stopped by its own
+processes, never `ray stop`; `--address local` starts and stops its own. Each failure point (an
+unreachable ray://, a GCS that does not answer, a raylet killed during a start, a group that cannot
+be placed) is checked to leave no process and no Ray state, and to let the next start work.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
-import sys
+import tempfile
+import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 import nbtrain
+from nbtrain.cluster import procs
 from nbtrain.cluster.launch.ray import RayNode, bundles, explain_pending, rank_order
 from nbtrain.cluster.options import LaunchOptions
 from nbtrain.cluster.plan import Slot, plan_devices
 from nbtrain.errors import ClusterError, ConfigError, RankDiedError
+from tests import ray_testing as rt
 
 try:
     import ray  # noqa: F401
@@ -32,7 +37,6 @@ except ImportError:
     HAVE_RAY = False
 
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason='no ray here (pip install "ray[default]")')
-RAY_BIN = Path(sys.executable).with_name("ray")
 
 
 # -- settings and placement logic (no Ray needed) ---------------------------------------------
@@ -102,89 +106,206 @@ def test_a_rank_pinned_to_its_gpu_uses_cuda0():
 
 
 # -- a real Ray ---------------------------------------------------------------------------------
+# Each test Ray has its own temp dir and ports and is stopped by its own processes: a user's own
+# Ray on this machine (and other test runs beside this one) must survive the module.
 
 
-def _ray_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # the declared GPUs are not real: engines must report none, so ranks train on CPU with gloo
-    env["NBTRAIN_TEST_GPU_COUNT"] = "0"
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
-    repo = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
-    return env
+def _ours_here(prefix: str) -> list[int]:
+    """Processes of the private Rays this test process started (their temp dirs start `prefix`)."""
+    return [p for p in procs.using(prefix) if procs.alive(p)]
 
 
-def _ray_procs() -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["name", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "gcs_server" in cmd or "raylet" in (p.info["name"] or ""):
-            out.append(p)
-    return out
+def _private_prefix() -> str:
+    return os.path.join(tempfile.gettempdir(), f"nbtrain-ray-{os.getpid()}-")
+
+
+def _children() -> set[int]:
+    return set(procs.descendants([os.getpid()]))
+
+
+def _assert_clean(children_before: set[int], timeout: float = 20.0) -> None:
+    """Nothing of a failed start is left: no private Ray process, no new child, Ray disconnected."""
+    import ray as ray_mod
+
+    assert not ray_mod.is_initialized(), "a failed start left this process connected to Ray"
+    deadline = time.monotonic() + timeout
+    while True:
+        left = _ours_here(_private_prefix())
+        new = [p for p in _children() - children_before if procs.alive(p)]
+        if not left and not new:
+            return
+        if time.monotonic() > deadline:
+            names = {p: " ".join(psutil.Process(p).cmdline())[:120] for p in left + new}
+            raise AssertionError(f"a failed start left processes: {names}")
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
 def head():
-    """A Ray head on this machine (`--address auto` joins it): 4 CPUs and 4 declared GPUs."""
+    """A Ray head of this module's own (own temp dir and ports; `--address auto` joins it through
+    RAY_ADDRESS): 4 CPUs and 4 declared GPUs. Stopped by its own processes."""
     if not HAVE_RAY:
         pytest.skip('no ray here (pip install "ray[default]")')
-    before = {p.pid for p in _ray_procs()}
-    ray_bin = str(RAY_BIN) if RAY_BIN.exists() else shutil.which("ray") or "ray"
-    cmd = [
-        ray_bin,
-        "start",
-        "--head",
-        "--num-cpus",
-        "4",
-        "--num-gpus",
-        "4",
-        "--disable-usage-stats",
-    ]
-    subprocess.run(cmd, env=_ray_env(), check=True, capture_output=True, timeout=120)
+    temp = rt.temp_dir("head")
+    gcs, dashboard, client, agent = rt.free_ports(4)
+    ports = {"gcs": gcs, "dashboard": dashboard, "client": client, "agent": agent}
+    old = os.environ.get("RAY_ADDRESS")
     try:
-        yield {p.pid for p in _ray_procs()} - before
+        subprocess.run(
+            rt.head_argv(temp, ports, cpus=4, gpus=4),
+            env=rt.ray_env(),
+            check=True,
+            capture_output=True,
+            timeout=180,
+        )
+        os.environ["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"
+        yield {
+            "temp": temp,
+            "dashboard": f"http://127.0.0.1:{dashboard}",
+            "pids": {p.pid for p in rt.own_processes(temp)},
+        }
     finally:
         import ray as ray_mod
 
         if ray_mod.is_initialized():
             ray_mod.shutdown()
-        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120, check=False)
+        if old is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = old
+        left = rt.stop_own(temp)
+        shutil.rmtree(temp, ignore_errors=True)
+        assert not left, f"the module's Ray head left processes: {left}"
 
 
-def _state(address: str = "http://127.0.0.1:8265") -> tuple[list, list]:
+def _state(dashboard: str) -> tuple[list, list]:
     """Our actors still alive and our placement groups not removed, as Ray's state API shows."""
     from ray.util.state import list_actors, list_placement_groups
 
     alive = list_actors(
-        address=address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
+        address=dashboard, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
     )
     actors = [a for a in alive if (a.name or "").startswith("nbtrain-")]
     groups = [
         g
-        for g in list_placement_groups(address=address, raise_on_missing_output=False)
+        for g in list_placement_groups(address=dashboard, raise_on_missing_output=False)
         if (g.name or "").startswith("nbtrain-") and g.state != "REMOVED"
     ]
     return actors, groups
 
 
 @needs_ray
-def test_local_starts_a_private_ray_and_stops_it():
-    before = {p.pid for p in _ray_procs()}
-    c = nbtrain.start(launcher="ray", address="local", n=2, force=True, timeout=120)
+def test_an_unreachable_ray_client_fails_fast_then_local_starts_and_stops_its_own_ray():
+    children = _children()
+    port = rt.free_ports(1)[0]
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError) as info:
+        nbtrain.start(
+            launcher="ray", address=f"ray://127.0.0.1:{port}", n=1, force=True, timeout=10
+        )
+    took = time.monotonic() - t0
+    text = str(info.value)
+    assert f"no Ray Client server answers at --address ray://127.0.0.1:{port}" in text, text
+    assert "Ray Client port" in text
+    assert took < 10 + 5, f"took {took:.0f} s for --timeout 10"
+    _assert_clean(children)
+
+    # the same process, a private Ray: it starts (the failed ray:// left nothing in the way)
+    c = nbtrain.start(launcher="ray", address="local", n=2, force=True, timeout=180)
     try:
         assert c.world_size == 2
         assert [r.local_rank for r in c.ranks] == [0, 1]
         assert c.run(lambda: __import__("torch").distributed.get_world_size()) == [2, 2]
         engines = [r.pid for r in c.ranks]
-        started = {p.pid for p in _ray_procs()} - before
+        started = _ours_here(_private_prefix())
         assert started, "address=local started no Ray of its own"
     finally:
         c.stop()
     gone, alive = psutil.wait_procs(
         [psutil.Process(p) for p in started if psutil.pid_exists(p)], timeout=20
     )
-    assert not alive, f"Ray processes left by --address local: {[p.pid for p in alive]}"
-    assert not any(psutil.pid_exists(p) for p in engines)
+    assert not [p for p in alive if procs.running(p)], (
+        f"Ray processes left by --address local: {[p.pid for p in alive]}"
+    )
+    assert not any(procs.alive(p) for p in engines)
+
+
+@needs_ray
+def test_a_raylet_killed_during_a_local_start_leaves_nothing():
+    children = _children()
+    prefix = _private_prefix()
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_the_raylet() -> None:
+        while not stop.is_set():
+            for p in psutil.process_iter(["name", "cmdline"]):
+                cmd = " ".join(p.info["cmdline"] or [])
+                if p.info["name"] == "raylet" and prefix in cmd:
+                    try:
+                        p.kill()
+                        killed.append(p.pid)
+                        return
+                    except psutil.Error:
+                        continue
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_raylet, daemon=True)
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ClusterError) as info:
+            nbtrain.start(launcher="ray", address="local", n=1, force=True, timeout=30)
+    finally:
+        stop.set()
+        killer.join(5)
+    assert killed, "the test never saw the private raylet"
+    took = time.monotonic() - t0
+    assert took < 30 + 15, f"took {took:.0f} s for --timeout 30"
+    print(f"\n[raylet killed] {took:.1f} s: {info.value}")
+    _assert_clean(children)
+
+
+@needs_ray
+def test_a_gcs_address_that_does_not_answer_fails_within_timeout(head):
+    children = _children()
+    # a port that takes connections and never answers (on every address: Ray swaps 127.0.0.1
+    # for this machine's own address)
+    mute = socket.socket()
+    mute.bind(("0.0.0.0", 0))
+    mute.listen(16)
+    port = mute.getsockname()[1]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError) as info:
+            nbtrain.start(launcher="ray", address=f"127.0.0.1:{port}", n=1, force=True, timeout=10)
+        took = time.monotonic() - t0
+    finally:
+        mute.close()
+    text = str(info.value)
+    assert f"no Ray head (GCS) answers at --address 127.0.0.1:{port}" in text, text
+    assert "GCS port (6379" in text
+    assert took < 10 + 8, f"took {took:.0f} s for --timeout 10"
+    _assert_clean(children)
+    # a following start works
+    c = nbtrain.start(launcher="ray", address="auto", n=1, force=True, timeout=120)
+    try:
+        assert c.run(lambda: 1) == [1]
+    finally:
+        c.stop()
+
+
+@needs_ray
+def test_a_host_that_does_not_resolve_fails_at_once_naming_it():
+    children = _children()
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match="nosuchhost.invalid") as info:
+        nbtrain.start(
+            launcher="ray", address="nosuchhost.invalid:6379", n=1, force=True, timeout=10
+        )
+    assert time.monotonic() - t0 < 10 + 5
+    assert "GCS port" in str(info.value)
+    _assert_clean(children)
 
 
 @needs_ray
@@ -206,16 +327,16 @@ def test_auto_joins_the_running_cluster_with_4_ranks(head):
             return float(t.item())
 
         assert c.run(total) == [10.0] * 4
-        actors, groups = _state()
+        actors, groups = _state(head["dashboard"])
         assert len(actors) == 4 and len(groups) == 1
     finally:
         c.stop()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and (
-        any(_state()) or any(psutil.pid_exists(p) for p in engines)
+        any(_state(head["dashboard"])) or any(psutil.pid_exists(p) for p in engines)
     ):
         time.sleep(0.5)
-    assert _state() == ([], []), "stop left actors or a placement group in Ray"
+    assert _state(head["dashboard"]) == ([], []), "stop left actors or a placement group in Ray"
     assert not [p for p in engines if psutil.pid_exists(p)], "stop left engine processes"
 
 
@@ -231,7 +352,7 @@ def test_each_rank_sees_the_gpu_ray_gave_it_and_a_dead_actor_is_a_dead_rank(head
         # the declared GPUs are fake (engines report none): gloo on CPU
         assert c.backend == "gloo"
         # kill rank 1's actor: its engine goes with it, and the next cell says which rank died
-        actor = ray_mod.get_actor(f"{_group_name()}-rank1", namespace="nbtrain")
+        actor = ray_mod.get_actor(f"{_group_name(head['dashboard'])}-rank1", namespace="nbtrain")
         ray_mod.kill(actor)
         # (during the cell, or before it once the controller has noticed: the dead-engine messages)
         with pytest.raises((RankDiedError, ClusterError), match="rank 1"):
@@ -240,8 +361,8 @@ def test_each_rank_sees_the_gpu_ray_gave_it_and_a_dead_actor_is_a_dead_rank(head
         c.stop()
 
 
-def _group_name() -> str:
-    _, groups = _state()
+def _group_name(dashboard: str) -> str:
+    _, groups = _state(dashboard)
     names = [g.name for g in groups]
     assert len(names) == 1, names
     return names[0]
@@ -249,6 +370,7 @@ def _group_name() -> str:
 
 @needs_ray
 def test_an_unsatisfiable_group_fails_within_timeout_naming_what_is_missing(head):
+    children = _children()
     t0 = time.monotonic()
     with pytest.raises(ClusterError) as info:
         nbtrain.start(launcher="ray", address="auto", n=5, gpus_per_rank=1, force=True, timeout=8)
@@ -257,4 +379,11 @@ def test_an_unsatisfiable_group_fails_within_timeout_naming_what_is_missing(head
     assert "5 GPU wanted, the Ray cluster has 4 in all" in text
     assert "--gpus-per-rank" in text and "was removed" in text
     assert took < 8 + 20, f"took {took:.0f} s for --timeout 8"
-    assert _state() == ([], [])
+    assert _state(head["dashboard"]) == ([], [])
+    _assert_clean(children)
+    # a following start works
+    c = nbtrain.start(launcher="ray", address="auto", n=1, force=True, timeout=120)
+    try:
+        assert c.run(lambda: 1) == [1]
+    finally:
+        c.stop()

@@ -77,6 +77,26 @@ def descendants(pids: Sequence[int]) -> list[int]:
     return out
 
 
+def using(path: str) -> list[int]:
+    """Every process of this user here (not this one) whose command line names `path` or that has
+    a file under it open: a private Ray's processes all do (its temp dir), even the agents that
+    rename themselves and outlive their parent."""
+    import psutil
+
+    uid, me, out = os.getuid(), os.getpid(), []
+    for p in psutil.process_iter(["pid", "cmdline", "uids"]):
+        try:
+            if p.info["pid"] == me or (p.info["uids"] and p.info["uids"].real != uid):
+                continue
+            if path in " ".join(p.info["cmdline"] or []) or any(
+                f.path.startswith(path) for f in p.open_files()
+            ):
+                out.append(p.info["pid"])
+        except psutil.Error:
+            continue
+    return out
+
+
 def launcher_pids(ipp_cluster: Any) -> list[int]:
     """The controller's pid and every engine launcher's pid that ipyparallel started here."""
     pids = controller_pids(ipp_cluster)

@@ -21,10 +21,18 @@ address that routes to the Ray nodes, as for SSH.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
 import uuid
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,11 +147,16 @@ class RayLaunch(EngineLaunch):
         self.group_name = f"nbtrain-{uuid.uuid4().hex[:8]}"
         self.bundle_of_task: list[int] = []
         self.nodes: list[RayNode] = []
+        self.timeout = 120.0  # seconds to connect (the start's --timeout)
+        self.private = False  # `local`: a Ray of our own, under temp_dir, that we stop
+        self.temp_dir = ""
+        self.log_path = ""
 
     # -- connecting -----------------------------------------------------------------------------
 
     def connect(self) -> Any:
-        """Ray, connected to `--address` (already connected: as it is); a clear error if not."""
+        """Ray, connected to `--address` (already connected: as it is) within `self.timeout`
+        seconds; else one ClusterError fitting the address form, with nothing of ours left."""
         try:
             import ray
         except ImportError:
@@ -152,37 +165,115 @@ class RayLaunch(EngineLaunch):
         if ray.is_initialized():
             return ray
         address = str(self.lo.address)
+        timeout = float(self.timeout)
+        deadline = time.monotonic() + timeout
         kwargs: dict[str, Any] = {
             "namespace": NAMESPACE,
             "log_to_driver": False,
             "logging_level": logging.WARNING,
         }
         if address == "local":
-            # a private Ray for this machine: enough CPUs for the ranks asked for
+            # a private Ray for this machine: enough CPUs for the ranks asked for; its own temp
+            # dir, which every one of its processes names, so a failed start can find them all
             wanted, _, _ = bundles(self.lo)
             cpus = sum(b.get("CPU", 0.0) for b in wanted)
             kwargs["num_cpus"] = max(os.cpu_count() or 1, int(cpus + 0.999))
-        try:
-            ray.init(address=address, **kwargs)
-        except ConnectionError as e:
-            msg = (
-                f"no Ray cluster at --address {address}: {e}. Start one (ray start --head) or use "
-                "--address local for a private one on this machine."
-            )
-            raise ClusterError(msg) from None
-        except Exception as e:
-            msg = (
-                f"connecting to Ray at --address {address} failed: {type(e).__name__}: {e}. Check "
-                "that the head runs (ray status on it), that ray:// addresses name its Ray Client "
-                "port (10001 by default), and that this machine has the same Ray and Python "
-                "versions as the cluster."
-            )
-            raise ClusterError(msg) from None
+            kwargs["include_dashboard"] = False
+            self.private = True
+        else:
+            target = _resolve(address)
+            if target is None:
+                raise self._connect_failed(address, timeout, "no running Ray cluster was found")
+            why = _unreachable(target, max(0.5, min(10.0, deadline - time.monotonic())))
+            if why:
+                raise self._connect_failed(address, timeout, why, target)
+        # Ray's own retry lines and warnings go here, not to the notebook; a failure names it
+        self.temp_dir = tempfile.mkdtemp(prefix=f"nbtrain-ray-{os.getpid()}-")
+        self.log_path = os.path.join(self.temp_dir, "connect.log")
+        if self.private:
+            kwargs["_temp_dir"] = self.temp_dir
+        # set before ray.init: a failure inside it (a SystemExit included) must still be undone
         self.started_ray = True
+        try:
+            with _output_to(self.log_path):
+                ray.init(address=address, **kwargs)
+        except BaseException as e:
+            self._abandon()
+            cause = f"{type(e).__name__}: {e}".strip().rstrip(":")
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise self._connect_failed(address, timeout, cause) from None
+        if time.monotonic() > deadline + 1.0:
+            self._abandon()
+            raise self._connect_failed(address, timeout, "Ray took longer than --timeout")
         return ray
 
+    def _connect_failed(
+        self, address: str, timeout: float, cause: str, target: str | None = None
+    ) -> ClusterError:
+        """The one message for a connect that failed, worded for the address form."""
+        where = f" Ray's output: {self.log_path}." if os.path.exists(self.log_path) else ""
+        cause = cause.rstrip(".")
+        if address == "local":
+            logs = os.path.join(self.temp_dir, "session_latest", "logs")
+            msg = (
+                f"the private Ray of --address local did not start (--timeout {timeout:g} s): "
+                f"{cause}. Its logs: {logs}.{where} Nothing of it was left running. Start again "
+                "with a longer --timeout (this machine may be busy or short of memory), or use "
+                "--launcher local, which needs no Ray."
+            )
+        elif address == "auto":
+            found = f" (found at {target})" if target else ""
+            msg = (
+                f"no Ray cluster answers for --address auto{found} within --timeout {timeout:g} s: "
+                f"{cause}. Start one on this machine (ray start --head), set RAY_ADDRESS to the "
+                f"head's host:port, or use --address local for a private one.{where}"
+            )
+        elif address.startswith("ray://"):
+            port = address.rsplit(":", 1)[-1]
+            msg = (
+                f"no Ray Client server answers at --address {address} within --timeout "
+                f"{timeout:g} s: {cause}. Check that the head runs (ray status on it), that {port} "
+                "is its Ray Client port (10001 unless ray start --head was given "
+                "--ray-client-server-port), that this machine can reach it, and that Ray and "
+                f"Python here are the versions the cluster runs.{where}"
+            )
+        else:
+            port = address.rsplit(":", 1)[-1]
+            msg = (
+                f"no Ray head (GCS) answers at --address {address} within --timeout {timeout:g} "
+                f"s: {cause}. Check that the head runs (ray status on it), that {port} is its GCS "
+                "port (6379 unless ray start --head was given --port), and that this machine can "
+                f"reach it; from outside the cluster use ray://HEAD:10001 instead.{where}"
+            )
+        return ClusterError(msg)
+
+    def _abandon(self) -> None:
+        """After a failed start: disconnect, and end every process of a private Ray (SIGTERM,
+        then SIGKILL: two of its agents ignore SIGTERM), orphaned ones included."""
+        import ray
+
+        self.started_ray = False
+        try:
+            with _output_to(self.log_path):
+                ray.shutdown()
+        except BaseException as e:
+            log.debug("ray.shutdown after a failed start: %s", e)
+        self._end_private()
+
+    def _end_private(self) -> None:
+        if not (self.private and self.temp_dir):
+            return
+        self.private = False
+        pids = procs.using(self.temp_dir)
+        if pids:
+            procs.terminate(pids + procs.descendants(pids), grace=2.0)
+        left = procs.using(self.temp_dir)
+        if left:
+            procs.terminate(left, grace=0.0)
+
     def disconnect(self) -> None:
-        """Disconnect from Ray (stopping a `local` one) if this start connected."""
+        """Disconnect from Ray (stopping a `local` one, all its processes) if this start connected."""
         if self.started_ray:
             import ray
 
@@ -191,6 +282,7 @@ class RayLaunch(EngineLaunch):
                 ray.shutdown()
             except Exception as e:
                 log.debug("ray.shutdown: %s", e)
+        self._end_private()
 
     def _alive_nodes(self, ray: Any) -> list[RayNode]:
         out = []
@@ -301,6 +393,9 @@ class RayLaunch(EngineLaunch):
         self._remove_group()
         stop_here(ipp_cluster, procs.controller_pids(ipp_cluster))
         self.disconnect()
+        if remove_logs and self.temp_dir:
+            # a clean stop: the private Ray's logs go with it (a failed start keeps them)
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def _remove_group(self) -> None:
         if self.group is None:
@@ -317,11 +412,128 @@ class RayLaunch(EngineLaunch):
         return "%nbtrain start --force --launcher ray with the same settings"
 
 
+def _resolve(address: str) -> str | None:
+    """The host:port `address` names (`auto`: RAY_ADDRESS, else the last `ray start` here);
+    None when `auto` finds no cluster."""
+    if address.startswith("ray://"):
+        return address[len("ray://") :]
+    if address != "auto":
+        return address
+    try:
+        from ray._private.services import get_ray_address_from_environment
+
+        found = get_ray_address_from_environment("auto", None)
+    except Exception as e:
+        log.debug("finding the Ray cluster for auto: %s", e)
+        return None
+    return None if found in (None, "", "auto") else str(found)
+
+
+def _unreachable(target: str, seconds: float) -> str:
+    """Why nothing takes a TCP connection at `target` (host:port) within `seconds`; '' if one does."""
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    found: list[Any] = []
+
+    def lookup() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM))
+        except OSError as e:
+            found.append(e)
+
+    # a name lookup can hang on a dead resolver: bounded by a thread
+    t = threading.Thread(target=lookup, daemon=True)
+    t.start()
+    t.join(seconds)
+    if not found:
+        return f"the host name {host} did not resolve within {seconds:g} s"
+    if isinstance(found[0], OSError):
+        return f"the host name {host} does not resolve ({found[0]})"
+    try:
+        conn = socket.create_connection((host, int(port)), timeout=seconds)
+    except OSError as e:
+        return f"nothing takes a connection at {target} ({e.strerror or e})"
+    with conn:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return ""  # TLS first: the plain HTTP/2 greeting below would not be answered
+        # Ray's GCS and Ray Client server speak gRPC: an HTTP/2 server answers the client preface
+        # with its SETTINGS frame at once. Something that takes the connection and stays silent
+        # would keep ray.init waiting for minutes, whatever --timeout says.
+        try:
+            conn.sendall(_H2_PREFACE)
+            reply = conn.recv(9)
+        except OSError as e:
+            return f"{target} takes a connection but does not answer ({e.strerror or e})"
+        if len(reply) < 9 or reply[3] != 0x4:
+            said = reply[:40].decode("latin-1", "replace").strip() or "nothing"
+            return f"{target} takes a connection but does not answer as Ray (it said {said!r})"
+    return ""
+
+
+# the HTTP/2 client connection preface and an empty SETTINGS frame (RFC 9113, 3.4)
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+@contextlib.contextmanager
+def _output_to(path: str) -> Iterator[None]:
+    """Everything Ray prints while connecting (its C++ lines on fd 1 and 2, its logger, warnings)
+    goes to `path`, not to the notebook."""
+    if not path:
+        yield
+        return
+    import ray  # its logger's handlers exist once it is imported
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with open(path, "a", buffering=1) as f:
+        saved: list[int] = []
+        with contextlib.suppress(OSError):
+            saved = [os.dup(1), os.dup(2)]
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+        handlers = [
+            (h, h.stream)
+            for h in logging.getLogger(ray.__name__).handlers
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+        ]
+        for h, _ in handlers:
+            h.setStream(f)
+        try:
+            with (
+                warnings.catch_warnings(),
+                contextlib.redirect_stdout(f),
+                contextlib.redirect_stderr(f),
+            ):
+
+                def to_file(
+                    message: Any,
+                    category: Any,
+                    filename: str,
+                    lineno: int,
+                    file: Any = None,
+                    line: str | None = None,
+                ) -> None:
+                    f.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+                warnings.showwarning = to_file
+                yield
+        finally:
+            for h, stream in handlers:
+                h.setStream(stream)
+            if saved:
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                for fd in saved:
+                    os.close(fd)
+
+
 def check_nodes(address: str | None = None, timeout: float = 60.0) -> list[dict[str, Any]]:
     """Each alive node's facts (`%nbtrain check --address ...`): one Ray task per node, pinned to
     it, running `nbtrain.engine.facts.node_facts`, before any engine starts."""
     lo = LaunchOptions(launcher="ray", address=address)
     launch = RayLaunch(lo)
+    launch.timeout = timeout
     ray = launch.connect()
     try:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -351,7 +563,9 @@ def check_nodes(address: str | None = None, timeout: float = 60.0) -> list[dict[
 def start(options: StartOptions, lo: LaunchOptions | None, quiet: bool = True) -> Launched:
     """Start engines as Ray actors (see the module docstring) and form their process group."""
     assert lo is not None
-    return start_engines(RayLaunch(lo), options, quiet=quiet)
+    launch = RayLaunch(lo)
+    launch.timeout = float(options.timeout)
+    return start_engines(launch, options, quiet=quiet)
 
 
 __all__ = [
