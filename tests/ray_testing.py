@@ -78,6 +78,9 @@ def ray_env() -> dict[str, str]:
     # declared GPUs are not real: engines must report none, so ranks train on CPU with gloo
     env["NBTRAIN_TEST_GPU_COUNT"] = "0"
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # no token auth: a head would otherwise write ~/.ray/auth_token (the user's) and refuse
+    # drivers that loaded another token earlier in the same process
+    env["RAY_AUTH_MODE"] = "disabled"
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
     return env

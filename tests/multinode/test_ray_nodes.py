@@ -10,7 +10,8 @@ engines; every stop leaves no actor, no placement group and no engine process.
 from __future__ import annotations
 
 import os
-import sys
+import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -19,12 +20,14 @@ import pytest
 import torch
 
 import nbtrain
+from nbtrain.errors import ClusterError, RankDiedError
+from tests import ray_testing as rt
 
 from .testbed import Testbed
 
 pytest.importorskip("ray", reason='no ray here (pip install "ray[default]")')
 
-RAY = str(Path(sys.executable).with_name("ray"))
+RAY = rt.ray_bin()
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -45,6 +48,9 @@ def _env() -> list[str]:
 def ray_cluster(testbed: Testbed):
     n1, n2 = testbed.nodes[0], testbed.nodes[1]
     common = ["--num-cpus=2", "--num-gpus=2", "--disable-usage-stats"]
+    # each node's Ray has a temp dir of its own, and is stopped by its own processes (those that
+    # name it or hold a file in it): never `ray stop --force`, which ends every Ray on the machine
+    temps = {n1.name: rt.temp_dir("n1"), n2.name: rt.temp_dir("n2")}
     try:
         testbed.exec(
             n1,
@@ -53,6 +59,7 @@ def ray_cluster(testbed: Testbed):
                 RAY,
                 "start",
                 "--head",
+                f"--temp-dir={temps[n1.name]}",
                 f"--node-ip-address={n1.address}",
                 "--port=6379",
                 "--ray-client-server-port=10001",
@@ -68,6 +75,7 @@ def ray_cluster(testbed: Testbed):
                 RAY,
                 "start",
                 f"--address={n1.address}:6379",
+                f"--temp-dir={temps[n2.name]}",
                 f"--node-ip-address={n2.address}",
                 *common,
             ],
@@ -80,14 +88,17 @@ def ray_cluster(testbed: Testbed):
             "address": f"ray://{n1.address}:10001",
             "dashboard": dashboard,
             "hosts": [n1.name, n2.name],
+            "temps": temps,
         }
     finally:
         import ray
 
         if ray.is_initialized():
             ray.shutdown()
-        for node in (n2, n1):
-            testbed.exec(node, [RAY, "stop", "--force"], timeout=120, check=False)
+        left = {name: rt.stop_own(temp) for name, temp in temps.items()}
+        for temp in temps.values():
+            shutil.rmtree(temp, ignore_errors=True)
+        assert not any(left.values()), f"the test Rays left processes: {left}"
 
 
 def _wait_nodes(dashboard: str, count: int, timeout: float = 120) -> None:
@@ -225,3 +236,38 @@ def test_two_node_finetune_equals_local_engines(ray_cluster, tiny, tmp_path) -> 
     torch.testing.assert_close(a_ray, a_local)
     # the adapter moved (lora_B starts at zero), so equality means something
     assert max(v.abs().max().item() for k, v in a_ray.items() if "lora_B" in k) > 1e-3
+
+
+def test_a_lost_worker_node_is_named_within_15_s(ray_cluster) -> None:
+    """Node 2's raylet killed while a cell runs: the rank there is named dead, with its host."""
+    n2 = ray_cluster["hosts"][1]
+    spread = _start(ray_cluster, n=2, gpus_per_rank=1, placement="SPREAD")
+    try:
+        lost = next(r for r in spread.ranks if r.host == n2)
+        raylets = [
+            p
+            for p in psutil.process_iter(["name", "cmdline"])
+            if p.info["name"] == "raylet"
+            and ray_cluster["temps"][n2] in " ".join(p.info["cmdline"] or [])
+        ]
+        assert len(raylets) == 1, raylets
+        killed: list[float] = []
+
+        def kill_later() -> None:
+            time.sleep(3)
+            raylets[0].kill()
+            killed.append(time.monotonic())
+
+        threading.Thread(target=kill_later, daemon=True).start()
+        with pytest.raises((RankDiedError, ClusterError)) as info:
+            spread.execute(
+                "import time\nfor _ in range(900): time.sleep(0.1)", live=False, timeout=120
+            )
+        assert killed, "the cell ended before the raylet was killed"
+        took = time.monotonic() - killed[0]
+        text = str(info.value)
+        print(f"\n[lost node] named after {took:.1f} s: {text}")
+        assert f"rank {lost.rank} on {n2}" in text, text
+        assert took < 15, f"the lost node was named after {took:.1f} s"
+    finally:
+        spread.stop()

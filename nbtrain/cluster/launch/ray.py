@@ -38,10 +38,13 @@ from typing import Any
 
 from nbtrain import net
 from nbtrain.cluster import procs
+from nbtrain.cluster.group import reinit
 from nbtrain.cluster.launch.base import EngineLaunch, start_engines, stop_here
 from nbtrain.cluster.launch.ray_engines import RayEngineSet
 from nbtrain.cluster.options import PROFILE, LaunchOptions, StartOptions
-from nbtrain.cluster.session import Launched, close_client
+from nbtrain.cluster.session import Launched, Session, close_client
+from nbtrain.cluster.topology import describe_ranks
+from nbtrain.engine import setup
 from nbtrain.engine.setup import PINNED_ENV
 from nbtrain.errors import ClusterError, ConfigError
 
@@ -411,6 +414,45 @@ class RayLaunch(EngineLaunch):
     def restart_hint(self) -> str:
         return "%nbtrain start --force --launcher ray with the same settings"
 
+    def replace(self, session: Session, ranks: Sequence[int], timeout: float) -> None:
+        """`%nbtrain restart`: new actors (and engines) for `ranks` in their bundles, then the
+        process group re-created on every rank."""
+        deadline = time.monotonic() + timeout
+
+        def remaining() -> float:
+            return max(0.1, deadline - time.monotonic())
+
+        es = self._engine_set(session.ipp_cluster)
+        tasks = [es.task_of(session.ranks[r].pid) if es is not None else None for r in ranks]
+        if es is None or any(t is None for t in tasks):
+            msg = (
+                f"{describe_ranks(session.ranks, list(ranks))} cannot be replaced: nbtrain no "
+                f"longer knows their Ray actors. Restart the cluster: {self.restart_hint()}."
+            )
+            raise ClusterError(msg)
+        dead_ids = {session.ranks[r].engine_id for r in ranks}
+        # a wedged rank's engine ends with its old actor (it exits with its parent)
+        before = set(session.client.ids) - dead_ids
+        infos = es.replace([int(t) for t in tasks if t is not None], remaining())
+        while dead_ids & set(session.client.ids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        session.client.wait_for_engines(
+            len(before) + len(ranks), timeout=remaining(), interactive=False
+        )
+        new_ids = sorted(set(session.client.ids) - before)
+        hellos = (
+            session.client.direct_view(targets=new_ids)
+            .apply_async(setup.hello)
+            .get(timeout=remaining())
+        )
+        by_pid = {int(h["pid"]): (eid, h) for eid, h in zip(new_ids, hellos)}
+        for r, info in zip(ranks, infos):
+            eid, h = by_pid[int(info["pid"])]
+            rank = session.ranks[r]
+            rank.engine_id, rank.pid, rank.host = eid, int(h["pid"]), h["host"]
+            rank.log, rank.gpus = h.get("log"), int(h.get("gpus", 0))
+        reinit(session, timeout=remaining())
+
 
 def _resolve(address: str) -> str | None:
     """The host:port `address` names (`auto`: RAY_ADDRESS, else the last `ray start` here);
@@ -565,7 +607,9 @@ def start(options: StartOptions, lo: LaunchOptions | None, quiet: bool = True) -
     assert lo is not None
     launch = RayLaunch(lo)
     launch.timeout = float(options.timeout)
-    return start_engines(launch, options, quiet=quiet)
+    launched = start_engines(launch, options, quiet=quiet)
+    launched.replace = launch.replace
+    return launched
 
 
 __all__ = [

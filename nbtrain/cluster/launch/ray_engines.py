@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from typing import Any
 
 from ipyparallel.cluster.launcher import EngineLauncher
@@ -48,38 +49,81 @@ class RayEngineSet(EngineLauncher):
 
     def start(self, n: int) -> list[dict[str, Any]]:
         import ray
+
+        refs = [self._start_actor(task) for task in range(len(self.bundle_of_task))]
+        self.n = len(refs)
+        self.infos = list(ray.get(refs, timeout=self.start_timeout))
+        self.notify_start(self.infos)
+        return self.infos
+
+    def _start_actor(self, task: int) -> Any:
+        """Create task `task`'s actor in its bundle (the name carries the task) and start its
+        engine; the start's object ref (where it runs)."""
+        import ray
         from ray.util import get_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from nbtrain.engine.ray_host import EngineHost
 
         pg = get_placement_group(self.placement_group_name)
-        actor_class = ray.remote(EngineHost)
-        refs = []
-        for task, bundle in enumerate(self.bundle_of_task):
-            actor: Any = actor_class.options(  # type: ignore[attr-defined]
+        actor: Any = (
+            ray.remote(EngineHost)
+            .options(  # type: ignore[attr-defined]
                 name=self.actor_name(task),
                 namespace=self.namespace,
                 num_cpus=self.cpus_per_rank,
                 num_gpus=self.gpus_per_rank,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundle
+                    placement_group=pg, placement_group_bundle_index=self.bundle_of_task[task]
                 ),
-            ).remote()
+            )
+            .remote()
+        )
+        if task < len(self.actors):
+            self.actors[task] = actor
+        else:
             self.actors.append(actor)
-            env = {
-                **self.get_env(),
-                **self.engine_environment,
-                TASK_ENV: str(task),
-                EXIT_WITH_PARENT_ENV: "1",
-            }
-            log_name = f"ipengine-{self.cluster_id}-{task}.log"
-            refs.append(actor.start.remote(list(self.engine_args), env, log_name))
-        self.n = len(refs)
-        self.infos = list(ray.get(refs, timeout=self.start_timeout))
-        self.notify_start(self.infos)
-        return self.infos
+        env = {
+            **self.get_env(),
+            **self.engine_environment,
+            TASK_ENV: str(task),
+            EXIT_WITH_PARENT_ENV: "1",
+        }
+        log_name = f"ipengine-{self.cluster_id}-{task}.log"
+        return actor.start.remote(list(self.engine_args), env, log_name)
+
+    def task_of(self, engine_pid: int) -> int | None:
+        """The task whose actor started the engine with pid `engine_pid`."""
+        for task, info in enumerate(self.infos):
+            if int(info.get("pid", -1)) == engine_pid:
+                return task
+        return None
+
+    def replace(self, tasks: list[int], timeout: float) -> list[dict[str, Any]]:
+        """New actors (and engines) for `tasks`, in their bundles; the old actors killed first,
+        so their bundles are free. Where each new engine runs."""
+        import ray
+
+        for task in tasks:
+            try:
+                ray.kill(self.actors[task], no_restart=True)
+            except Exception as e:
+                log.debug("ray.kill of task %s: %s", task, e)
+        # a new actor takes the old one's name, which Ray frees once the old one is dead
+        deadline = time.monotonic() + min(timeout, 30.0)
+        for task in tasks:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(self.actor_name(task), namespace=self.namespace)
+                except ValueError:
+                    break
+                time.sleep(0.1)
+        refs = [self._start_actor(task) for task in tasks]
+        infos = list(ray.get(refs, timeout=timeout))
+        for task, info in zip(tasks, infos):
+            self.infos[task] = info
+        return infos
 
     def exited(self) -> list[tuple[int, dict[str, Any], int, str]]:
         """Engines that have already ended: (task, where it ran, exit code, its log's last lines)."""
