@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from nbtrain.engine import metrics as _metrics
 from nbtrain.version import __version__
 
 __all__ = [
@@ -87,6 +88,16 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+def _live_display() -> Any:
+    from nbtrain.live import LiveDisplay
+
+    return LiveDisplay()
+
+
+# nbtrain.log() in a plain kernel draws the live display; engine code only knows the sink it is given
+_metrics.set_local_sink(_live_display)
 
 
 def load_ipython_extension(ipython: Any) -> None:

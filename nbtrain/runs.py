@@ -22,6 +22,12 @@ from typing import Any
 
 STATES = ("running", "done", "failed", "stopped")
 
+# the files of a run folder (a finetune's output_dir) that more than one side reads
+#: the run's settings, the SFTConfig as a dict (written at the start and into every checkpoint)
+CONFIG_FILE = "sft_config.json"
+#: one JSON row per logged step, appended by rank 0
+METRICS_FILE = "metrics.jsonl"
+
 
 def nbtrain_home() -> Path:
     """This user's nbtrain folder: $NBTRAIN_HOME, else $XDG_DATA_HOME/nbtrain (~/.local/share/nbtrain)."""

@@ -54,6 +54,11 @@ def test_the_tree_keeps_every_contract() -> None:
         ("cluster/topology.py", "from nbtrain.cluster import facade", "cluster: the facade on top"),
         # an engine module importing the kernel side
         ("engine/rank.py", "from nbtrain.cluster import session", "code that runs on engines"),
+        # the fine-tuning loop (engine side too) importing the live display or the run comparison
+        ("sft/span.py", "from nbtrain import live", "code that runs on engines"),
+        ("sft/report.py", "from nbtrain.compare import data", "code that runs on engines"),
+        # the server reaching into the fine-tuning loop for a file name
+        ("server/metrics.py", "from nbtrain.sft import checkpoint", "the Jupyter server side"),
         # one launcher importing another
         (
             "cluster/launch/mpi.py",

@@ -4,7 +4,7 @@ In [1]: nbtrain.compare(["runs/lr-1e-3", "runs/lr-1e-2"], smooth=0.6)
 
 `nbtrain.compare` is this module, made callable: the data API (`load_run`, `config_diff`, `series`,
 `ema`, `series_csv`) lives in `nbtrain.compare.data` and is imported from here, while calling the module
-draws the comparison (`nbtrain.compare.view.compare`). Both have to answer to the same name, and
+draws the comparison (`nbtrain.compare.view.compare`; matplotlib loads only when it draws). Both have to answer to the same name, and
 importing a submodule rebinds the package's attribute to the module, so the module itself is the callable.
 """
 
@@ -30,13 +30,7 @@ from nbtrain.compare.data import (
     series,
     series_csv,
 )
-
-
-def compare(*args: Any, **kwargs: Any) -> Any:
-    """Draw runs side by side: see `nbtrain.compare.view.compare` (matplotlib loads only here)."""
-    from nbtrain.compare.view import compare as draw
-
-    return draw(*args, **kwargs)
+from nbtrain.compare.view import compare
 
 
 class _CallableModule(types.ModuleType):

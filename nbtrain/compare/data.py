@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import NotARunError
-from nbtrain.sft.checkpoint import CONFIG_FILE
+from nbtrain.runs import CONFIG_FILE, METRICS_FILE
 
-METRICS_FILE = "metrics.jsonl"
 ADAPTER_DIR = "adapter"
 #: the curves a comparison draws by default
 COMPARE_METRICS = ("loss", "eval_loss", "tokens_per_s", "learning_rate")

@@ -8,6 +8,9 @@ user's own loop may call `log` on every rank.
 Wire format (the client's `nbtrain.live.MetricsFeed` reads it): published keys are
 ``"nbtrain.metrics.<seq>"`` with a zero-padded sequence number, each value a dict with ``kind`` one of
 ``"begin"`` (``total_steps``, ``name``), ``"row"`` (``row``: the metrics dict) or ``"end"``.
+
+In a plain kernel the rows go to a sink the kernel side registered (`set_local_sink`: `import nbtrain`
+registers the live display), so this module, which runs on engines, never imports widget code.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from nbtrain.engine.rank import is_rank_zero
@@ -24,6 +28,15 @@ KEY_PREFIX = "nbtrain.metrics."
 _lock = threading.Lock()
 _seq = 0
 _local_display: Any = None
+#: makes the object a plain kernel's rows are fed to (`feed(payload)`); registered by the kernel side
+_local_sink: Callable[[], Any] | None = None
+
+
+def set_local_sink(factory: Callable[[], Any] | None) -> None:
+    """Register what draws rows in a plain kernel: `factory()` returns an object with `feed(payload)`
+    (payloads as in the wire format above), made at each run's `begin`. None: rows are not drawn."""
+    global _local_sink
+    _local_sink = factory
 
 
 def _on_engine() -> bool:
@@ -58,11 +71,9 @@ def _make_local_display() -> Any:
     except ImportError:
         return None
     ip = get_ipython()
-    if ip is None or getattr(ip, "kernel", None) is None:
+    if ip is None or getattr(ip, "kernel", None) is None or _local_sink is None:
         return None
-    from nbtrain.live import LiveDisplay
-
-    return LiveDisplay()
+    return _local_sink()
 
 
 def _clean(value: Any) -> Any:

@@ -148,15 +148,14 @@ class StopHandler(_Base):
 
 def _compared_run(record: dict[str, Any]) -> Any:
     """One registered run read for a comparison (nbtrain.compare.load_run), its files checked."""
-    from nbtrain.compare import load_run
+    from nbtrain.compare.data import load_run
     from nbtrain.errors import NotARunError
-    from nbtrain.sft.checkpoint import CONFIG_FILE
 
     if record.get("kind") == "scaling":
         msg = f"{record['name']!r} is a scaling report, not a training run: it has no curves"
         raise tornado.web.HTTPError(400, msg)
     try:
-        for name in (CONFIG_FILE, "metrics.jsonl"):
+        for name in (runs.CONFIG_FILE, runs.METRICS_FILE):
             folder_file(record["output_dir"], name)
     except RefusedPath as e:
         raise tornado.web.HTTPError(403, "a run file is outside its run folder") from e
@@ -171,7 +170,7 @@ class CompareHandler(_Base):
     async def get(self) -> None:
         """GET /nbtrain/api/compare?runs=<id>,<id>: each run's rows, last values and adapter, and the
         settings that differ between them."""
-        from nbtrain.compare import config_diff, labels
+        from nbtrain.compare.data import config_diff, labels
 
         ids = [i for i in self.get_query_argument("runs", "").split(",") if i]
         if not ids or len(ids) > MAX_COMPARED:

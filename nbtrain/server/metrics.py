@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
+from nbtrain.runs import METRICS_FILE
 
 
 class RefusedPath(Exception):

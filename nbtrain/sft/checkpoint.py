@@ -16,10 +16,12 @@ from typing import Any
 
 from nbtrain.errors import ConfigError
 
+# CONFIG_FILE: the run's settings, in each checkpoint and in output_dir itself (what a run comparison
+# reads); the names of a run folder's files are nbtrain.runs'
+from nbtrain.runs import CONFIG_FILE, METRICS_FILE
+
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
-#: the run's settings, in each checkpoint and in output_dir itself (what a run comparison reads)
-CONFIG_FILE = "sft_config.json"
 
 
 def _fsync_tree(path: Path) -> None:
@@ -373,5 +375,5 @@ def clear_output_dir(out: Path) -> None:
             or p.name.startswith(".tmp-")
         ):
             shutil.rmtree(p, ignore_errors=True)
-        elif p.name in ("metrics.jsonl", CONFIG_FILE):
+        elif p.name in (METRICS_FILE, CONFIG_FILE):
             p.unlink()

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nbtrain.runs import METRICS_FILE
 from nbtrain.sft.dist import Dist
 
 if TYPE_CHECKING:
@@ -85,10 +86,10 @@ class RunLog:
         self.total = total
         self.trackers = trackers  # report_to's TensorBoard and MLflow writers
         # a resumed run drops the rows logged after its checkpoint, which it is about to redo
-        tmp = out / ".metrics.jsonl.tmp"
+        tmp = out / f".{METRICS_FILE}.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
-        os.replace(tmp, out / "metrics.jsonl")
-        self.file = (out / "metrics.jsonl").open("a")
+        os.replace(tmp, out / METRICS_FILE)
+        self.file = (out / METRICS_FILE).open("a")
         self.run_id = register_run(
             out,
             name=name,
@@ -125,7 +126,7 @@ class RunLog:
 
 
 def read_history(out: Path, upto_step: int) -> list[dict[str, Any]]:
-    path = out / "metrics.jsonl"
+    path = out / METRICS_FILE
     rows = []
     if path.is_file():
         for line in path.read_text().splitlines():
