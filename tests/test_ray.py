@@ -110,6 +110,19 @@ def test_a_rank_pinned_to_its_gpu_uses_cuda0():
 # Ray on this machine (and other test runs beside this one) must survive the module.
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_token():
+    """Token auth off for this process's Rays as for the module's head: Ray caches the mode per
+    process, and a token-mode driver refuses the workers of a head without one."""
+    old = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    yield
+    if old is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = old
+
+
 def _ours_here(prefix: str) -> list[int]:
     """Processes of the private Rays this test process started (their temp dirs start `prefix`)."""
     return [p for p in procs.using(prefix) if procs.alive(p)]
