@@ -147,6 +147,28 @@ def test_what_changes_tokens_changes_the_cache(tmp_path, tok):
     assert len(_folders(root)) == 4
 
 
+def test_a_warm_start_reads_no_data_file_until_it_changes(tmp_path, tok, monkeypatch):
+    data = tmp_path / "d.jsonl"
+    data.write_text(DATA.read_text())
+    _prepare(str(data), tok, str(tmp_path / "c"))
+    reads = []
+    real = Source.fingerprint
+
+    def counted(self, memo=None):
+        if memo is None:
+            reads.append(self.path)
+        return real(self, memo)
+
+    monkeypatch.setattr(Source, "fingerprint", counted)
+    _prepare(str(data), tok, str(tmp_path / "c"))
+    assert reads == []  # the digest came from sources.json
+    with data.open("a") as f:
+        f.write(json.dumps({"text": "one more row"}) + "\n")
+    store = _prepare(str(data), tok, str(tmp_path / "c"))
+    assert reads == [data.resolve()] and len(store) == len(_rows()) + 1
+    assert len(_folders(tmp_path / "c")) == 2
+
+
 def test_an_incomplete_or_foreign_cache_is_never_read(tmp_path, tok, monkeypatch):
     root = tmp_path / "c"
     store = _prepare(str(DATA), tok, str(root))
@@ -317,4 +339,4 @@ def test_bad_rows_on_every_rank_are_reported_together_and_nothing_is_cached(tmp_
     assert "... and 7 more" in err  # the first 20 are shown
     assert len([x for x in err.splitlines() if " row " in x]) == 20
     assert not any((tmp_path / "c").glob("*/meta.json"))
-    assert not list((tmp_path / "c").glob("*"))  # the unfinished folder is gone too
+    assert not _folders(tmp_path / "c")  # the unfinished folder is gone too

@@ -240,8 +240,33 @@ class Source:
             yield Row(i - lo, rows[i])
 
     # ------------------------------------------------------------------------------------ identity
-    def fingerprint(self) -> str:
-        """A digest of the data's content (the file's bytes, or the rows themselves)."""
+    def fingerprint(self, memo: Path | None = None) -> str:
+        """A digest of the data's content (the file's bytes, or the rows themselves).
+
+        A file's digest is kept in the JSON file `memo` under its path, size, modification time and
+        inode: a warm start does not read a large file again while none of those changed."""
+        if self.path is not None and memo is not None:
+            st = self.path.stat()
+            key = f"{self.path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+            try:
+                known = json.loads(memo.read_text())
+            except (OSError, ValueError):
+                known = {}
+            if not isinstance(known, dict):
+                known = {}
+            if isinstance(known.get(key), str):
+                return known[key]
+            digest = self.fingerprint()
+            known = {k: v for k, v in known.items() if not k.startswith(f"{self.path}|")}
+            known[key] = digest
+            try:
+                memo.parent.mkdir(parents=True, exist_ok=True)
+                tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(known))
+                os.replace(tmp, memo)
+            except OSError:  # a read-only cache folder: the digest is made again next time
+                pass
+            return digest
         h = hashlib.blake2b(digest_size=16)
         if self.path is not None:
             h.update(self.suffix.encode())

@@ -38,6 +38,8 @@ from nbtrain.sft.store import FORMAT, META, PartWriter, TokenStore, open_cache, 
 
 ENV = "NBTRAIN_DATA_CACHE"
 OFF = ("off", "none", "false", "0")
+#: the data files' digests by path, size, modification time and inode (a warm start reads no file)
+SOURCES = "sources.json"
 #: rows tokenized per batch: the tokenizer's call and the file writes work on this many at once
 CHUNK = files.CHUNK
 #: bad rows named in the message that refuses the data
@@ -99,7 +101,12 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def fingerprint(source: Source, tokenizer: Any, template_kwargs: dict | None = None) -> str:
+def fingerprint(
+    source: Source,
+    tokenizer: Any,
+    template_kwargs: dict | None = None,
+    memo: Path | None = None,
+) -> str:
     """The cache's name: data content, tokenizer, template arguments, tokenization code, format and
     nbtrain version."""
     h = hashlib.blake2b(digest_size=12)
@@ -108,7 +115,7 @@ def fingerprint(source: Source, tokenizer: Any, template_kwargs: dict | None = N
         json.dumps(template_kwargs or {}, sort_keys=True, default=str),
         version(),
         _code_digest(),
-        source.fingerprint(),
+        source.fingerprint(memo),
         tokenizer_fingerprint(tokenizer),
     ):
         h.update(piece.encode())
@@ -234,7 +241,10 @@ def prepare(
     t0 = time.perf_counter()
     key, run = d.agree(
         lambda: (
-            (fingerprint(source, tokenizer, template_kwargs), uuid.uuid4().hex[:12])
+            (
+                fingerprint(source, tokenizer, template_kwargs, root and root / SOURCES),
+                uuid.uuid4().hex[:12],
+            )
             if d.is_zero
             else None
         )
