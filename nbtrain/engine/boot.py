@@ -7,6 +7,7 @@ group is ready that much sooner. The import lock makes a later `import torch` si
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -32,6 +33,13 @@ def _exit_with_parent(parent: int) -> None:
     while True:
         time.sleep(0.5)
         if os.getppid() != parent:
+            # the last line of the engine's log, which the death message shows: why it ended
+            with contextlib.suppress(OSError):
+                os.write(
+                    2,
+                    f"nbtrain: this engine's parent (pid {parent}) ended, so the engine exits; "
+                    "with --launcher ray its Ray actor was killed or its node's Ray stopped\n".encode(),
+                )
             os._exit(1)
 
 

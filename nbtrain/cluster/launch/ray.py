@@ -21,18 +21,13 @@ address that routes to the Ray nodes, as for SSH.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
-import socket
-import sys
 import tempfile
-import threading
 import time
 import uuid
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +35,7 @@ from nbtrain import net
 from nbtrain.cluster import procs
 from nbtrain.cluster.group import reinit
 from nbtrain.cluster.launch.base import EngineLaunch, start_engines, stop_here
+from nbtrain.cluster.launch.ray_address import output_to, resolve, unreachable
 from nbtrain.cluster.launch.ray_engines import RayEngineSet
 from nbtrain.cluster.options import PROFILE, LaunchOptions, StartOptions
 from nbtrain.cluster.session import Launched, Session, close_client
@@ -184,10 +180,10 @@ class RayLaunch(EngineLaunch):
             kwargs["include_dashboard"] = False
             self.private = True
         else:
-            target = _resolve(address)
+            target = resolve(address)
             if target is None:
                 raise self._connect_failed(address, timeout, "no running Ray cluster was found")
-            why = _unreachable(target, max(0.5, min(10.0, deadline - time.monotonic())))
+            why = unreachable(target, max(0.5, min(10.0, deadline - time.monotonic())))
             if why:
                 raise self._connect_failed(address, timeout, why, target)
         # Ray's own retry lines and warnings go here, not to the notebook; a failure names it
@@ -198,7 +194,7 @@ class RayLaunch(EngineLaunch):
         # set before ray.init: a failure inside it (a SystemExit included) must still be undone
         self.started_ray = True
         try:
-            with _output_to(self.log_path):
+            with output_to(self.log_path):
                 ray.init(address=address, **kwargs)
         except BaseException as e:
             self._abandon()
@@ -258,7 +254,7 @@ class RayLaunch(EngineLaunch):
 
         self.started_ray = False
         try:
-            with _output_to(self.log_path):
+            with output_to(self.log_path):
                 ray.shutdown()
         except BaseException as e:
             log.debug("ray.shutdown after a failed start: %s", e)
@@ -452,122 +448,6 @@ class RayLaunch(EngineLaunch):
             rank.engine_id, rank.pid, rank.host = eid, int(h["pid"]), h["host"]
             rank.log, rank.gpus = h.get("log"), int(h.get("gpus", 0))
         reinit(session, timeout=remaining())
-
-
-def _resolve(address: str) -> str | None:
-    """The host:port `address` names (`auto`: RAY_ADDRESS, else the last `ray start` here);
-    None when `auto` finds no cluster."""
-    if address.startswith("ray://"):
-        return address[len("ray://") :]
-    if address != "auto":
-        return address
-    try:
-        from ray._private.services import get_ray_address_from_environment
-
-        found = get_ray_address_from_environment("auto", None)
-    except Exception as e:
-        log.debug("finding the Ray cluster for auto: %s", e)
-        return None
-    return None if found in (None, "", "auto") else str(found)
-
-
-def _unreachable(target: str, seconds: float) -> str:
-    """Why nothing takes a TCP connection at `target` (host:port) within `seconds`; '' if one does."""
-    host, _, port = target.rpartition(":")
-    host = host.strip("[]")
-    found: list[Any] = []
-
-    def lookup() -> None:
-        try:
-            found.append(socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM))
-        except OSError as e:
-            found.append(e)
-
-    # a name lookup can hang on a dead resolver: bounded by a thread
-    t = threading.Thread(target=lookup, daemon=True)
-    t.start()
-    t.join(seconds)
-    if not found:
-        return f"the host name {host} did not resolve within {seconds:g} s"
-    if isinstance(found[0], OSError):
-        return f"the host name {host} does not resolve ({found[0]})"
-    try:
-        conn = socket.create_connection((host, int(port)), timeout=seconds)
-    except OSError as e:
-        return f"nothing takes a connection at {target} ({e.strerror or e})"
-    with conn:
-        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
-            return ""  # TLS first: the plain HTTP/2 greeting below would not be answered
-        # Ray's GCS and Ray Client server speak gRPC: an HTTP/2 server answers the client preface
-        # with its SETTINGS frame at once. Something that takes the connection and stays silent
-        # would keep ray.init waiting for minutes, whatever --timeout says.
-        try:
-            conn.sendall(_H2_PREFACE)
-            reply = conn.recv(9)
-        except OSError as e:
-            return f"{target} takes a connection but does not answer ({e.strerror or e})"
-        if len(reply) < 9 or reply[3] != 0x4:
-            said = reply[:40].decode("latin-1", "replace").strip() or "nothing"
-            return f"{target} takes a connection but does not answer as Ray (it said {said!r})"
-    return ""
-
-
-# the HTTP/2 client connection preface and an empty SETTINGS frame (RFC 9113, 3.4)
-_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-
-
-@contextlib.contextmanager
-def _output_to(path: str) -> Iterator[None]:
-    """Everything Ray prints while connecting (its C++ lines on fd 1 and 2, its logger, warnings)
-    goes to `path`, not to the notebook."""
-    if not path:
-        yield
-        return
-    import ray  # its logger's handlers exist once it is imported
-
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    with open(path, "a", buffering=1) as f:
-        saved: list[int] = []
-        with contextlib.suppress(OSError):
-            saved = [os.dup(1), os.dup(2)]
-            os.dup2(f.fileno(), 1)
-            os.dup2(f.fileno(), 2)
-        handlers = [
-            (h, h.stream)
-            for h in logging.getLogger(ray.__name__).handlers
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-        ]
-        for h, _ in handlers:
-            h.setStream(f)
-        try:
-            with (
-                warnings.catch_warnings(),
-                contextlib.redirect_stdout(f),
-                contextlib.redirect_stderr(f),
-            ):
-
-                def to_file(
-                    message: Any,
-                    category: Any,
-                    filename: str,
-                    lineno: int,
-                    file: Any = None,
-                    line: str | None = None,
-                ) -> None:
-                    f.write(warnings.formatwarning(message, category, filename, lineno, line))
-
-                warnings.showwarning = to_file
-                yield
-        finally:
-            for h, stream in handlers:
-                h.setStream(stream)
-            if saved:
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
-                for fd in saved:
-                    os.close(fd)
 
 
 def check_nodes(address: str | None = None, timeout: float = 60.0) -> list[dict[str, Any]]:
