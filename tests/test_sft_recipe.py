@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from nbtrain.errors import ConfigError
-from nbtrain.sft.config import SFTConfig
 from nbtrain.sft.hooks import Hooks
 from nbtrain.sft.recipe import SFTRecipe
 from nbtrain.sft.train import finetune
+from tests.test_sft_train import make_cfg
 
 DATA = str(Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl")
 
@@ -21,21 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _cfg(tiny, out, **kw):
-    base = dict(
-        model=tiny,
-        data=DATA,
-        output_dir=str(out),
-        max_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        max_length=48,
-        logging_steps=1,
-        save_steps=None,
-        lora_r=8,
-        lora_dropout=0.0,
-    )
-    base.update(kw)
-    return SFTConfig(**base)
+    # test_sft_train's tiny run, four steps long
+    return make_cfg(tiny, out, **{"max_steps": 4, **kw})
 
 
 def test_hooks_see_every_step_eval_row_and_checkpoint(tiny, tmp_path):
