@@ -384,7 +384,9 @@ def test_completion_ids_are_those_of_the_joint_tokenization():
     prefix = sp.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True)
     ex = encode_row(SP_ROWS[1], sp, 64)
     joint = sp(text, add_special_tokens=False, return_offsets_mapping=True)
-    end = text.index("<|im_end|>", len(prefix)) + len("<|im_end|>")  # the answer and its end-of-turn
+    end = text.index("<|im_end|>", len(prefix)) + len(
+        "<|im_end|>"
+    )  # the answer and its end-of-turn
     assert ex.input_ids == joint["input_ids"]
     want = [
         t
