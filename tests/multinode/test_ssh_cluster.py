@@ -268,7 +268,10 @@ def test_two_node_finetune_equals_local_engines(
     a_nodes = load_file(str(Path(remote[0]["adapter_dir"]) / "adapter_model.safetensors"))
     a_local = load_file(str(Path(local[0]["adapter_dir"]) / "adapter_model.safetensors"))
     assert a_nodes.keys() == a_local.keys()
-    torch.testing.assert_close(a_nodes, a_local)
+    # the losses agree to float32 rounding (the engines' BLAS threads and summation order differ by
+    # host), but Adam divides each update by sqrt(v): a near-zero gradient component can move by a
+    # sizeable fraction of lr, hence the atol (as in test_sft_distributed)
+    torch.testing.assert_close(a_nodes, a_local, atol=1e-4, rtol=1e-3)
     # the adapter moved (lora_B starts at zero), so equality means something
     assert max(v.abs().max().item() for k, v in a_nodes.items() if "lora_B" in k) > 1e-3
 

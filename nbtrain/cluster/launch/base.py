@@ -95,6 +95,10 @@ class EngineLaunch:
     def watch(self, ipp_cluster: Any, say: Any, force: bool = False) -> None:
         """Called about every second while engines register: raise when they never will."""
 
+    def registered(self, ipp_cluster: Any, say: Any) -> None:
+        """Every engine registered: a last word on where they run (a Slurm job that started between
+        two of `watch`'s polls says so here)."""
+
     def raise_missing(
         self, client: Any, ipp_cluster: Any, listen: net.ListenChoice, timeout: float
     ) -> None:
@@ -193,6 +197,7 @@ def start_engines(launch: EngineLaunch, options: StartOptions, quiet: bool = Tru
                 # own account of why (mpiexec's message, the job's output) is the one to show
                 launch.watch(ipp_cluster, say, force=True)
                 raise
+        launch.registered(ipp_cluster, say)
         step = "saying hello to the engines"
         ranks, engine_pids = hello(client, launch.host_order(), remaining)
         step = "running preflight on every engine"

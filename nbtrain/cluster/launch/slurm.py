@@ -326,6 +326,10 @@ class SlurmLaunch(EngineLaunch):
             else:
                 say(f"slurm job {job_id} {state.lower()} on {nodes}")
 
+    def registered(self, ipp_cluster: Any, say: Any) -> None:
+        # the engines can register within one poll of the job leaving the queue: say where it runs
+        self.watch(ipp_cluster, say, force=True)
+
     def raise_missing(
         self, client: Any, ipp_cluster: Any, listen: net.ListenChoice, timeout: float
     ) -> None:
