@@ -216,6 +216,9 @@ def test_ipyparallel_ssh_launcher_starts_engines_on_the_nodes(
         controller_ip=testbed.head_address,
         profile_dir=str(tmp_path / "profile"),
         log_level=40,
+        # ipyparallel's 60 s default: one of the three engines missed it once in CI on the loaded
+        # 2-core machine (an engine that never starts still fails, after 180 s)
+        engine_timeout=180,
     )
     launcher = cluster.config.SSHEngineSetLauncher
     launcher.engines = {a.name: 1, b.name: 2}  # uneven, as a 1+2 layout
