@@ -27,6 +27,9 @@ STATES = ("running", "done", "failed", "stopped")
 CONFIG_FILE = "sft_config.json"
 #: one JSON row per logged step, appended by rank 0
 METRICS_FILE = "metrics.jsonl"
+#: completions sampled during training (`SFTConfig.sample_prompts`), one JSON row per prompt and step,
+#: appended by rank 0: {"step", "index", "prompt", "completion", "reference", "tokens", "seconds"}
+SAMPLES_FILE = "samples.jsonl"
 
 
 def nbtrain_home() -> Path:
