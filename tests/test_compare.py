@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import math
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -21,10 +22,15 @@ from nbtrain.compare import (
     config_diff,
     ema,
     labels,
+    last_samples,
     load_run,
+    load_samples,
     parse_rows,
+    parse_samples,
+    samples_by_step,
     series,
     series_csv,
+    side_by_side,
 )
 from nbtrain.errors import NotARunError
 from tests.conftest import LR_RATES as RATES
@@ -104,6 +110,98 @@ def test_parse_rows_skips_bad_lines_and_reads_nan_as_none():
     assert parse_rows(lines) == [
         {"step": 1, "loss": 2.0},
         {"step": 2, "loss": None, "grad_norm": None},
+    ]
+
+
+def _sample(step, index, completion, prompt=None, reference=None):
+    return json.dumps(
+        {
+            "step": step,
+            "index": index,
+            "prompt": prompt or f"prompt {index}",
+            "completion": completion,
+            "reference": reference,
+            "tokens": 3,
+            "seconds": 0.5,
+        }
+    )
+
+
+def test_parse_samples_keeps_only_sample_rows():
+    good = _sample(0, 1, "hi\nthere", reference="ref")
+    lines = [
+        good,
+        '{"step": 0, "index": 0, "prompt": "p", "completion": "c", "tokens": true, "seconds": NaN}',
+        '{"step": 1.5, "index": 0, "prompt": "p", "completion": "c"}',  # step not an int
+        '{"step": 1, "index": 0, "prompt": "p"}',  # no completion
+        '{"step": 1, "index": 0, "prompt": "p", "completion": 7}',
+        '{"step": 1, "index": 0, "prompt": "p", "compl',  # cut short
+        "[1]",
+        "",
+    ]
+    assert parse_samples(lines) == [
+        json.loads(good),
+        {
+            "step": 0,
+            "index": 0,
+            "prompt": "p",
+            "completion": "c",
+            "reference": None,
+            "tokens": None,
+            "seconds": None,
+        },
+    ]
+
+
+def test_last_samples_by_step_and_side_by_side(tmp_path):
+    rows = parse_samples(
+        [
+            _sample(0, 1, "b0"),
+            _sample(0, 0, "a0"),
+            _sample(10, 1, "b10"),
+            _sample(10, 0, "a10"),
+        ]
+    )
+    assert [r["completion"] for r in last_samples(rows)] == ["a10", "b10"]
+    assert last_samples([]) == []
+    assert [(s, [r["completion"] for r in rs]) for s, rs in samples_by_step(rows)] == [
+        (10, ["a10", "b10"]),
+        (0, ["a0", "b0"]),
+    ]
+    # a run folder without samples.jsonl sampled nothing
+    assert load_samples(tmp_path) == [] and load_samples(tmp_path / "missing") == []
+
+    run = load_run(FIXTURE_RUN)
+    assert run.samples == []
+    a = replace(run, samples=last_samples(rows))
+    b = replace(
+        run,
+        samples=parse_samples(
+            [
+                _sample(4, 0, "other a", reference="gold"),
+                _sample(4, 1, "only b", prompt="a prompt only b has"),
+            ]
+        ),
+    )
+    assert side_by_side([a, b]) == [
+        {
+            "prompt": "prompt 0",
+            "reference": "gold",
+            "completions": ["a10", "other a"],
+            "steps": [10, 4],
+        },
+        {
+            "prompt": "prompt 1",
+            "reference": None,
+            "completions": ["b10", None],
+            "steps": [10, None],
+        },
+        {
+            "prompt": "a prompt only b has",
+            "reference": None,
+            "completions": [None, "only b"],
+            "steps": [None, 4],
+        },
     ]
 
 
@@ -241,3 +339,52 @@ def test_compare_draws_and_tables_two_real_runs(two_lr_runs, tmp_path):
     assert one.notes and "two or more" in one.notes[0]
     with pytest.raises(ValueError, match="none of the runs logged mfu"):
         nbtrain.compare(paths, metrics=["mfu"])
+
+
+def test_compare_shows_the_last_samples_side_by_side(two_lr_runs, tmp_path):
+    paths = []
+    for n, run in enumerate(two_lr_runs["runs"]):
+        out = tmp_path / Path(run["cfg"].output_dir).name
+        shutil.copytree(run["cfg"].output_dir, out)
+        (out / "samples.jsonl").write_text(
+            "\n".join(
+                [
+                    _sample(0, 0, "step zero"),
+                    _sample(6, 1, f"run {n}: <b>bold</b>\nsecond line"),
+                    _sample(6, 0, f"run {n}: 42", reference="12 + 30 = 42"),
+                ]
+            )
+            + "\n"
+        )
+        paths.append(out)
+    # a third run, one that sampled nothing, gets an empty column
+    cmp = nbtrain.compare([*paths, two_lr_runs["runs"][0]["cfg"].output_dir])
+    s = cmp.samples
+    assert list(s.columns) == [
+        "prompt",
+        "reference",
+        f"{tmp_path.name}/lr-0.01 (step 6)",
+        "lr-0.001 (step 6)",
+        "runs/lr-0.01 (step –)",
+    ]
+    assert list(s["prompt"]) == ["prompt 0", "prompt 1"]
+    assert list(s["reference"]) == ["12 + 30 = 42", None]
+    assert list(s.iloc[:, 2]) == ["run 0: 42", "run 0: <b>bold</b>\nsecond line"]
+    assert list(s.iloc[:, 3]) == ["run 1: 42", "run 1: <b>bold</b>\nsecond line"]
+    assert list(s.iloc[:, 4]) == [None, None]
+
+    page = cmp._repr_html_()
+    # under the curves and the table, escaped, long text kept as written
+    assert page.index("Last samples") > page.index("<img")
+    assert "run 1: &lt;b&gt;bold&lt;/b&gt;\nsecond line" in page
+    assert "<b>bold</b>" not in page and "pre-wrap" in page
+    md = cmp.markdown()
+    assert "## Last samples" in md
+    assert (
+        "| prompt 1 | – | run 0: <b>bold</b><br>second line | run 1: <b>bold</b><br>second line | – |"
+        in md
+    )
+
+    # runs that sampled nothing: no samples table
+    plain = nbtrain.compare([r["cfg"].output_dir for r in two_lr_runs["runs"]])
+    assert plain.samples is None and "Last samples" not in plain._repr_html_()

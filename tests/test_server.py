@@ -70,6 +70,7 @@ ENDPOINTS = [
     ("GET", ("nbtrain", "api", "runs")),
     ("GET", ("nbtrain", "api", "runs", "RUNID")),
     ("GET", ("nbtrain", "api", "runs", "RUNID", "metrics")),
+    ("GET", ("nbtrain", "api", "runs", "RUNID", "samples")),
     ("POST", ("nbtrain", "api", "runs", "RUNID", "stop")),
 ]
 
@@ -147,6 +148,90 @@ def test_metrics_follow_a_file_being_written(fetch, tmp_path):
     metrics.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
     data = _json(fetch(*url))
     assert data["rows"] == [{"step": 1, "loss": 9.0}]
+
+
+def _sample(step, index, completion, **extra):
+    row = {
+        "step": step,
+        "index": index,
+        "prompt": f"prompt {index}",
+        "completion": completion,
+        "reference": None,
+        "tokens": len(completion.split()),
+        "seconds": 0.25,
+    }
+    return json.dumps({**row, **extra}) + "\n"
+
+
+def test_samples_come_whole_steps_at_a_time_while_written(fetch, tmp_path):
+    out = tmp_path / "sampling"
+    out.mkdir()
+    run_id = runs.register_run(out, total_steps=20)
+    url = ("nbtrain", "api", "runs", run_id, "samples")
+    # a run that samples nothing (or not yet) has no samples: an empty page, not an error
+    empty = _json(fetch(*url))
+    assert empty["rows"] == [] and empty["last_step"] is None and empty["more"] is False
+    assert empty["run"]["id"] == run_id
+
+    with (out / "samples.jsonl").open("a") as f:
+        f.write(_sample(0, 0, "hello", reference="hi there"))
+        f.write(_sample(0, 1, "a\nlong\nanswer"))
+        f.write(_sample(10, 0, "better"))
+        f.write('{"step": 10, "index": 1, "prompt": "prompt 1", "compl')  # rank 0 still writing
+        f.flush()
+        first = _json(fetch(*url))
+        assert [(r["step"], r["index"]) for r in first["rows"]] == [(0, 0), (0, 1), (10, 0)]
+        assert first["rows"][0] == {
+            "step": 0,
+            "index": 0,
+            "prompt": "prompt 0",
+            "completion": "hello",
+            "reference": "hi there",
+            "tokens": 1,
+            "seconds": 0.25,
+        }
+        assert first["rows"][1]["completion"] == "a\nlong\nanswer"
+        assert first["last_step"] == 10
+        f.write('etion": "done", "reference": null, "tokens": 1, "seconds": NaN}\n')
+        f.write("not json\n")
+        f.write(json.dumps({"step": 10, "index": 2, "prompt": 3}) + "\n")  # not a sample row
+        f.flush()
+        # the browser asks again from its newest step: that step comes again, now whole
+        again = _json(fetch(*url, params={"since": "10"}))
+        assert [(r["step"], r["index"]) for r in again["rows"]] == [(10, 0), (10, 1)]
+        assert again["rows"][1]["completion"] == "done" and again["rows"][1]["seconds"] is None
+        assert _json(fetch(*url, params={"since": "11"}))["rows"] == []
+    assert _status(fetch, *url, params={"since": "x"}) == 400
+
+
+def test_samples_page_by_whole_steps(fetch, tmp_path, monkeypatch):
+    from nbtrain.server import handlers
+
+    monkeypatch.setattr(handlers, "MAX_SAMPLE_STEPS", 2)
+    out = tmp_path / "many"
+    out.mkdir()
+    (out / "samples.jsonl").write_text(
+        "".join(_sample(s, i, f"s{s}i{i}") for s in (0, 5, 10, 15) for i in range(3))
+    )
+    run_id = runs.register_run(out)
+    url = ("nbtrain", "api", "runs", run_id, "samples")
+    page = _json(fetch(*url))
+    assert [r["step"] for r in page["rows"]] == [0, 0, 0, 5, 5, 5]
+    assert page["more"] is True and page["last_step"] == 5
+    rest = _json(fetch(*url, params={"since": str(page["last_step"] + 1)}))
+    assert [r["step"] for r in rest["rows"]] == [10, 10, 10, 15, 15, 15]
+    assert rest["more"] is False
+
+
+def test_samples_never_read_outside_the_run_folder(fetch, tmp_path):
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text(_sample(1, 0, "hunter2"))
+    out = tmp_path / "sneaky"
+    out.mkdir()
+    (out / "samples.jsonl").symlink_to(secret)
+    run_id = runs.register_run(out)
+    assert _status(fetch, "nbtrain", "api", "runs", run_id, "samples") == 403
+    assert _status(fetch, "nbtrain", "api", "runs", "0123456789ab", "samples") == 404
 
 
 @pytest.mark.parametrize(
@@ -376,6 +461,8 @@ def test_compare_two_real_runs(fetch, two_real_runs):
         assert (Path(run["adapter"]) / "adapter_config.json").is_file()
     # a higher learning rate moved the loss further in 6 steps: the runs really differ
     assert data["runs"][0]["final"]["loss"] != data["runs"][1]["final"]["loss"]
+    # runs that sampled nothing have no samples
+    assert [r["samples"] for r in data["runs"]] == [[], []]
 
     # the same id twice is one run; the order asked is the order answered
     again = _json(
@@ -419,3 +506,30 @@ def test_compare_refuses_what_is_not_a_registered_run(fetch, tmp_path, two_real_
     sneaky.mkdir()
     (sneaky / "metrics.jsonl").symlink_to(secret)
     assert status(f"{ids[0]},{_register_done(sneaky)}") == 403
+    # and neither is a samples file
+    sneaky2 = tmp_path / "sneaky2"
+    shutil.copytree(two_real_runs[1], sneaky2)
+    (sneaky2 / "samples.jsonl").symlink_to(secret)
+    assert status(f"{ids[0]},{_register_done(sneaky2)}") == 403
+
+
+def test_compare_gives_each_runs_last_samples(fetch, tmp_path, two_real_runs):
+    folders = []
+    for n, folder in enumerate(two_real_runs):
+        copy = tmp_path / folder.name
+        shutil.copytree(folder, copy)
+        (copy / "samples.jsonl").write_text(
+            _sample(0, 1, "base one")
+            + _sample(0, 0, "base zero")
+            + _sample(6, 1, f"run {n} one")
+            + _sample(6, 0, f"run {n} zero")
+        )
+        folders.append(copy)
+    ids = [_register_done(f) for f in folders]
+    data = _json(fetch("nbtrain", "api", "compare", params={"runs": ",".join(ids)}))
+    for n, run in enumerate(data["runs"]):
+        # the newest step only, in prompt order
+        assert [(s["step"], s["index"], s["completion"]) for s in run["samples"]] == [
+            (6, 0, f"run {n} zero"),
+            (6, 1, f"run {n} one"),
+        ]

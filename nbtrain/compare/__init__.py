@@ -3,7 +3,7 @@
 In [1]: nbtrain.compare(["runs/lr-1e-3", "runs/lr-1e-2"], smooth=0.6)
 
 `nbtrain.compare` is this module, made callable: the data API (`load_run`, `config_diff`, `series`,
-`ema`, `series_csv`) lives in `nbtrain.compare.data` and is imported from here, while calling the module
+`ema`, `series_csv`, `load_samples`, `side_by_side`) lives in `nbtrain.compare.data` and is imported from here, while calling the module
 draws the comparison (`nbtrain.compare.view.compare`; matplotlib loads only when it draws). Both have to answer to the same name, and
 importing a submodule rebinds the package's attribute to the module, so the module itself is the callable.
 """
@@ -24,11 +24,16 @@ from nbtrain.compare.data import (
     final_values,
     has_time,
     labels,
+    last_samples,
     load_run,
     load_runs,
+    load_samples,
     parse_rows,
+    parse_samples,
+    samples_by_step,
     series,
     series_csv,
+    side_by_side,
 )
 from nbtrain.compare.view import compare
 
@@ -51,9 +56,14 @@ __all__ = [
     "final_values",
     "has_time",
     "labels",
+    "last_samples",
     "load_run",
     "load_runs",
+    "load_samples",
     "parse_rows",
+    "parse_samples",
+    "samples_by_step",
     "series",
     "series_csv",
+    "side_by_side",
 ]

@@ -8,7 +8,8 @@ In [3]: config_diff(runs)
 Out[3]: {'learning_rate': [0.001, 0.01]}
 
 A run folder is what `finetune` writes to its `output_dir`: ``metrics.jsonl`` (one row per logged step,
-with its wall-clock ``time``), ``sft_config.json`` (the run's settings) and ``adapter/``. `nbtrain.compare()`
+with its wall-clock ``time``), ``sft_config.json`` (the run's settings), ``adapter/`` and, when it sampled
+during training, ``samples.jsonl`` (a completion per prompt and sampled step). `nbtrain.compare()`
 (`nbtrain.compare.view`) draws the comparison in a notebook, the JupyterLab sidebar in the browser.
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import NotARunError
-from nbtrain.runs import CONFIG_FILE, METRICS_FILE
+from nbtrain.runs import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
 
 ADAPTER_DIR = "adapter"
 #: the curves a comparison draws by default
@@ -54,6 +55,9 @@ class RunData:
     metrics: list[str] = field(
         default_factory=list
     )  #: metric names in the rows, in first-seen order
+    samples: list[dict[str, Any]] = field(
+        default_factory=list
+    )  #: the completions of the last sampled step (samples.jsonl), in prompt order
 
 
 def _finite(value: Any) -> Any:
@@ -81,6 +85,95 @@ def parse_rows(lines: Iterable[str | bytes]) -> list[dict[str, Any]]:
             continue
         rows.append({k: _finite(v) for k, v in row.items()})
     return rows
+
+
+def parse_samples(lines: Iterable[str | bytes]) -> list[dict[str, Any]]:
+    """Sample rows from samples.jsonl lines (`SAMPLES_FILE`), in file order. A row needs an integer
+    ``step`` and ``index`` and a string ``prompt`` and ``completion``; others (a line cut short by a
+    crash) are skipped. ``reference`` is a string or None, ``tokens`` and ``seconds`` numbers or None."""
+    rows = []
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(row, dict):
+            continue
+        step, index = row.get("step"), row.get("index")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, index)):
+            continue
+        if not isinstance(row.get("prompt"), str) or not isinstance(row.get("completion"), str):
+            continue
+        reference = row.get("reference")
+        tokens, seconds = row.get("tokens"), row.get("seconds")
+        rows.append(
+            {
+                "step": step,
+                "index": index,
+                "prompt": row["prompt"],
+                "completion": row["completion"],
+                "reference": reference if isinstance(reference, str) else None,
+                "tokens": tokens
+                if isinstance(tokens, int) and not isinstance(tokens, bool)
+                else None,
+                "seconds": _finite(float(seconds))
+                if isinstance(seconds, int | float) and not isinstance(seconds, bool)
+                else None,
+            }
+        )
+    return rows
+
+
+def load_samples(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every sample row of a run folder's samples.jsonl ([] when the run sampled nothing)."""
+    try:
+        with open(Path(path) / SAMPLES_FILE, "rb") as f:
+            return parse_samples(f)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def last_samples(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the newest sampled step, one per prompt in prompt order (a prompt sampled twice at
+    that step keeps its last row)."""
+    if not rows:
+        return []
+    last = max(r["step"] for r in rows)
+    by_index = {r["index"]: r for r in rows if r["step"] == last}
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def samples_by_step(rows: Sequence[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:
+    """The sample rows grouped by step, newest step first, each step's rows in prompt order."""
+    steps: dict[int, dict[int, dict[str, Any]]] = {}
+    for r in rows:
+        steps.setdefault(r["step"], {})[r["index"]] = r
+    return [(s, [steps[s][i] for i in sorted(steps[s])]) for s in sorted(steps, reverse=True)]
+
+
+def side_by_side(runs: Sequence[RunData]) -> list[dict[str, Any]]:
+    """The runs' last samples matched by prompt: one entry per prompt (in the first run's prompt
+    order, then prompts only later runs sampled), each {"prompt", "reference", "completions": [one
+    per run, None where that run did not sample the prompt], "steps": [the step of each]}."""
+    out: dict[str, dict[str, Any]] = {}
+    for r, run in enumerate(runs):
+        for row in run.samples:
+            entry = out.setdefault(
+                row["prompt"],
+                {
+                    "prompt": row["prompt"],
+                    "reference": None,
+                    "completions": [None] * len(runs),
+                    "steps": [None] * len(runs),
+                },
+            )
+            entry["reference"] = entry["reference"] or row["reference"]
+            entry["completions"][r] = row["completion"]
+            entry["steps"][r] = row["step"]
+    return list(out.values())
 
 
 def final_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -166,6 +259,7 @@ def load_run(path: str | os.PathLike[str]) -> RunData:
         run_id=(record or {}).get("id"),
         state=(record or {}).get("state"),
         metrics=list(names),
+        samples=last_samples(load_samples(folder)),
     )
 
 
@@ -316,8 +410,13 @@ __all__ = [
     "config_diff",
     "ema",
     "labels",
+    "last_samples",
     "load_run",
     "load_runs",
+    "load_samples",
+    "parse_samples",
+    "samples_by_step",
     "series",
     "series_csv",
+    "side_by_side",
 ]

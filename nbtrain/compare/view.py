@@ -2,7 +2,8 @@
 
 In [1]: cmp = nbtrain.compare(["runs/lr-1e-3", "runs/lr-1e-2"], smooth=0.6)
 In [2]: cmp.diff          # the settings that differ, one column per run
-In [3]: cmp.save("report")  # compare.png, compare.csv and compare.md
+In [3]: cmp.samples       # the runs' last samples side by side, one row per prompt (when they sampled)
+In [4]: cmp.save("report")  # compare.png, compare.csv and compare.md
 
 The image is a PNG inside the cell's HTML output, so a saved or shared notebook shows the comparison
 without the JupyterLab extension (whose sidebar draws the same curves live).
@@ -31,12 +32,23 @@ from nbtrain.compare.data import (
     load_run,
     series,
     series_csv,
+    side_by_side,
 )
 from nbtrain.errors import NotARunError
 
 #: the last values a comparison's table shows, where any run has them
 FINAL_COLUMNS = ("step", "loss", "eval_loss", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gb")
 _TITLES = {"tokens_per_s": "tokens/s", "learning_rate": "learning rate", "eval_loss": "eval loss"}
+#: each metric's y axis title, with its unit (the Lab's charts say the same)
+Y_TITLES = {
+    "loss": "nats/token",
+    "eval_loss": "nats/token",
+    "tokens_per_s": "tokens/s",
+    "learning_rate": "learning rate",
+    "grad_norm": "L2 norm",
+    "mfu": "MFU",
+    "peak_memory_gb": "GB",
+}
 # a faint raw curve under the smoothed one, as TensorBoard draws it
 _RAW_ALPHA = 0.25
 
@@ -86,6 +98,9 @@ class Comparison:
     figure: Any  #: the matplotlib Figure
     curves: dict[str, list[Curve]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: pandas DataFrame: the runs' last samples side by side (prompt, reference, one column per run),
+    #: one row per prompt; None when no run sampled during training
+    samples: Any = None
 
     def png(self) -> bytes:
         """The figure as PNG bytes."""
@@ -105,6 +120,22 @@ class Comparison:
         for name, row in t.iterrows():
             cells = [str(name), *(_fmt(v) for v in row)]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        return "\n".join(lines) + "\n" + self._samples_markdown()
+
+    def _samples_markdown(self) -> str:
+        if self.samples is None:
+            return ""
+        head = ["prompt", *map(str, self.samples.columns[1:])]
+        lines = [
+            "\n## Last samples\n",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+        ]
+        for _, row in self.samples.iterrows():
+            cells = [_text(v) for v in row]
+            lines.append(
+                "| " + " | ".join(c.replace("|", "\\|").replace("\n", "<br>") for c in cells) + " |"
+            )
         return "\n".join(lines) + "\n"
 
     def save(self, folder: str | os.PathLike[str]) -> dict[str, str]:
@@ -132,10 +163,37 @@ class Comparison:
         img = base64.b64encode(self.png()).decode()
         notes = "".join(f"<p><i>{html.escape(n)}</i></p>" for n in self.notes)
         table = self.table.T.to_html(escape=True, na_rep="–", float_format=_fmt)
-        return f'<div><img src="data:image/png;base64,{img}"/>{notes}{table}</div>'
+        return f'<div><img src="data:image/png;base64,{img}"/>{notes}{table}{self._samples_html()}</div>'
+
+    def _samples_html(self) -> str:
+        """The last samples side by side: a column per run, long text wrapped as written."""
+        if self.samples is None:
+            return ""
+        cell = (
+            "text-align:left;vertical-align:top;white-space:pre-wrap;overflow-wrap:anywhere;"
+            "padding:4px 8px;max-width:40em"
+        )
+        head = "".join(
+            f'<th style="{cell}">{html.escape(str(c))}</th>' for c in self.samples.columns
+        )
+        body = "".join(
+            "<tr>"
+            + "".join(f'<td style="{cell}">{html.escape(_text(v))}</td>' for v in row)
+            + "</tr>"
+            for _, row in self.samples.iterrows()
+        )
+        return (
+            '<h4 style="margin:12px 0 4px">Last samples</h4>'
+            f'<table class="nbtrain-samples"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+        )
 
     def __repr__(self) -> str:
         return f"Comparison({', '.join(self.labels)}; metrics={self.metrics}, x={self.x!r})"
+
+
+def _text(value: Any) -> str:
+    """A samples table cell: the text, or a dash where the run did not sample that prompt."""
+    return value if isinstance(value, str) else "–"
 
 
 def _fmt(value: Any) -> str:
@@ -172,6 +230,26 @@ def _tables(runs: list[RunData], names: list[str]) -> tuple[Any, Any]:
         index=names,
     )
     return diff_df, table
+
+
+def _samples(runs: list[RunData], names: list[str]) -> Any:
+    """The runs' last samples side by side, or None when none of them sampled."""
+    import pandas as pd
+
+    matched = side_by_side(runs)
+    if not matched:
+        return None
+    cols = [
+        f"{name} (step {max((e['steps'][i] for e in matched if e['steps'][i] is not None), default='–')})"
+        for i, name in enumerate(names)
+    ]
+    data = []
+    for e in matched:
+        data.append([e["prompt"], e["reference"], *e["completions"]])
+    frame = pd.DataFrame(data, columns=["prompt", "reference", *cols], dtype=object)
+    if all(e["reference"] is None for e in matched):
+        frame = frame.drop(columns="reference")
+    return frame
 
 
 def compare(
@@ -236,6 +314,7 @@ def compare(
         figure=_draw(curves, x, smooth, logy),
         curves=curves,
         notes=notes,
+        samples=_samples(loaded, names),
     )
 
 
@@ -263,6 +342,7 @@ def _draw(curves: dict[str, list[Curve]], x: str, smooth: float, logy: bool) -> 
                 ax.plot(c.x, c.smoothed, "o", color=color)
         ax.set_title(_TITLES.get(metric, metric))
         ax.set_xlabel("step" if x == "step" else "seconds")
+        ax.set_ylabel(Y_TITLES.get(metric, metric))
         if x == "step":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if logy:

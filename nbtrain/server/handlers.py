@@ -1,5 +1,5 @@
-"""REST handlers under ``/nbtrain/api/``: clusters, runs, a run's metrics and scaling report, stopping
-a run, comparing runs.
+"""REST handlers under ``/nbtrain/api/``: clusters, runs, a run's metrics, samples and scaling report,
+stopping a run, comparing runs.
 
 Every handler requires an authenticated user (a request without the server's token gets 403).
 Run folders are reached only through the runs registry: the URL carries a run id, never a path.
@@ -25,13 +25,18 @@ from nbtrain.server.metrics import (
     finite_json,
     folder_file,
     metrics_path,
+    parse_sample,
     rows_after,
+    samples_path,
+    samples_since,
 )
 
 # a run id is what nbtrain.runs.run_id_for makes: hex; anything else (dots, slashes) never routes
 _RUN_ID = r"(?P<run_id>[A-Za-z0-9]{1,64})"
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9]{1,64}")
 MAX_ROWS = 5000
+# sampled steps per samples page: each holds one row per prompt, each row a prompt and a completion
+MAX_SAMPLE_STEPS = 50
 MAX_COMPARED = 16
 
 
@@ -39,6 +44,10 @@ class _Base(APIHandler):
     @property
     def metrics_reader(self) -> MetricsReader:
         return self.settings["nbtrain_metrics_reader"]
+
+    @property
+    def samples_reader(self) -> MetricsReader:
+        return self.settings["nbtrain_samples_reader"]
 
     def _run_or_404(self, run_id: str) -> dict[str, Any]:
         return _run_or_404(run_id)
@@ -92,6 +101,26 @@ class MetricsHandler(_Base):
             raise tornado.web.HTTPError(403, "metrics file is outside its run folder") from e
         picked, more = rows_after(self.metrics_reader.rows(path), after, limit)
         last = picked[-1]["step"] if picked else after
+        self.finish({"run": record, "rows": picked, "last_step": last, "more": more})
+
+
+class SamplesHandler(_Base):
+    @tornado.web.authenticated
+    def get(self, run_id: str) -> None:
+        """GET /nbtrain/api/runs/<id>/samples?since=K: the completions sampled at steps >= K (whole
+        steps, oldest first, at most MAX_SAMPLE_STEPS of them; `more` when steps remain)."""
+        record = self._run_or_404(run_id)
+        try:
+            since = float(self.get_query_argument("since", "-1"))
+        except ValueError as e:
+            raise tornado.web.HTTPError(400, "since must be a number") from e
+        try:
+            path = samples_path(record["output_dir"])
+        except RefusedPath as e:
+            self.log.warning("nbtrain: refused %s", e)
+            raise tornado.web.HTTPError(403, "samples file is outside its run folder") from e
+        picked, more = samples_since(self.samples_reader.rows(path), since, MAX_SAMPLE_STEPS)
+        last = picked[-1]["step"] if picked else None
         self.finish({"run": record, "rows": picked, "last_step": last, "more": more})
 
 
@@ -155,7 +184,7 @@ def _compared_run(record: dict[str, Any]) -> Any:
         msg = f"{record['name']!r} is a scaling report, not a training run: it has no curves"
         raise tornado.web.HTTPError(400, msg)
     try:
-        for name in (runs.CONFIG_FILE, runs.METRICS_FILE):
+        for name in (runs.CONFIG_FILE, runs.METRICS_FILE, runs.SAMPLES_FILE):
             folder_file(record["output_dir"], name)
     except RefusedPath as e:
         raise tornado.web.HTTPError(403, "a run file is outside its run folder") from e
@@ -168,8 +197,8 @@ def _compared_run(record: dict[str, Any]) -> Any:
 class CompareHandler(_Base):
     @tornado.web.authenticated
     async def get(self) -> None:
-        """GET /nbtrain/api/compare?runs=<id>,<id>: each run's rows, last values and adapter, and the
-        settings that differ between them."""
+        """GET /nbtrain/api/compare?runs=<id>,<id>: each run's rows, last values, adapter and last
+        samples, and the settings that differ between them."""
         from nbtrain.compare.data import config_diff, labels
 
         ids = [i for i in self.get_query_argument("runs", "").split(",") if i]
@@ -193,6 +222,7 @@ class CompareHandler(_Base):
                 "rows": run.rows,
                 "final": run.final,
                 "adapter": run.adapter,
+                "samples": run.samples,
             }
             for record, run, label in zip(records, loaded, names, strict=True)
         ]
@@ -203,6 +233,7 @@ def setup_handlers(web_app: Any) -> None:
     """Add the nbtrain routes to the server's tornado application."""
     base = url_path_join(web_app.settings["base_url"], "nbtrain", "api")
     web_app.settings["nbtrain_metrics_reader"] = MetricsReader()
+    web_app.settings["nbtrain_samples_reader"] = MetricsReader(parse=parse_sample)
     web_app.add_handlers(
         ".*$",
         [
@@ -211,6 +242,7 @@ def setup_handlers(web_app: Any) -> None:
             (url_path_join(base, "compare"), CompareHandler),
             (url_path_join(base, "runs", _RUN_ID), RunHandler),
             (url_path_join(base, "runs", _RUN_ID, "metrics"), MetricsHandler),
+            (url_path_join(base, "runs", _RUN_ID, "samples"), SamplesHandler),
             (url_path_join(base, "runs", _RUN_ID, "scaling"), ScalingHandler),
             (url_path_join(base, "runs", _RUN_ID, r"scaling\.png"), ScalingImageHandler),
             (url_path_join(base, "runs", _RUN_ID, "stop"), StopHandler),

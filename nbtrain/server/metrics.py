@@ -1,4 +1,4 @@
-"""Incremental reads of a run's ``metrics.jsonl`` for the sidebar's polling.
+"""Incremental reads of a run's ``metrics.jsonl`` and ``samples.jsonl`` for the browser's polling.
 
 The browser asks "rows after step K" every couple of seconds. Re-reading and re-parsing the whole
 file each time costs O(steps) per poll, so each file keeps a cursor: the byte offset parsed so far
@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbtrain.runs import METRICS_FILE
+from nbtrain.runs import METRICS_FILE, SAMPLES_FILE
 
 
 class RefusedPath(Exception):
@@ -40,6 +41,11 @@ def metrics_path(output_dir: str) -> Path:
     return folder_file(output_dir, METRICS_FILE)
 
 
+def samples_path(output_dir: str) -> Path:
+    """The samples file of a registered run folder (see `folder_file`)."""
+    return folder_file(output_dir, SAMPLES_FILE)
+
+
 def _finite(value: Any) -> Any:
     # JSON.parse in the browser rejects NaN/Infinity, which Python's json writes happily
     if isinstance(value, float) and not math.isfinite(value):
@@ -55,12 +61,21 @@ class _Cursor:
 
 
 class MetricsReader:
-    """Parsed rows per metrics file, extended by reading only what was appended."""
+    """Parsed rows per metrics file, extended by reading only what was appended.
 
-    def __init__(self, max_files: int = 64) -> None:
+    `parse` reads one line into a row (None skips it); the default reads a metrics row. The samples
+    file's reader passes `parse_sample`.
+    """
+
+    def __init__(
+        self,
+        max_files: int = 64,
+        parse: Callable[[bytes], dict[str, Any] | None] | None = None,
+    ) -> None:
         self._cursors: dict[Path, _Cursor] = {}
         self._lock = threading.Lock()
         self._max_files = max_files
+        self._parse = parse or _parse
 
     def rows(self, path: Path) -> list[dict[str, Any]]:
         """Every complete row of `path` so far (a trailing half-written line waits for its newline)."""
@@ -83,7 +98,7 @@ class MetricsReader:
                     chunk = f.read(st.st_size - cursor.offset)
                 end = chunk.rfind(b"\n") + 1
                 for line in chunk[:end].splitlines():
-                    row = _parse(line)
+                    row = self._parse(line)
                     if row is not None:
                         cursor.rows.append(row)
                 cursor.offset += end
@@ -110,6 +125,35 @@ def _parse(line: bytes) -> dict[str, Any] | None:
     if not isinstance(row, dict) or not isinstance(row.get("step"), int | float):
         return None
     return {k: _finite(v) for k, v in row.items()}
+
+
+def parse_sample(line: bytes) -> dict[str, Any] | None:
+    """One samples.jsonl row as `nbtrain.compare.parse_samples` reads it, or None for a bad line."""
+    from nbtrain.compare.data import parse_samples
+
+    rows = parse_samples([line])
+    return rows[0] if rows else None
+
+
+def samples_since(
+    rows: list[dict[str, Any]], since: float, max_steps: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """The sample rows of steps >= `since`, whole steps only, at most `max_steps` steps of them, and
+    whether more steps remain. The browser asks again from its newest step, so a step whose rows are
+    still being appended comes again, whole."""
+    # rows are appended step by step: scan back from the end to the first step asked for
+    start = len(rows)
+    while start > 0 and rows[start - 1]["step"] >= since:
+        start -= 1
+    picked: list[dict[str, Any]] = []
+    steps = 0
+    for row in rows[start:]:
+        if not picked or row["step"] != picked[-1]["step"]:
+            if steps == max_steps:
+                return picked, True
+            steps += 1
+        picked.append(row)
+    return picked, False
 
 
 def rows_after(
