@@ -20,6 +20,7 @@ __all__ = [
     "Cluster",
     "ClusterPicker",
     "ConfigError",
+    "DPOConfig",
     "DistributedCellError",
     "Preempted",
     "SFTConfig",
@@ -44,6 +45,7 @@ _LAZY = {
     "Cluster": "nbtrain.cluster.facade",
     "ClusterPicker": "nbtrain.display.picker",
     "ConfigError": "nbtrain.errors",
+    "DPOConfig": "nbtrain.sft.dpo_config",
     "DistributedCellError": "nbtrain.errors",
     "Preempted": "nbtrain.sft.preempt",
     "check": "nbtrain.cluster.check",
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
     from nbtrain.engine.rank import is_rank_zero
     from nbtrain.errors import ConfigError, DistributedCellError
     from nbtrain.sft.config import SFTConfig
+    from nbtrain.sft.dpo_config import DPOConfig
     from nbtrain.sft.preempt import Preempted
     from nbtrain.sft.train import TrainResult, finetune
 
