@@ -20,7 +20,6 @@ __all__ = [
     "Cluster",
     "ClusterPicker",
     "ConfigError",
-    "DPOConfig",
     "DistributedCellError",
     "Preempted",
     "SFTConfig",
@@ -45,7 +44,6 @@ _LAZY = {
     "Cluster": "nbtrain.cluster.facade",
     "ClusterPicker": "nbtrain.display.picker",
     "ConfigError": "nbtrain.errors",
-    "DPOConfig": "nbtrain.sft.dpo_config",
     "DistributedCellError": "nbtrain.errors",
     "Preempted": "nbtrain.sft.preempt",
     "check": "nbtrain.cluster.check",
@@ -73,7 +71,6 @@ if TYPE_CHECKING:
     from nbtrain.engine.rank import is_rank_zero
     from nbtrain.errors import ConfigError, DistributedCellError
     from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.dpo_config import DPOConfig
     from nbtrain.sft.preempt import Preempted
     from nbtrain.sft.train import TrainResult, finetune
 

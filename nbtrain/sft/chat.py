@@ -342,3 +342,14 @@ def prompt_completion(
         msg = "the completion renders empty, so the row has nothing to train on; give it content"
         raise ConfigError(msg)
     return full, spans
+
+
+def generation_prompt(
+    tokenizer: Any, messages: list[dict], tools: Any = None, kwargs: dict | None = None
+) -> str:
+    """A chat prompt to generate from: the messages rendered with the template's generation prompt
+    (what `prompt_completion` renders as a row's prompt, so generation sees what training saw)."""
+    check_template(tokenizer)
+    t = _template(tokenizer, tools, kwargs)
+    text, _ = _render(t, normalise(t, messages), generation_prompt=True, tools=tools, kwargs=kwargs)
+    return text

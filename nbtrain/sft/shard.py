@@ -329,6 +329,23 @@ def _load_weights(
         raise ConfigError(msg)
 
 
+def fill_adapter(model: Any, saved: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """A saved LoRA adapter (peft's file: names without the adapter's) into a sharded model's default
+    adapter, each rank its own rows. Returns (saved weights with no place in the model, the model's
+    LoRA weights the file lacks); both empty when it fits."""
+    params = dict(model.named_parameters())
+    lora = {n for n in params if ".lora_" in n}
+    stray = []
+    for key, value in saved.items():
+        name = key.replace(".weight", ".default.weight") if ".lora_" in key else key
+        if name not in params:
+            stray.append(key)
+            continue
+        _fill(params[name], value)
+        lora.discard(name)
+    return stray, sorted(lora)
+
+
 # ------------------------------------------------------------------------------------- the step
 def set_gradient_sync(model: Any, sync: bool) -> None:
     """Reduce-scatter gradients only on the last micro-batch of a step (DDP's no_sync)."""

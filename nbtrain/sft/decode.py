@@ -1,0 +1,344 @@
+"""Generation across the ranks of a run: prompts read and tokenized, split across ranks, batched with left
+padding and a KV cache (transformers' `generate`), and gathered back in prompt order.
+
+Shared by `nbtrain.generate` (`nbtrain.sft.generate`) and the samples a run takes while it trains
+(`nbtrain.sft.sampling`). Prompts are plain strings, chat message lists (rendered with the template's
+generation prompt, as training renders a row's prompt), or rows in the formats `finetune` reads, whose
+completion (or last assistant turn) becomes the reference.
+
+Prompts are sorted by length and dealt to the ranks in turn, so a batch holds prompts of about the same
+length (little padding) and every rank gets about the same work. Under FSDP every rank must run the same
+forward passes: each runs the same number of batches (a rank short of prompts repeats one and drops the
+result) and `generate(synced_gpus=True)` keeps decoding until every rank is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nbtrain.errors import ConfigError
+from nbtrain.sft import chat
+from nbtrain.sft.sources import SUFFIXES, Source
+
+_ACCEPTED = (
+    "a string, a list of {'role', 'content'} messages, a row dict with 'prompt' (and optionally "
+    "'completion'), 'messages' or 'text', or a .jsonl/.json/.parquet/.csv file of such rows"
+)
+
+
+@dataclass
+class Entry:
+    """One prompt as read, before tokenization."""
+
+    prompt: Any  #: a string or a list of messages, as given
+    reference: str | None = None  #: the row's completion, where it has one
+    tools: Any = None
+    template_kwargs: dict | None = None
+
+
+@dataclass
+class Prompt:
+    """One prompt, tokenized: `index` is its place in the input."""
+
+    index: int
+    prompt: Any
+    ids: list[int]
+    reference: str | None = None
+
+
+@dataclass
+class Decoding:
+    """How to decode: greedy unless `do_sample`; a sampled run draws from its own seeded generator."""
+
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  #: 0: no top-k cut
+    seed: int = 0
+    batch_size: int = 8
+
+    def problems(self) -> list[str]:
+        out = []
+
+        def positive(name: str) -> None:
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                out.append(f"{name}={v!r} must be an integer >= 1")
+
+        positive("max_new_tokens")
+        positive("batch_size")
+        if not isinstance(self.do_sample, bool):
+            out.append(f"do_sample={self.do_sample!r} must be True or False")
+        if not (isinstance(self.temperature, int | float) and self.temperature > 0):
+            out.append(f"temperature={self.temperature!r} must be > 0 (do_sample=False for greedy)")
+        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
+            out.append(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            out.append(f"top_k={self.top_k!r} must be an integer >= 0 (0: no top-k cut)")
+        if not (isinstance(self.seed, int) and not isinstance(self.seed, bool)):
+            out.append(f"seed={self.seed!r} must be an integer")
+        return out
+
+
+# ------------------------------------------------------------------------------------------ reading
+def _is_messages(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m for m in value)
+    )
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # {'type': 'text', 'text': ...} parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def _from_row(row: dict, where: str) -> Entry:
+    tools, kwargs = row.get("tools"), row.get("chat_template_kwargs")
+    if "prompt" in row:
+        p = row["prompt"]
+        if not (isinstance(p, str) or _is_messages(p)):
+            msg = f"{where}: 'prompt' must be a string or a list of {{'role', 'content'}} messages, got {type(p).__name__}"
+            raise ConfigError(msg)
+        c = row.get("completion")
+        ref = None
+        if isinstance(c, str):
+            ref = c
+        elif c is not None and _is_messages(c):
+            ref = "\n".join(_text(m.get("content")) for m in c if m.get("role") == "assistant")
+        return Entry(p, ref, tools, kwargs)
+    if "messages" in row:
+        m = row["messages"]
+        if not _is_messages(m):
+            msg = f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} dicts"
+            raise ConfigError(msg)
+        # the conversation up to its last assistant turn is the prompt, that turn the reference
+        last = max((i for i, x in enumerate(m) if x["role"] == "assistant"), default=None)
+        if last is None:
+            return Entry(m, None, tools, kwargs)
+        if last == 0:
+            msg = f"{where}: 'messages' starts with the assistant turn, so it leaves no prompt; give a user turn first"
+            raise ConfigError(msg)
+        return Entry(m[:last], _text(m[last].get("content")), tools, kwargs)
+    if isinstance(row.get("text"), str):
+        return Entry(row["text"])
+    keys = ", ".join(repr(k) for k in row) or "none"
+    msg = f"{where} is not a prompt: keys found {keys}; give {_ACCEPTED}"
+    raise ConfigError(msg)
+
+
+def _is_file(value: Any) -> bool:
+    return isinstance(value, os.PathLike) or (
+        isinstance(value, str) and value.lower().endswith(SUFFIXES) and "\n" not in value
+    )
+
+
+def read_prompts(prompts: Any, name: str = "prompts") -> list[Entry]:
+    """Every prompt of `prompts` (see `_ACCEPTED`), with its reference where a row has a completion;
+    a ConfigError naming the bad one and what to give instead."""
+    if prompts is None:
+        msg = f"{name} is required: give {_ACCEPTED}"
+        raise ConfigError(msg)
+    single = isinstance(prompts, str) and not _is_file(prompts)
+    if single or _is_messages(prompts) or isinstance(prompts, dict):
+        prompts = [prompts]  # one prompt
+    if _is_file(prompts):
+        path = Path(prompts).expanduser()
+        if not path.is_file():
+            msg = f"{name} file {os.fspath(prompts)!r} not found; check the path (relative paths are from {os.getcwd()})"
+            raise ConfigError(msg)
+    rows: list[tuple[Any, str]]
+    if isinstance(prompts, str | os.PathLike) or hasattr(prompts, "columns"):
+        src = Source(prompts, name)
+        rows = [(r.value, src.row_where(r)) for r in src.part(0, 1)]
+    elif hasattr(prompts, "column_names"):  # a datasets.Dataset
+        rows = [(r, f"{name} row {i}") for i, r in enumerate(prompts.to_list())]
+    elif isinstance(prompts, Sequence):
+        rows = [(r, f"{name}[{i}]") for i, r in enumerate(prompts)]
+    else:
+        msg = f"{name} of type {type(prompts).__name__} is not supported; give {_ACCEPTED}, or a list of them"
+        raise ConfigError(msg)
+    out: list[Entry] = []
+    for value, where in rows:
+        if isinstance(value, str):
+            out.append(Entry(value))
+        elif _is_messages(value):
+            out.append(Entry(value))
+        elif isinstance(value, dict):
+            out.append(_from_row(value, where))
+        else:
+            msg = f"{where} is a {type(value).__name__}; give {_ACCEPTED}"
+            raise ConfigError(msg)
+    if not out:
+        msg = f"{name} holds no prompts; give at least one ({_ACCEPTED})"
+        raise ConfigError(msg)
+    return out
+
+
+def shown(prompt: Any) -> str:
+    """A prompt as one string for a table or samples.jsonl: a message list as 'role: content' lines."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m.get('role')}: {_text(m.get('content'))}" for m in prompt)
+
+
+def encode(
+    entries: list[Entry], tokenizer: Any, template_kwargs: dict | None = None
+) -> list[Prompt]:
+    """The prompts' token ids: a string as training tokenizes a text row (the tokenizer's special tokens),
+    a message list through the chat template with the generation prompt (`template_kwargs` for every
+    prompt, a row's own win; e.g. {'enable_thinking': False})."""
+    out = []
+    for i, e in enumerate(entries):
+        if isinstance(e.prompt, str):
+            ids = tokenizer(e.prompt, add_special_tokens=True)["input_ids"]
+        else:
+            kwargs = {**(template_kwargs or {}), **(e.template_kwargs or {})} or None
+            try:
+                text = chat.generation_prompt(tokenizer, e.prompt, e.tools, kwargs)
+            except ConfigError as err:
+                msg = f"prompt {i}: {err}"
+                raise ConfigError(msg) from None
+            # the template writes its own special tokens
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            msg = f"prompt {i} is empty (no tokens); give it some text"
+            raise ConfigError(msg)
+        out.append(Prompt(i, e.prompt, list(ids), e.reference))
+    return out
+
+
+# --------------------------------------------------------------------------------------- generating
+def deal(prompts: list[Prompt], rank: int, world: int, batch_size: int) -> list[list[Prompt]]:
+    """This rank's batches: prompts sorted by length, dealt to the ranks in turn, cut into batches."""
+    order = sorted(prompts, key=lambda p: (len(p.ids), p.index))
+    mine = order[rank::world]
+    return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+@contextlib.contextmanager
+def own_rng(seed: int, device: Any) -> Iterator[None]:
+    """The generator state seeded with `seed` inside, the caller's (the training's) put back after."""
+    import torch
+
+    devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def generate_batch(
+    model: Any,
+    tokenizer: Any,
+    batch: list[Prompt],
+    decoding: Decoding,
+    device: Any,
+    synced: bool = False,
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+) -> list[dict[str, Any]]:
+    """One left-padded batch through `model.generate` with the KV cache: a row per prompt
+    ({"index", "completion", "tokens", "seconds"}, seconds being the batch's)."""
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p.ids) for p in batch)
+    ids = torch.tensor([[pad] * (width - len(p.ids)) + p.ids for p in batch], device=device)
+    mask = torch.tensor(
+        [[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in batch], device=device
+    )
+    eos = _eos_ids(model, tokenizer)
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": decoding.max_new_tokens,
+        "do_sample": decoding.do_sample,
+        "num_beams": 1,
+        "pad_token_id": pad,
+        "use_cache": True,
+    }
+    if eos:
+        kwargs["eos_token_id"] = eos
+    if decoding.do_sample:
+        kwargs.update(temperature=decoding.temperature, top_p=decoding.top_p, top_k=decoding.top_k)
+    else:  # whatever sampling settings the model's generation_config carries do not apply
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    if synced:
+        kwargs["synced_gpus"] = True
+    # a batch's draws depend only on the seed and which prompts it holds, not on the rank
+    seed = hash((decoding.seed, tuple(p.index for p in batch))) % (2**63)
+    t0 = time.perf_counter()
+    with own_rng(seed, device), torch.no_grad(), autocast():
+        out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    seconds = time.perf_counter() - t0
+    rows = []
+    for j, p in enumerate(batch):
+        new = out[j, width:].tolist()
+        # finished rows are padded after their eos; the eos is generated, and counted
+        cut = next((k + 1 for k, t in enumerate(new) if t in eos), len(new))
+        rows.append(
+            {
+                "index": p.index,
+                "completion": tokenizer.decode(new[:cut], skip_special_tokens=True),
+                "tokens": cut,
+                "seconds": seconds,
+            }
+        )
+    return rows
+
+
+def generate_across(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[Prompt],
+    d: Any,
+    decoding: Decoding,
+    synced: bool = False,
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+) -> list[dict[str, Any]] | None:
+    """Every prompt's completion, generated across the ranks of `d` (a `Dist`); on rank 0 the rows in
+    prompt order ({"index", "prompt", "completion", "reference", "tokens", "seconds"}), None elsewhere.
+    Every rank must call it. `synced`: the model is sharded, so every rank runs the same batches."""
+    batches = deal(prompts, d.rank, d.world, decoding.batch_size)
+    n_batches = len(batches)
+    if synced:
+        n_batches = -d.min_int(-n_batches)
+    rows: list[dict[str, Any]] = []
+    for b in range(n_batches):
+        # a rank short of batches repeats one prompt, so its forward passes match the others'
+        batch = batches[b] if b < len(batches) else [prompts[0]]
+        got = generate_batch(model, tokenizer, batch, decoding, d.device, synced, autocast)
+        if b < len(batches):
+            rows += got
+    every = d.gather_objects(rows)
+    if not d.is_zero:
+        return None
+    by_index = {r["index"]: r for part in every for r in part}
+    return [
+        {
+            "index": p.index,
+            "prompt": p.prompt,
+            "completion": by_index[p.index]["completion"],
+            "reference": p.reference,
+            "tokens": by_index[p.index]["tokens"],
+            "seconds": by_index[p.index]["seconds"],
+        }
+        for p in prompts
+    ]

@@ -1,0 +1,442 @@
+"""`nbtrain.generate`: completions for a list of prompts, generated across the ranks of the cell (or in one
+process), from the base model, a LoRA adapter, a merged model, or several of them side by side.
+
+In [1]: %%distributed
+   ...: table = nbtrain.generate(["Add 12 and 30.", [{"role": "user", "content": "Say hi"}]],
+   ...:                          model="tiny-llama", adapter="runs/first/adapter", max_new_tokens=64)
+In [2]: nbtrain.generate("prompts.jsonl", adapter=["base", "runs/a/adapter", "runs/b/adapter"])
+
+The prompts are split across the ranks and batched with left padding and a KV cache
+(`nbtrain.sft.decode`); rank 0 gets a pandas DataFrame in prompt order, every other rank None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from nbtrain.errors import ConfigError
+from nbtrain.sft import decode
+from nbtrain.sft.dist import Dist
+
+BASE = "base"
+SHARDS = ("ddp", "fsdp")
+# an adapter folder a rank cannot see is sent to it from rank 0 (adapters are small); a model is not
+_SHIP_LIMIT = 1 << 30
+
+
+@dataclass
+class _Model:
+    """One column of the table: the base, an adapter on it, or a model folder of its own."""
+
+    label: str
+    kind: str  #: "base", "adapter" or "model"
+    path: str | None = None
+
+
+def _adapter_path(value: Any) -> str:
+    if hasattr(value, "output_dir") and hasattr(value, "adapter_dir"):  # a TrainResult
+        # adapter_dir is set on rank 0 only; every rank knows the output folder it is in
+        return str(Path(value.output_dir) / "adapter")
+    if isinstance(value, str | os.PathLike):
+        return os.fspath(value)
+    msg = (
+        f"adapter entry {value!r} is a {type(value).__name__}; give 'base', an adapter folder, a model "
+        "folder, or the TrainResult finetune returned"
+    )
+    raise ConfigError(msg)
+
+
+def _label(path: str, taken: set[str]) -> str:
+    p = Path(path)
+    # runs/first/adapter -> "first": the run's name says more than "adapter"
+    name = p.parent.name if p.name in ("adapter", "merged") and p.parent.name else p.name
+    label, n = name or path, 2
+    while label in taken:
+        label, n = f"{name}-{n}", n + 1
+    return label
+
+
+def _models(adapter: Any) -> list[_Model]:
+    """The columns asked for: None is the base alone; a list or a {label: entry} dict side by side."""
+    if adapter is None:
+        return [_Model("completion", BASE)]
+    items: list[tuple[str | None, Any]]
+    if isinstance(adapter, dict):
+        items = [(str(k), v) for k, v in adapter.items()]
+    elif isinstance(adapter, list | tuple):
+        items = [(None, v) for v in adapter]
+    else:
+        items = [(None, adapter)]
+    if not items:
+        msg = "adapter=[] names no model; give 'base', adapter folders, or leave adapter out"
+        raise ConfigError(msg)
+    out: list[_Model] = []
+    taken: set[str] = set()
+    for label, value in items:
+        if value is None or value == BASE:
+            m = _Model(label or BASE, BASE)
+        else:
+            path = _adapter_path(value)
+            m = _Model(label or _label(path, taken), "adapter", path)
+        if m.label in taken:
+            msg = f"two adapter entries are both labelled {m.label!r}; give adapter as a dict {{label: folder}}"
+            raise ConfigError(msg)
+        taken.add(m.label)
+        out.append(m)
+    if len(out) == 1:
+        out[0].label = "completion"
+    return out
+
+
+def _ship(d: Dist, path: str) -> str:
+    """`path` as this rank can read it: itself where every rank sees it, else a copy of rank 0's files
+    in a temporary folder (ranks on another node without shared storage)."""
+    seen = d.gather_objects(Path(path).expanduser().is_dir())
+    if all(seen):
+        return path
+    if not seen[0]:
+        msg = f"adapter folder {path!r} not found on rank 0 on {d.host}; check the path (relative paths are from {os.getcwd()})"
+        raise ConfigError(msg)
+    files = None
+    if d.is_zero:
+        folder = Path(path).expanduser()
+        files = {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file()}
+        if sum(len(b) for b in files.values()) > _SHIP_LIMIT:
+            files = {}
+    files = d.broadcast_object(files)
+    if seen[d.rank]:
+        return path
+    if not files:
+        msg = f"folder {path!r} is on rank 0 only and too large to send; put it on storage every rank sees"
+        raise ConfigError(msg)
+    tmp = Path(tempfile.mkdtemp(prefix="nbtrain-adapter-"))
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    return str(tmp)
+
+
+def _classify(m: _Model) -> None:
+    """An adapter entry is a PEFT adapter (adapter_config.json) or a model folder (config.json: a
+    merged model); anything else is refused."""
+    if m.kind != "adapter" or m.path is None:
+        return
+    p = Path(m.path).expanduser()
+    if (p / "adapter_config.json").is_file():
+        return
+    if (p / "config.json").is_file():
+        m.kind = "model"
+        return
+    msg = (
+        f"adapter {m.path!r} holds neither adapter_config.json (a PEFT adapter) nor config.json (a model "
+        "such as finetune(merge=True) writes); give the adapter folder finetune exported "
+        "(result.adapter_dir, output_dir/adapter) or a merged model folder"
+    )
+    raise ConfigError(msg)
+
+
+def _base_of(models: list[_Model]) -> str | None:
+    import json
+
+    for m in models:
+        if m.kind == "adapter" and m.path:
+            cfg = json.loads((Path(m.path).expanduser() / "adapter_config.json").read_text())
+            base = cfg.get("base_model_name_or_path")
+            if base:
+                return str(base)
+    return None
+
+
+def _settings(
+    model: str, shard: str, load_in_4bit: bool, dtype: str, lora: dict | None = None
+) -> Any:
+    """What the loaders in build/quant/shard read off an SFTConfig, for generation."""
+    lora = lora or {}
+    targets = lora.get("target_modules") or "all-linear"
+    return SimpleNamespace(
+        model=model,
+        shard=shard,
+        load_in_4bit=load_in_4bit,
+        load_in_8bit=False,
+        dtype=dtype,
+        gradient_checkpointing=False,
+        torch_compile=False,
+        use_liger_kernel=False,
+        lora_r=int(lora.get("r") or 1),
+        lora_alpha=lora.get("lora_alpha") or 1,
+        lora_dropout=0.0,
+        target_modules=sorted(targets) if isinstance(targets, list | set) else targets,
+        seed=0,
+    )
+
+
+@contextlib.contextmanager
+def _quiet_hf() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+class _Loader:
+    """The models of the columns on this rank, one after another.
+
+    Unsharded, the base is loaded once and every adapter goes onto it with peft (`disable_adapter` for
+    the base column). Sharded, each column's model is built with FSDP2 by `nbtrain.sft.shard` (an
+    adapter's LoRA weights filled in, each rank its own rows); a merged model is its own load."""
+
+    def __init__(self, d: Dist, base: str, shard: str, load_in_4bit: bool, dtype: str) -> None:
+        from nbtrain.sft import step as one_step
+
+        self.d, self.base, self.shard = d, base, shard
+        self.load_in_4bit, self.dtype = load_in_4bit, dtype
+        self.sharded = shard != "ddp"
+        self.compute_dtype = one_step.compute_dtype(_settings(base, shard, False, dtype), d.device)
+        self.mesh: Any = None
+        self._base: Any = None
+        self._peft: Any = None
+        self._names: dict[str, str] = {}
+
+    def _weights_dtype(self) -> Any:
+        import torch
+
+        return (
+            self.compute_dtype
+            if self.d.device.type == "cuda" and self.compute_dtype
+            else torch.float32
+        )
+
+    def _plain(self, path: str) -> Any:
+        from nbtrain.sft import quant
+        from nbtrain.sft.model import load_model
+
+        cfg = _settings(path, "ddp", self.load_in_4bit, self.dtype)
+        if self.load_in_4bit:
+            return quant.load_quantized(cfg, self.d.device, self.compute_dtype)
+        return load_model(path, self._weights_dtype(), self.d.device)
+
+    def _sharded(self, path: str, adapter: str | None) -> Any:
+        import json
+
+        import torch
+
+        from nbtrain.sft import shard
+
+        lora = None
+        if adapter is not None:
+            lora = json.loads((Path(adapter) / "adapter_config.json").read_text())
+            odd = [k for k in ("use_dora", "use_rslora") if lora.get(k)]
+            if odd or lora.get("modules_to_save") or lora.get("peft_type", "LORA") != "LORA":
+                what = ", ".join(odd) or "modules_to_save or a non-LoRA type"
+                msg = (
+                    f"adapter {adapter!r} uses {what}, which nbtrain cannot load into a sharded model; "
+                    "generate from it with shard='ddp'"
+                )
+                raise ConfigError(msg)
+        cfg = _settings(path, self.shard, self.load_in_4bit, self.dtype, lora)
+        if self.mesh is None:
+            self.mesh = shard.make_mesh(self.d, self.shard, self.d.group)
+        # shard.build_sharded replays peft's LoRA init from a seed: the caller's RNG stays as it was
+        with torch.random.fork_rng(devices=[]):
+            model = shard.build_sharded(
+                cfg, self.d, self.mesh, self._weights_dtype(), self.compute_dtype, lambda b: None
+            )
+        if adapter is not None:
+            _fill_lora(model, adapter)
+        model.eval()
+        return model
+
+    @contextlib.contextmanager
+    def model(self, m: _Model) -> Iterator[Any]:
+        """The model of column `m`, ready to generate from."""
+        with _quiet_hf():
+            if self.sharded:
+                path = m.path if m.kind == "model" else self.base
+                assert path is not None
+                built = self._sharded(path, m.path if m.kind == "adapter" else None)
+                with built.disable_adapter() if m.kind != "adapter" else contextlib.nullcontext():
+                    yield built
+                del built
+                return
+            if m.kind == "model":
+                assert m.path is not None
+                yield self._plain(m.path)
+                return
+            if self._base is None:
+                self._base = self._plain(self.base)
+            if m.kind == BASE:
+                with (
+                    self._peft.disable_adapter()
+                    if self._peft is not None
+                    else contextlib.nullcontext()
+                ):
+                    yield self._peft if self._peft is not None else self._base
+                return
+            assert m.path is not None
+            yield self._with_adapter(m.path)
+
+    def _with_adapter(self, path: str) -> Any:
+        from peft import PeftModel
+
+        name = self._names.get(path)
+        if name is None:
+            name = f"nbtrain{len(self._names)}"
+            if self._peft is None:
+                self._peft = PeftModel.from_pretrained(self._base, path, adapter_name=name)
+            else:
+                self._peft.load_adapter(path, adapter_name=name)
+            self._names[path] = name
+        self._peft.set_adapter(name)
+        self._peft.eval()
+        return self._peft
+
+
+def _fill_lora(model: Any, adapter: str) -> None:
+    """An adapter's LoRA weights into a sharded peft model's (default) LoRA layers, each rank its rows."""
+    from safetensors.torch import load_file
+
+    from nbtrain.sft.shard import fill_adapter
+
+    path = Path(adapter) / "adapter_model.safetensors"
+    if not path.is_file():
+        msg = f"adapter {adapter!r} has no adapter_model.safetensors; save it with peft's save_pretrained (safetensors)"
+        raise ConfigError(msg)
+    stray, missing = fill_adapter(model, load_file(str(path)))
+    if stray:
+        msg = f"adapter {adapter!r}: weight {stray[0]} has no place in the model; is it this model's adapter?"
+        raise ConfigError(msg)
+    if missing:
+        msg = f"adapter {adapter!r} lacks {len(missing)} LoRA weight(s) of its own config ({missing[0]}...)"
+        raise ConfigError(msg)
+
+
+def _frame(rows_by_model: list[tuple[_Model, list[dict[str, Any]]]]) -> Any:
+    import pandas as pd
+
+    first = rows_by_model[0][1]
+    table: dict[str, list[Any]] = {"prompt": [r["prompt"] for r in first]}
+    single = len(rows_by_model) == 1
+    texts = {"prompt", "reference", *(m.label for m, _ in rows_by_model)}
+    for m, rows in rows_by_model:
+        table[m.label] = [r["completion"] for r in rows]
+    if any(r["reference"] is not None for r in first):
+        table["reference"] = [r["reference"] for r in first]
+    for m, rows in rows_by_model:
+        table["tokens" if single else f"tokens_{m.label}"] = [r["tokens"] for r in rows]
+    for m, rows in rows_by_model:
+        table["seconds" if single else f"seconds_{m.label}"] = [r["seconds"] for r in rows]
+    # text columns as objects: a reference that is not known stays None (pandas' string dtype makes it NaN)
+    return pd.DataFrame(
+        {k: pd.Series(v, dtype=object if k in texts else None) for k, v in table.items()}
+    )
+
+
+def generate(
+    prompts: Any,
+    model: str | None = None,
+    adapter: Any = None,
+    *,
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    batch_size: int = 8,
+    chat_template_kwargs: dict | None = None,
+    shard: str = "ddp",
+    load_in_4bit: bool = False,
+    dtype: str = "auto",
+    group: Any = None,
+) -> Any:
+    """Completions of `prompts` from `model` (with `adapter`), generated across the ranks of the cell.
+
+    In [1]: table = nbtrain.generate(["Add 12 and 30."], model="tiny-llama", adapter=result)
+    In [2]: nbtrain.generate("eval.jsonl", adapter=["base", "runs/a/adapter"])   # side by side
+
+    `prompts`: a string, a list of strings and/or message lists (rendered with the chat template and
+    its generation prompt; `chat_template_kwargs` such as {'enable_thinking': False} passed through),
+    or rows / a .jsonl/.json/.parquet/.csv file in the formats `finetune` reads (a row's completion,
+    or its last assistant turn, is the `reference` column).
+    `model`: the base model (Hub id or folder); default: the base the first adapter names.
+    `adapter`: None (the base), a PEFT adapter folder (unmerged), a merged model folder, the
+    `TrainResult` of a `finetune` (its exported adapter), or a list of them (`"base"` for none; a dict
+    {label: entry} names the columns): one completion column per model.
+    Greedy unless `do_sample` (then `temperature`, `top_p`, `top_k`, drawn with its own generator
+    seeded by `seed`, which leaves the global RNG as it was). `shard="fsdp"` and `load_in_4bit`
+    load as `finetune` does. Every rank of the cell must call it (`group`: the ranks of a sub-group).
+
+    Returns on rank 0 a pandas DataFrame in prompt order: prompt, completion (or one column per
+    model), reference where known, tokens (generated, with the end-of-sequence token) and seconds
+    (of the batch it was in); None on the other ranks.
+    """
+    decoding = decode.Decoding(
+        max_new_tokens, do_sample, temperature, top_p, top_k, seed, batch_size
+    )
+    problems = decoding.problems()
+    if shard not in SHARDS:
+        problems.append(
+            f"shard={shard!r} is not supported by generate; use one of {', '.join(SHARDS)}"
+        )
+    if not isinstance(load_in_4bit, bool):
+        problems.append(f"load_in_4bit={load_in_4bit!r} must be True or False")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        problems.append(
+            f"chat_template_kwargs={chat_template_kwargs!r} must be a dict such as {{'enable_thinking': False}}, or None"
+        )
+    if model is not None and not isinstance(model, str | os.PathLike):
+        problems.append(f"model={model!r} must be a Hub id or a model folder (a string)")
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        msg = f"invalid nbtrain.generate arguments:\n{lines}"
+        raise ConfigError(msg)
+    entries = decode.read_prompts(prompts)
+    models = _models(adapter)
+
+    d = Dist(group)
+    for m in models:
+        if m.kind == "adapter" and m.path is not None:
+            m.path = _ship(d, m.path)
+
+    def check() -> tuple[str, Any]:
+        from nbtrain.sft.model import check_causal_lm, load_tokenizer
+
+        for m in models:
+            _classify(m)
+        base = os.fspath(model) if model is not None else _base_of(models)
+        if base is None:
+            if all(m.kind == "model" for m in models):
+                base = str(models[0].path)
+            else:
+                msg = "generate needs model= (a Hub id or model folder): no adapter names its base model"
+                raise ConfigError(msg)
+        check_causal_lm(base)
+        if load_in_4bit:
+            from nbtrain.sft import quant
+
+            quant.check_quant(_settings(base, shard, True, dtype), d.device, d.rank, d.host)
+        with _quiet_hf():
+            return base, load_tokenizer(base)
+
+    base, tokenizer = d.agree(check)
+    tokenized = d.agree(lambda: decode.encode(entries, tokenizer, chat_template_kwargs))
+    loader = _Loader(d, base, shard, load_in_4bit, dtype)
+    synced = loader.sharded and d.world > 1
+    done: list[tuple[_Model, list[dict[str, Any]]]] = []
+    for m in models:
+        with loader.model(m) as net:
+            rows = decode.generate_across(net, tokenizer, tokenized, d, decoding, synced)
+        if rows is not None:
+            done.append((m, rows))
+    return _frame(done) if d.is_zero else None
