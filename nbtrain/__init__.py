@@ -20,6 +20,7 @@ __all__ = [
     "Cluster",
     "ClusterPicker",
     "ConfigError",
+    "DPOConfig",
     "DistributedCellError",
     "Preempted",
     "SFTConfig",
@@ -30,6 +31,7 @@ __all__ = [
     "connect",
     "current_cluster",
     "finetune",
+    "generate",
     "is_rank_zero",
     "load_ipython_extension",
     "log",
@@ -44,6 +46,7 @@ _LAZY = {
     "Cluster": "nbtrain.cluster.facade",
     "ClusterPicker": "nbtrain.display.picker",
     "ConfigError": "nbtrain.errors",
+    "DPOConfig": "nbtrain.sft.dpo_config",
     "DistributedCellError": "nbtrain.errors",
     "Preempted": "nbtrain.sft.preempt",
     "check": "nbtrain.cluster.check",
@@ -56,6 +59,7 @@ _LAZY = {
     "SFTConfig": "nbtrain.sft.config",
     "TrainResult": "nbtrain.sft.train",
     "finetune": "nbtrain.sft.train",
+    "generate": "nbtrain.sft.generate",
     "log": "nbtrain.engine.metrics",
     "log_end": "nbtrain.engine.metrics",
     "is_rank_zero": "nbtrain.engine.rank",
@@ -71,6 +75,8 @@ if TYPE_CHECKING:
     from nbtrain.engine.rank import is_rank_zero
     from nbtrain.errors import ConfigError, DistributedCellError
     from nbtrain.sft.config import SFTConfig
+    from nbtrain.sft.generate import generate
+    from nbtrain.sft.dpo_config import DPOConfig
     from nbtrain.sft.preempt import Preempted
     from nbtrain.sft.train import TrainResult, finetune
 

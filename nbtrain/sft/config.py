@@ -398,10 +398,16 @@ class SFTConfig:
                 problems.append("resume and overwrite=True contradict each other; drop one of them")
 
         problems.extend(_sharding_problems(self))
+        problems.extend(self._own_problems())
         if problems:
             lines = "\n".join(f"  - {p}" for p in problems)
-            msg = f"invalid SFTConfig:\n{lines}"
+            msg = f"invalid {type(self).__name__}:\n{lines}"
             raise ConfigError(msg)
+
+    def _own_problems(self) -> list[str]:
+        """What a config built on this one (DPOConfig) finds wrong with its own fields; reported with
+        the rest, in one ConfigError."""
+        return []
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as JSON-ready values (in-memory data shown by its type and length)."""
@@ -422,15 +428,15 @@ class SFTConfig:
         return "\n".join(f"{f.name} = {f.default!r}: {f.metadata['help']}" for f in fields(cls))
 
 
-def _known_keywords_only(init: Any) -> Any:
-    """SFTConfig's generated __init__, refusing an unknown keyword with the nearest field's name
+def known_keywords_only(init: Any) -> Any:
+    """A config's generated __init__, refusing an unknown keyword with the nearest field's name
     (`learning_rte=` -> learning_rate) instead of Python's bare TypeError."""
     import difflib
     import functools
 
     @functools.wraps(init)
     def checked(self: SFTConfig, *args: Any, **kwargs: Any) -> None:
-        names = [f.name for f in fields(SFTConfig)]
+        names = [f.name for f in fields(type(self))]
         unknown = [k for k in kwargs if k not in names]
         if unknown:
             lines = []
@@ -438,14 +444,15 @@ def _known_keywords_only(init: Any) -> Any:
                 near = difflib.get_close_matches(k, names, n=1, cutoff=0.6)
                 hint = f" (did you mean {near[0]}?)" if near else ""
                 lines.append(f"unknown setting {k}{hint}")
-            msg = "SFTConfig: " + "; ".join(lines) + ". SFTConfig.help() lists every setting."
+            cls = type(self).__name__
+            msg = f"{cls}: " + "; ".join(lines) + f". {cls}.help() lists every setting."
             raise ConfigError(msg)
         init(self, *args, **kwargs)
 
     return checked
 
 
-SFTConfig.__init__ = _known_keywords_only(SFTConfig.__init__)  # type: ignore[method-assign]
+SFTConfig.__init__ = known_keywords_only(SFTConfig.__init__)  # type: ignore[method-assign]
 
 
 SHARDS = ("ddp", "fsdp", "hsdp")

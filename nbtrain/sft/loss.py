@@ -425,6 +425,20 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def last_hidden_states(model: Any, batch: dict[str, Any], autocast: Any) -> tuple[Any, Any, Any]:
+    """(the last hidden states [B, T, H], the lm_head, its soft-cap) of `batch`, without the logits.
+
+    For a loss that needs per-token log-probabilities rather than a sum (DPO's sequence log-probs).
+    `model` is called through its own top-level forward, DDP and peft wrappers included, with the
+    lm_head made the identity for the call, as `causal_lm_loss_sum` does; only a model that
+    `fused_loss_supported` passes gives the true states.
+    """
+    base = _unwrap(model)
+    with _hidden_states_out(base) as (head, softcap), autocast():
+        hidden = model(**model_inputs(batch)).logits
+    return hidden, head, softcap
+
+
 def causal_lm_loss_sum(model: Any, batch: dict[str, Any], autocast: Any, impl: LossFn) -> Any:
     """Summed next-token cross-entropy over the batch's target tokens, without the [B, T, V] logits.
 

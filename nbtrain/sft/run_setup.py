@@ -84,9 +84,7 @@ class RunSetup:
         self.tokenizer = checked["tokenizer"]
         self.eval_rows = checked["eval_rows"]
         # the rows, tokenized once across the ranks (or read from the token cache), before the model
-        store = tokens.prepare(
-            checked["source"], self.tokenizer, d, self.data_cache, self.template_kwargs
-        )
+        store = self.prepare_rows(checked["source"])
         self._load_model(mesh, [n for n in (shard_note, checked["fits"]) if n])
         # the base model's own KV-cache setting (training turns it off), for the merged export
         self.use_cache = getattr(checked["base_config"], "use_cache", None)
@@ -98,6 +96,11 @@ class RunSetup:
         self._resume_point(checked["resume_from"])
         self._open_output()
         self._optimizer()
+
+    def prepare_rows(self, source: Any) -> Any:
+        """The training rows as a token store, tokenized once across the ranks (or read from the token
+        cache); a recipe with other rows (DPO's pairs) tokenizes them its own way here."""
+        return tokens.prepare(source, self.tokenizer, self.d, self.data_cache, self.template_kwargs)
 
     def _check(self) -> dict[str, Any]:
         from nbtrain.sft.data import load_rows

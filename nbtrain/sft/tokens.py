@@ -73,7 +73,7 @@ def _code_digest() -> str:
     """The tokenization code itself: a change to how rows become tokens is a different cache."""
     here = Path(__file__).parent
     h = hashlib.blake2b(digest_size=8)
-    for name in ("sources.py", "rows.py", "chat.py", "store.py", "tokens.py"):
+    for name in ("sources.py", "rows.py", "chat.py", "store.py", "tokens.py", "prefs.py"):
         f = here / name
         if f.is_file():
             h.update(f.read_bytes())
@@ -106,12 +106,14 @@ def fingerprint(
     tokenizer: Any,
     template_kwargs: dict | None = None,
     memo: Path | None = None,
+    encoder: Any = None,
 ) -> str:
-    """The cache's name: data content, tokenizer, template arguments, tokenization code, format and
-    nbtrain version."""
+    """The cache's name: data content, tokenizer, template arguments, tokenization code (and which
+    encoder: SFT rows or preference pairs), format and nbtrain version."""
     h = hashlib.blake2b(digest_size=12)
     for piece in (
         f"format={FORMAT}",
+        *([] if encoder is None else [f"encoder={encoder.__name__}"]),
         json.dumps(template_kwargs or {}, sort_keys=True, default=str),
         version(),
         _code_digest(),
@@ -185,6 +187,7 @@ def _tokenize_part(
     writer: PartWriter,
     progress: _Progress,
     template_kwargs: dict | None,
+    encode: Any = encode_batch,
 ) -> tuple[int, list[tuple[int, str]], int]:
     """Tokenize part k of `parts` into `writer`: (rows read, the first bad rows as (local index, the
     row's problem without its global index), how many rows are bad)."""
@@ -195,7 +198,7 @@ def _tokenize_part(
 
     def flush() -> None:
         nonlocal n_bad
-        results = encode_batch([r.value for r in pending], tokenizer, template_kwargs)
+        results = encode([r.value for r in pending], tokenizer, template_kwargs)
         for r, res in zip(pending, results, strict=True):
             if isinstance(res, ConfigError):
                 n_bad += 1
@@ -219,9 +222,14 @@ def _tokenize_part(
 
 
 def _describe(
-    source: Source, tokenizer: Any, row: Any, index: int, template_kwargs: dict | None
+    source: Source,
+    tokenizer: Any,
+    row: Any,
+    index: int,
+    template_kwargs: dict | None,
+    problem: Any = row_problem,
 ) -> str:
-    return row_problem(row.value, tokenizer, index, source.row_where(row), template_kwargs)
+    return problem(row.value, tokenizer, index, source.row_where(row), template_kwargs)
 
 
 def prepare(
@@ -230,10 +238,13 @@ def prepare(
     d: Any,
     setting: str | None = "auto",
     template_kwargs: dict | None = None,
+    encoder: Any = None,
 ) -> TokenStore:
     """The tokenized rows of `source` on every rank of `d`: from the cache, or made now and cached.
 
     `template_kwargs` go to the chat template of every row (SFTConfig.chat_template_kwargs).
+    `encoder` is the module that turns rows into tokens (its `encode_batch`, `row_problem` and
+    `ACCEPTED`): None for SFT rows (`nbtrain.sft.rows`), `nbtrain.sft.prefs` for preference pairs.
 
     Every step runs on every rank (each phase through `d.agree`, so one rank's failure stops all of
     them instead of leaving the others waiting in a collective)."""
@@ -242,7 +253,7 @@ def prepare(
     key, run = d.agree(
         lambda: (
             (
-                fingerprint(source, tokenizer, template_kwargs, root and root / SOURCES),
+                fingerprint(source, tokenizer, template_kwargs, root and root / SOURCES, encoder),
                 uuid.uuid4().hex[:12],
             )
             if d.is_zero
@@ -296,7 +307,14 @@ def prepare(
 
     def tokenize() -> tuple[int, int, dict[str, int]]:
         n, bad_rows, n_bad = _tokenize_part(
-            source, tokenizer, k, parts, writer, progress, template_kwargs
+            source,
+            tokenizer,
+            k,
+            parts,
+            writer,
+            progress,
+            template_kwargs,
+            encoder.encode_batch if encoder is not None else encode_batch,
         )
         nonlocal bad
         bad = bad_rows
@@ -315,8 +333,12 @@ def prepare(
     total_bad = sum(e[2] for e in mine)
     if any(e[2] for e in everyone):
         # every rank words its own bad rows with their global index and line, then all raise alike
+        problem = encoder.row_problem if encoder is not None else row_problem
         words = [
-            (before + local, _describe(source, tokenizer, row, before + local, template_kwargs))
+            (
+                before + local,
+                _describe(source, tokenizer, row, before + local, template_kwargs, problem),
+            )
             for local, row in bad
         ]
         shown = sorted(w for ws in d.gather_objects(words) for w in ws)
@@ -335,7 +357,12 @@ def prepare(
         d.barrier()
         if leader:
             shutil.rmtree(work, ignore_errors=True)
-        msg = f"{source.where} has no rows; give at least one row with 'prompt' + 'completion', 'messages' or 'text'"
+        accepted = (
+            encoder.ACCEPTED
+            if encoder is not None
+            else "'prompt' + 'completion', 'messages' or 'text'"
+        )
+        msg = f"{source.where} has no rows; give at least one row with {accepted}"
         raise ConfigError(msg)
 
     # ---- the site's first rank makes it one cache: meta.json last, then the folder into place

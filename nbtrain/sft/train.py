@@ -37,5 +37,13 @@ def finetune(
     and it trains exactly as a cluster of that many ranks would. Call it on the group's ranks only.
 
     `hooks` (`nbtrain.sft.hooks.Hooks`) are called in the loop: on_step, on_eval, on_log, on_save.
+
+    An `nbtrain.DPOConfig` runs DPO on preference pairs instead (`nbtrain.sft.dpo_recipe.DPORecipe`).
     """
+    from nbtrain.sft.dpo_config import DPOConfig
+
+    if isinstance(cfg, DPOConfig):
+        from nbtrain.sft.dpo_recipe import DPORecipe
+
+        return DPORecipe(cfg, merge=merge, group=group, hooks=hooks).run()
     return SFTRecipe(cfg, merge=merge, group=group, hooks=hooks).run()

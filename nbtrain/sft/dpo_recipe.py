@@ -1,0 +1,231 @@
+"""The DPO recipe: SFT's set-up, checkpoints and export, with DPO's data and its own step.
+
+In [1]: recipe = DPORecipe(cfg)      # cfg: nbtrain.DPOConfig, read once
+In [2]: recipe.setup()               # pairs, model + LoRA, batch plan, resume; reference log-probs if precomputed
+In [3]: recipe.train()               # the loop, checkpoints, the export
+In [4]: recipe.result()
+
+`nbtrain.finetune(DPOConfig(...))` is `DPORecipe(cfg).run()`. The reference model is the same model with
+its LoRA adapter off (peft's `disable_adapter()`), so there is no second copy: each step runs the pairs
+once without the adapter (no gradients), once with it, or reads the reference log-probabilities
+computed once at set-up (`precompute_ref_log_probs=True`).
+
+A step's global batch is the pairs of every rank's micro-batches; the loss is their mean, so N ranks of
+B pairs train exactly as one rank of N*B (gradients summed by DDP, scaled by world / pairs). The reward
+metrics are summed over ranks and the steps since the last logged row, then divided by the pairs: the
+row holds TRL's means, under TRL's names (`dpo_loss.METRICS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from nbtrain.errors import ConfigError
+from nbtrain.sft import dpo_loss, prefs, shard, tokens
+from nbtrain.sft.dpo_config import DPOConfig
+from nbtrain.sft.hooks import Hooks
+from nbtrain.sft.recipe import SFTRecipe
+
+
+class DPORecipe(SFTRecipe):
+    """One LoRA DPO run on this rank: `setup()`, `train()`, `result()` (or `run()`)."""
+
+    def __init__(
+        self, cfg: DPOConfig, merge: bool = False, group: Any = None, hooks: Hooks | None = None
+    ) -> None:
+        if not isinstance(cfg, DPOConfig):
+            msg = f"DPORecipe needs an nbtrain.DPOConfig, got {type(cfg).__name__}"
+            raise ConfigError(msg)
+        super().__init__(cfg, merge=merge, group=group, hooks=hooks)
+        self.beta = float(cfg.beta)
+        self.loss_type = cfg.loss_type
+        self.precompute = cfg.precompute_ref_log_probs
+        self.disable_dropout = cfg.disable_dropout
+        self.cut = prefs.Cut(
+            cfg.max_length, cfg.truncation_side, cfg.max_prompt_length, cfg.max_completion_length
+        )
+        #: per data row: the reference log-probs of (chosen, rejected), where precomputed
+        self.ref_table: Any = None
+        self._sums: Any = None
+
+    # ---- set-up: pairs instead of rows, dropout off, the reference log-probs once if asked
+
+    def prepare_rows(self, source: Any) -> Any:
+        return tokens.prepare(
+            source, self.tokenizer, self.d, self.data_cache, self.template_kwargs, encoder=prefs
+        )
+
+    def _batches(self, store: Any) -> None:
+        d, plan = self.d, self.plan
+
+        def make() -> Any:
+            return prefs.PrefBatches(
+                store,
+                self.tokenizer,
+                self.cut,
+                batch_size=plan.micro_batch,
+                grad_accum=plan.grad_accum,
+                seed=self.seed,
+                rank=d.rank,
+                world_size=d.world,
+            )
+
+        self.batches = d.agree(make)
+        self.evals = None
+        self.spe = self.batches.steps_per_epoch
+
+    def setup(self) -> None:
+        import torch
+
+        super().setup()
+        self.fused = self.loss_fn is not None
+        if self.disable_dropout:
+            # TRL's disable_dropout: the policy and the reference are the same network but for LoRA
+            for m in self.peft_model.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = 0.0
+        self._sums = torch.zeros(len(dpo_loss.METRICS) + 1, dtype=torch.float64)
+        if self.precompute:
+            t0 = time.perf_counter()
+            self.ref_table = self.d.agree(self._precompute)
+            if self.d.is_zero:
+                print(
+                    f"nbtrain: reference log-probs of {len(self.batches.kept):,} pairs computed in "
+                    f"{time.perf_counter() - t0:.1f} s",
+                    flush=True,
+                )
+
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        dev = self.d.device
+        if dev.type != "cuda":
+            return batch
+        return {k: v.pin_memory().to(dev, non_blocking=True) for k, v in batch.items()}
+
+    def reference_logps(self, batch: dict[str, Any]) -> Any:
+        """[2B] log-probs of the batch's sequences under the base model (the adapter off, no grad)."""
+        import torch
+
+        with torch.no_grad(), self.peft_model.disable_adapter():
+            # the unwrapped model: nothing here needs DDP's gradient sync
+            return dpo_loss.sequence_logps(self.peft_model, batch, self.autocast, self.fused)
+
+    def _precompute(self) -> Any:
+        """Every kept pair's reference log-probs: rank r takes pairs r, r+N, ... in micro-batches, and
+        the ranks swap what they found; every rank runs as many forwards (FSDP gathers in each)."""
+        import numpy as np
+
+        d, b = self.d, self.batches
+        mine = b.kept[d.rank :: d.world]
+        size = self.plan.micro_batch
+        n_batches = -(-len(b.kept[:: d.world]) // size)
+        found: list[tuple[int, float, float]] = []
+        for k in range(n_batches):
+            pairs = [b.example(i) for i in mine[k * size : (k + 1) * size]]
+            pad = max((b.length(p) for p in pairs), default=1)
+            batch = self._to_device(b.collate(pairs, pad))
+            chosen, rejected = self.reference_logps(batch).double().cpu().chunk(2)
+            found += [
+                (p.index, float(c), float(r))
+                for p, c, r in zip(pairs, chosen.tolist(), rejected.tolist(), strict=False)
+            ]
+        table = np.full((len(b.store), 2), np.nan, dtype=np.float64)
+        for part in d.gather_objects(found):
+            for i, c, r in part:
+                table[i] = (c, r)
+        return table
+
+    # ---- train: DPO's step
+
+    def train_step(self) -> bool:
+        """One optimizer step over the global batch of pairs, its log row and checkpoint; False where
+        the run stops before the step instead (a stop request, or a preemption)."""
+        import torch
+
+        d, plan, batches = self.d, self.plan, self.batches
+        GA = plan.grad_accum
+        meter = self.meter
+        # one small collective per step: pairs and lengths per micro-batch, and the stop flags
+        micro = [self.micro_batch(self.step, a) for a in range(GA)]
+        stats = torch.zeros((d.world, 2 * GA + 3), dtype=torch.float64)
+        for a, pairs in enumerate(micro):
+            stats[d.rank, a] = len(pairs)
+            stats[d.rank, GA + a] = max((batches.length(p) for p in pairs), default=1)
+        stats[d.rank, 2 * GA] = sum(
+            len(ids) for pairs in micro for p in pairs for ids, _ in self.cut.seqs(p)
+        )
+        if self.runlog is not None:
+            stats[0, 2 * GA + 1] = float(self.runlog.stop_requested())
+        stats[d.rank, 2 * GA + 2] = float(self.preemption.signum)
+        stats = d.sum_meta(stats)
+        signalled = [r for r in range(d.world) if stats[r, 2 * GA + 2] > 0]
+        if signalled:
+            self.preempted = (signalled[0], int(stats[signalled[0], 2 * GA + 2]))
+        if stats[0, 2 * GA + 1] > 0 or self.preempted:
+            return False
+        n_pairs = max(float(stats[:, :GA].sum()), 1.0)
+        model = self.model
+        for a, pairs in enumerate(micro):
+            # pad to the longest sequence across ranks: the shapes one rank with the whole batch has
+            batch = self._to_device(batches.collate(pairs, int(stats[:, GA + a].max())))
+            ref = self._reference(batch)
+            sync = a == GA - 1 or not d.active
+            if self.sharded:
+                shard.set_gradient_sync(model, sync)
+            with contextlib.nullcontext() if sync or self.sharded else model.no_sync():
+                logps = dpo_loss.sequence_logps(model, batch, self.autocast, self.fused)
+                losses = dpo_loss.pair_losses(logps, ref, batch, self.beta, self.loss_type)
+                batch_loss = losses.sum()
+                # DDP averages gradients over ranks; scaling by world makes it the mean over all pairs
+                (batch_loss * (d.world / n_pairs)).backward()
+            meter.loss += batch_loss.detach().double() / n_pairs
+            self._sums += dpo_loss.metric_sums(logps, ref, batch, self.beta)
+        self.grad_norm = shard.clip_grad_norm(self.trainable, self.clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        step = self.step
+        meter.steps += 1
+        meter.tokens += float(stats[:, 2 * GA].sum())
+        self.hooks.call("on_step", self, step=step, grad_norm=self.grad_norm, lr=lr)
+        if step % self.logging_steps == 0 or step == self.total_steps:
+            self.log(meter.row(step, self.grad_norm, lr, None))
+        if self.save_steps is not None and (
+            step % self.save_steps == 0 or step == self.total_steps
+        ):
+            t0 = time.perf_counter()
+            self.save_checkpoint(step)
+            meter.exclude(time.perf_counter() - t0)
+        return True
+
+    def _reference(self, batch: dict[str, Any]) -> Any:
+        """The batch's reference log-probs: looked up where precomputed, else a forward without LoRA."""
+        import torch
+
+        if self.ref_table is None:
+            return self.reference_logps(batch)
+        idx = batch["index"].cpu().numpy()
+        real = idx >= 0
+        table = self.ref_table
+        chosen = [table[i, 0] if ok else 0.0 for i, ok in zip(idx, real, strict=True)]
+        rejected = [table[i, 1] if ok else 0.0 for i, ok in zip(idx, real, strict=True)]
+        return torch.tensor(
+            chosen + rejected, dtype=torch.float32, device=batch["input_ids"].device
+        )
+
+    def log(self, row: dict[str, Any]) -> None:
+        """The row with the reward metrics of the steps since the last row, summed over every rank
+        (a collective: every rank logs the same rows), then SFT's logging."""
+        sums = self.d.sum_meta(self._sums.clone())
+        pairs = float(sums[-1])
+        if pairs > 0:
+            row = {**row, **{k: float(sums[i]) / pairs for i, k in enumerate(dpo_loss.METRICS)}}
+        self._sums.zero_()
+        super().log(row)
+
+    def evaluate(self) -> float:
+        msg = "DPO runs have no eval_data evaluation yet"
+        raise NotImplementedError(msg)
