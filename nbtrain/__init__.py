@@ -75,8 +75,8 @@ if TYPE_CHECKING:
     from nbtrain.engine.rank import is_rank_zero
     from nbtrain.errors import ConfigError, DistributedCellError
     from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.generate import generate
     from nbtrain.sft.dpo_config import DPOConfig
+    from nbtrain.sft.generate import generate
     from nbtrain.sft.preempt import Preempted
     from nbtrain.sft.train import TrainResult, finetune
 
