@@ -1,4 +1,5 @@
-"""The live training display under a running cell: loss and throughput curves, a progress bar, ETA.
+"""The live training display under a running cell: loss and throughput curves, a progress bar, ETA, and
+the completions sampled while training (a table under the curves, newest step first).
 
 Fed with the payloads `nbtrain.log` publishes (see `nbtrain.engine.metrics`). It redraws at most once
 a second on the client, so the engines never wait for it. When the run ends it leaves a static image
@@ -27,6 +28,9 @@ TABLE_KEYS = (
     "mfu",
     "peak_mem_gb",
 )
+# the samples table: this many of the newest sampled steps, each completion cut to this many characters
+SAMPLE_STEPS_SHOWN = 4
+SAMPLE_CHARS = 240
 
 
 def _fmt(value: Any) -> str:
@@ -62,6 +66,8 @@ class LiveDisplay:
     def __init__(self, min_interval: float = 1.0) -> None:
         self.min_interval = min_interval
         self.rows: list[dict[str, Any]] = []
+        #: step -> the completions sampled at it (`SFTConfig.sample_prompts`)
+        self.samples: dict[int, list[dict[str, Any]]] = {}
         self.total: int | None = None
         self.name: str | None = None
         self.t0 = time.monotonic()
@@ -80,6 +86,10 @@ class LiveDisplay:
             self.name = payload.get("name")
             self.t0 = time.monotonic()
             self.rows = []
+            self.samples = {}
+            self._dirty = True
+        elif kind == "samples":
+            self.samples[int(payload.get("step", 0))] = list(payload.get("rows", []))
             self._dirty = True
         elif kind == "row":
             self.rows.append(dict(payload.get("row", {})))
@@ -200,6 +210,54 @@ class LiveDisplay:
         last = self.rows[-1]
         return "\n".join(f"{k:>14}  {_fmt(v)}" for k, v in last.items())
 
+    def _samples_html(self) -> str:
+        """Each prompt's completion by step, the newest step first (the newest SAMPLE_STEPS_SHOWN)."""
+        if not self.samples:
+            return ""
+        steps = sorted(self.samples, reverse=True)[:SAMPLE_STEPS_SHOWN]
+        prompts: dict[int, dict[str, Any]] = {}
+        for step in sorted(self.samples):
+            for r in self.samples[step]:
+                prompts[r.get("index", 0)] = r
+        has_ref = any(r.get("reference") is not None for r in prompts.values())
+
+        def cell(value: Any) -> str:
+            text = "" if value is None else str(value)
+            cut = text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS] + "…"
+            return (
+                f"<td style='text-align:left;vertical-align:top;white-space:pre-wrap' "
+                f"title='{html.escape(text, quote=True)}'>{html.escape(cut)}</td>"
+            )
+
+        head = "<th style='text-align:left'>prompt</th>" + "".join(
+            f"<th style='text-align:left'>step {s}</th>" for s in steps
+        )
+        if has_ref:
+            head += "<th style='text-align:left'>reference</th>"
+        body = []
+        for index in sorted(prompts):
+            by_step = {
+                s: next((r for r in self.samples[s] if r.get("index", 0) == index), None)
+                for s in steps
+            }
+            cells = cell(prompts[index].get("prompt")) + "".join(
+                cell(r.get("completion") if r else None) for r in by_step.values()
+            )
+            if has_ref:
+                cells += cell(prompts[index].get("reference"))
+            body.append(f"<tr>{cells}</tr>")
+        return (
+            "<details open><summary>samples</summary>"
+            f"<table class='nbtrain-samples'><tr>{head}</tr>{''.join(body)}</table></details>"
+        )
+
+    def _samples_text(self) -> str:
+        step = max(self.samples)
+        lines = [f"samples at step {step}:"]
+        for r in self.samples[step]:
+            lines.append(f"  [{r.get('index')}] {r.get('prompt')!r} -> {r.get('completion')!r}")
+        return "\n".join(lines)
+
     def bundle(self, final: bool = False) -> dict[str, Any]:
         step, _, line = self._progress()
         # live frames are SVG drawn by the browser; the final, static image is one matplotlib PNG
@@ -215,10 +273,13 @@ class LiveDisplay:
             img = "<br>" + self._svg()
         table = self._table_html() if final else ""
         state = "finished" if final else "running"
-        doc = f"<div class='nbtrain-live'><b>{title}</b> ({state}) {bar}<code>{html.escape(line)}</code>{img}{table}</div>"
+        samples = self._samples_html()
+        doc = f"<div class='nbtrain-live'><b>{title}</b> ({state}) {bar}<code>{html.escape(line)}</code>{img}{table}{samples}</div>"
         text = f"{self.name or 'training'} ({state}): {line}"
         if final:
             text += "\n" + self._table_text()
+        if final and self.samples:
+            text += "\n" + self._samples_text()
         data: dict[str, Any] = {"text/plain": text, "text/html": doc}
         if png is not None and final:
             data["image/png"] = base64.b64encode(png).decode()

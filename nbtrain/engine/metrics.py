@@ -7,7 +7,9 @@ user's own loop may call `log` on every rank.
 
 Wire format (the client's `nbtrain.live.MetricsFeed` reads it): published keys are
 ``"nbtrain.metrics.<seq>"`` with a zero-padded sequence number, each value a dict with ``kind`` one of
-``"begin"`` (``total_steps``, ``name``), ``"row"`` (``row``: the metrics dict) or ``"end"``.
+``"begin"`` (``total_steps``, ``name``), ``"row"`` (``row``: the metrics dict), ``"samples"``
+(``step``, ``rows``: the completions sampled at that step, each {"index", "prompt", "completion",
+"reference", "tokens", "seconds"} with the prompt as one string; `SFTConfig.sample_prompts`) or ``"end"``.
 
 In a plain kernel the rows go to a sink the kernel side registered (`set_local_sink`: `import nbtrain`
 registers the live display), so this module, which runs on engines, never imports widget code.
@@ -112,6 +114,12 @@ def log(step: int | None = None, **metrics: Any) -> None:
     for key, value in metrics.items():
         row[key] = _clean(value)
     _publish({"kind": "row", "row": row})
+
+
+def samples(step: int, rows: list[dict[str, Any]]) -> None:
+    """The completions sampled at `step` (rank 0 only), for the table under the live plots."""
+    clean = [{k: _clean(v) for k, v in r.items()} for r in rows]
+    _publish({"kind": "samples", "step": int(step), "rows": clean})
 
 
 def end() -> None:

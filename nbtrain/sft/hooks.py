@@ -5,12 +5,13 @@ In [2]: @hooks.on_log
    ...: def keep(recipe, row): rows.append(row)
 In [3]: nbtrain.finetune(cfg, hooks=hooks)
 
-A feature that needs the loop (sampling during training, preference tuning) adds a hook here instead of
+A feature that needs the loop (sampling during training: `nbtrain.sft.sampling`) adds a hook here instead of
 another branch in the loop. Every hook gets the recipe first (its model, optimizer, `Dist`, step) and then
 keyword arguments, on every rank, in the order the hooks were added:
 
 | hook | when | arguments |
 |---|---|---|
+| `on_begin` | once before the first step (of a new or a resumed run), in train mode | `step` (the step the run starts from) |
 | `on_step` | after each optimizer step | `step`, `grad_norm`, `lr` (the rate the step used) |
 | `on_eval` | after each evaluation | `step`, `eval_loss` |
 | `on_log` | after each logged row (the row is in the history, the live plot and `metrics.jsonl`) | `row` |
@@ -27,7 +28,7 @@ from typing import Any
 from nbtrain.errors import ConfigError
 
 #: the loop's extension points, in the order a step reaches them
-NAMES = ("on_step", "on_eval", "on_log", "on_save")
+NAMES = ("on_begin", "on_step", "on_eval", "on_log", "on_save")
 
 Hook = Callable[..., Any]
 
@@ -48,6 +49,16 @@ class Hooks:
             raise ConfigError(msg)
         self._fns[name].append(fn)
         return fn
+
+    def copy(self) -> Hooks:
+        """The same hooks in a new object: a run adds its own (sampling) without touching the caller's."""
+        new = Hooks()
+        for name, fns in self._fns.items():
+            new._fns[name] = list(fns)
+        return new
+
+    def on_begin(self, fn: Hook) -> Hook:
+        return self.add("on_begin", fn)
 
     def on_step(self, fn: Hook) -> Hook:
         return self.add("on_step", fn)

@@ -8,7 +8,8 @@ In [4]: recipe.result()              # the TrainResult `finetune` returns
 `nbtrain.finetune(cfg)` is `SFTRecipe(cfg).run()`. The loop follows nanoGPT's train.py: one global batch
 per optimizer step, gradients summed across ranks by DDP, the loss normalised by the number of target
 tokens in the whole global batch, so N ranks with batch B train exactly like 1 rank with batch N*B.
-Features that need the loop add a hook (`nbtrain.sft.hooks`: on_step, on_eval, on_log, on_save).
+Features that need the loop add a hook (`nbtrain.sft.hooks`: on_begin, on_step, on_eval, on_log,
+on_save), as the samples taken while training do (`nbtrain.sft.sampling`).
 
 Phases, and what each may touch: `setup` (`nbtrain.sft.run_setup`, which any training recipe can share)
 finds everything that can be wrong on every rank before any write, and only then opens output_dir on
@@ -34,6 +35,7 @@ from nbtrain.sft.preempt import Preempted, Preemption
 from nbtrain.sft.preempt import message as preempt_message
 from nbtrain.sft.report import Meter, flops_per_token, peak_flops
 from nbtrain.sft.run_setup import RunSetup
+from nbtrain.sft.sampling import Sampler
 from nbtrain.sft.span import drop_taken
 
 
@@ -73,7 +75,10 @@ class SFTRecipe(RunSetup):
     ) -> None:
         super().__init__(cfg, group)
         self.merge = merge
-        self.hooks = hooks if hooks is not None else Hooks()
+        # the caller's hooks and the run's own (samples while training) in a copy of its object
+        self.hooks = hooks.copy() if hooks is not None else Hooks()
+        if cfg.sample_prompts is not None:
+            Sampler(cfg).attach(self.hooks)
         # what the loop and the saves fill in
         self.step = 0
         self.state = "failed"
@@ -112,6 +117,7 @@ class SFTRecipe(RunSetup):
             self.meter = Meter(d, self.spe, token_flops, peak, step_shift=span.shift)
             self.model.train()
             self.grad_norm = None
+            self.hooks.call("on_begin", self, step=self.step)
             stopped = False
             while self.step < self.total_steps:
                 if not self.train_step():

@@ -179,6 +179,8 @@ class Meter:
         self.reset()
 
     def reset(self) -> None:
+        #: figures a hook adds to the next row (`note`), e.g. the seconds spent sampling
+        self.extra: dict[str, float] = {}
         self.loss.zero_()
         self.steps = 0
         self.tokens = 0.0
@@ -187,6 +189,10 @@ class Meter:
     def exclude(self, seconds: float) -> None:
         """Leave time spent outside training (evaluation) out of tokens/s and step time."""
         self.start += seconds
+
+    def note(self, key: str, value: float) -> None:
+        """Add `value` to column `key` of the next row (summed until that row is made)."""
+        self.extra[key] = self.extra.get(key, 0.0) + value
 
     def row(self, step: int, grad_norm: Any, lr: float, eval_loss: float | None) -> dict[str, Any]:
         import torch
@@ -219,6 +225,7 @@ class Meter:
         }
         if eval_loss is not None:
             row["eval_loss"] = eval_loss
+        row.update(self.extra)
         if self.on_gpu:
             if self.peak_flops:
                 row["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * d.world)

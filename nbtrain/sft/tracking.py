@@ -9,6 +9,8 @@ In [1]: cfg = nbtrain.SFTConfig(..., report_to=["tensorboard", "mlflow"])
   `sqlite:///mlflow.db` in rank 0's working folder), the experiment `MLFLOW_EXPERIMENT_NAME` (else
   MLflow's default one), the config as parameters, the columns as metrics by step, the exported
   adapter as the artifact `adapter/`. The run id is kept in `output_dir/mlflow_run.json`.
+- Samples (`SFTConfig.sample_prompts`): TensorBoard gets each sampled step as a text table (tag
+  `samples`); MLflow gets `samples.jsonl` as an artifact when the run ends.
 
 A resumed run goes on in the same TensorBoard folder (the events after the checkpoint are purged, so
 no step appears twice) and the same MLflow run (the steps it already has are not logged again).
@@ -103,6 +105,25 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def samples_markdown(rows: list[dict[str, Any]]) -> str:
+    """One sampled step as a markdown table (TensorBoard's text tab renders markdown)."""
+
+    def cell(value: Any) -> str:
+        text = "" if value is None else str(value)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    has_ref = any(r.get("reference") is not None for r in rows)
+    head = "| # | prompt | completion |" + (" reference |" if has_ref else "")
+    rule = "|---|---|---|" + ("---|" if has_ref else "")
+    lines = [head, rule]
+    for r in rows:
+        line = f"| {r['index']} | {cell(r['prompt'])} | {cell(r['completion'])} |"
+        if has_ref:
+            line += f" {cell(r.get('reference'))} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 class _TensorBoard:
     def __init__(self, cfg: Any, out: Path, history: list[dict[str, Any]], resumed_at: int | None):
         try:
@@ -140,6 +161,17 @@ class _TensorBoard:
             _warn(
                 f"TensorBoard writing to {self.dir} failed at step {row['step']} ({e}); training "
                 "goes on without it, and every row is in metrics.jsonl"
+            )
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        if not self.ok:
+            return
+        try:
+            self.writer.add_text("samples", samples_markdown(rows), step)
+            self.writer.flush()
+        except Exception as e:
+            _warn(
+                f"TensorBoard: the samples of step {step} could not be written to {self.dir} ({e})"
             )
 
     def finish(self, state: str) -> None:
@@ -267,10 +299,17 @@ class _MLflow:
         self.pending = []
         self.retry_at = 0.0
 
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Nothing per step: the whole samples.jsonl is sent when the run ends."""
+
     def finish(self, state: str) -> None:
+        from nbtrain.runs import SAMPLES_FILE
+
         self._send(final=True)
         adapter = self.out / "adapter"
         try:
+            if (self.out / SAMPLES_FILE).is_file():
+                self.client.log_artifact(self.run_id, str(self.out / SAMPLES_FILE))
             if state != "failed" and adapter.is_dir():
                 self.client.log_artifacts(self.run_id, str(adapter), artifact_path="adapter")
             self.client.set_terminated(self.run_id, _STATUS.get(state, "FAILED"))
@@ -287,6 +326,10 @@ class Trackers:
     def row(self, row: dict[str, Any]) -> None:
         for r in self.reporters:
             r.row(row)
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        for r in self.reporters:
+            r.samples(step, rows)
 
     def finish(self, state: str) -> None:
         for r in self.reporters:
