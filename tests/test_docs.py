@@ -152,6 +152,17 @@ def test_config_doc_regenerates_a_stale_table(tmp_path):
         config_doc.main([str(page)])
 
 
+def test_launcher_options_table_is_current():
+    from nbtrain.cluster.launch import options_doc
+
+    page = DOCS / "magics.md"
+    text = page.read_text(encoding="utf-8")
+    assert text == options_doc.TABLE.render(text), (
+        f"the launcher options table in {page.relative_to(ROOT)} differs from the launchers' "
+        f"declarations; regenerate it with: {options_doc.COMMAND}"
+    )
+
+
 def test_history_columns_are_documented():
     # every column finetune can write (report.py's Meter.row) has a row in the history table
     import inspect
@@ -219,10 +230,9 @@ def test_every_distributed_option_is_documented():
 
 def test_python_api_signatures_are_documented():
     import inspect
-    from dataclasses import fields
 
     import nbtrain
-    from nbtrain.cluster.options import LaunchOptions
+    from nbtrain.cluster.launch import flags
 
     text = (DOCS / "magics.md").read_text(encoding="utf-8")
     missing = []
@@ -232,9 +242,9 @@ def test_python_api_signatures_are_documented():
                 continue
             if not re.search(rf"\b{p.name}=", text):
                 missing.append(f"{fn.__name__}({p.name}=...)")
-    for f in fields(LaunchOptions):
-        if f.name != "launcher" and not re.search(rf"`{f.name}`|\b{f.name}=", text):
-            missing.append(f"launch option {f.name}")
+    for name in flags():
+        if not re.search(rf"`{name}`|\b{name}=", text):
+            missing.append(f"launch option {name}")
     assert not missing, f"docs/magics.md lacks: {', '.join(missing)}"
 
 

@@ -19,7 +19,7 @@ import pytest
 
 import nbtrain
 from nbtrain.cluster.facade import Cluster
-from nbtrain.magics.cluster import _PARSER, NbtrainMagics
+from nbtrain.magics.cluster import NbtrainMagics, parser
 
 ROOT = Path(__file__).resolve().parent.parent
 # a call a user is told to type: nbtrain's public functions, SFTConfig, and the Cluster's methods
@@ -149,7 +149,7 @@ def test_the_old_restart_hint_is_caught():
 
 
 def _subparsers():
-    return next(a for a in _PARSER._actions if a.dest == "command").choices
+    return next(a for a in parser()._actions if a.dest == "command").choices
 
 
 MAGICS = _hints(MAGIC)

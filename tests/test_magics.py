@@ -408,9 +408,9 @@ def test_a_comment_after_the_options_is_ignored(ip, capsys):
 
 
 def _subcommands():
-    from nbtrain.magics.cluster import _PARSER
+    from nbtrain.magics.cluster import parser
 
-    return sorted(next(a for a in _PARSER._actions if a.dest == "command").choices)
+    return sorted(next(a for a in parser()._actions if a.dest == "command").choices)
 
 
 @pytest.mark.parametrize("flag", ["-h", "--help"])
@@ -463,8 +463,8 @@ def test_distributed_unknown_option_names_the_nearest(ip):
 
 def test_help_lists_the_ray_launcher():
     import nbtrain
-    from nbtrain.magics.cluster import _PARSER
+    from nbtrain.magics.cluster import parser
 
-    start = _PARSER._subcommand("start").format_help()
+    start = parser()._subcommand("start").format_help()
     assert "multi-node (--launcher ssh, slurm, mpi or ray)" in start
     assert 'launcher="ray"' in nbtrain.start.__doc__ and '"ray"' in nbtrain.start.__doc__

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from nbtrain.cluster.options import PLACEMENTS, parse_launch
+from nbtrain.cluster.launch import parse_launch
+from nbtrain.cluster.launch.ray import PLACEMENTS
 from nbtrain.display import picker as pk
 from nbtrain.errors import ConfigError
 

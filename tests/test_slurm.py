@@ -23,7 +23,7 @@ import nbtrain
 from nbtrain.cluster import facade as core
 from nbtrain.cluster import options
 from nbtrain.cluster.launch import slurm
-from nbtrain.cluster.options import LaunchOptions, parse_launch
+from nbtrain.cluster.launch import LaunchOptions, parse_launch
 from nbtrain.errors import ClusterError, ConfigError
 from tests.conftest import cluster_processes, wait_gone
 

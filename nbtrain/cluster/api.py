@@ -19,12 +19,8 @@ from nbtrain.cluster import attach as attaching
 from nbtrain.cluster import launch as launchers
 from nbtrain.cluster.facade import Cluster, current_cluster, replace_current, set_current
 from nbtrain.cluster.launch import connect as connecting
-from nbtrain.cluster.options import (
-    StartOptions,
-    default_engine_count,
-    local_gpu_count,
-    parse_launch,
-)
+from nbtrain.cluster.launch import parse_launch
+from nbtrain.cluster.options import StartOptions, default_engine_count, local_gpu_count
 from nbtrain.cluster.plan import Slot, plan_devices
 from nbtrain.errors import ConfigError
 
@@ -53,7 +49,7 @@ def start(
     its own, else gloo on CPU for every rank, with one printed line saying why; `"nccl"` where a
     rank would lack a GPU is a `ConfigError`; `"gloo"` keeps the GPUs only where every rank has its
     own. With `launcher="ssh"`, `"slurm"`, `"mpi"` or `"ray"`, engines start elsewhere instead
-    (settings in `nbtrain.cluster.options.LaunchOptions`: hosts, nodes, gpus_per_node, partition,
+    (settings declared by each launcher, `nbtrain.cluster.launch.LaunchOptions`: hosts, nodes, gpus_per_node, partition,
     account, time, ip, iface, port, address, placement, gpus_per_rank, cpus_per_rank,
     allow_version_mismatch, ...):
 

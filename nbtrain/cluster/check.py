@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain import net
-from nbtrain.cluster.launch import preflight
+from nbtrain.cluster.launch import LaunchOptions, preflight
 from nbtrain.cluster.launch import ray as ray_launch
 from nbtrain.cluster.launch.base import ssh_run
 from nbtrain.cluster.launch.preflight import FATAL_MARK, WARN_MARK, Check, Mismatch
-from nbtrain.cluster.options import LaunchOptions, require_commands
+from nbtrain.cluster.options import require_commands
 from nbtrain.cluster.session import Session
 from nbtrain.engine import facts as engine_facts
 from nbtrain.errors import ClusterError, ConfigError
@@ -241,24 +241,19 @@ def check_ssh(
         return list(pool.map(one, specs))
 
 
-def srun_command(
-    partition: str | None = None,
-    nodes: Any = None,
-    account: str | None = None,
-    time: str | None = None,
-    slurm_args: Any = None,
-    remote_python: str | None = None,
-) -> list[str]:
-    """The `srun` that runs the probe once on each of `nodes` nodes (settings checked as a start's)."""
-    lo = LaunchOptions(
-        launcher="slurm",
-        nodes=nodes,
-        partition=partition,
-        account=account,
-        time=time,
-        slurm_args=slurm_args or [],
-        remote_python=remote_python or sys.executable,
-    )
+#: what the Slurm check takes of the Slurm launcher's options (as `nbtrain.start` takes them)
+SRUN_SETTINGS = ("partition", "nodes", "account", "time", "slurm_args", "remote_python")
+
+
+def srun_command(**settings: Any) -> list[str]:
+    """The `srun` that runs the probe once on each of `nodes` nodes, from `SRUN_SETTINGS` (checked as
+    a start's)."""
+    unknown = sorted(set(settings) - set(SRUN_SETTINGS))
+    if unknown:
+        msg = f"{', '.join(unknown)}: not a setting of the slurm check; it takes {', '.join(SRUN_SETTINGS)}."
+        raise ConfigError(msg)
+    given = {k: v for k, v in settings.items() if v is not None}
+    lo = LaunchOptions(launcher="slurm", **given)
     cmd = ["srun", f"--nodes={lo.nodes}", "--ntasks-per-node=1", "--job-name=nbtrain-check"]
     for flag, value in (("partition", lo.partition), ("account", lo.account), ("time", lo.time)):
         if value is not None:
@@ -266,19 +261,11 @@ def srun_command(
     return [*cmd, *lo.slurm_args, lo.remote_python, "-m", PROBE]
 
 
-def check_slurm(
-    partition: str | None = None,
-    nodes: Any = None,
-    account: str | None = None,
-    time: str | None = None,
-    slurm_args: Any = None,
-    remote_python: str | None = None,
-    timeout: float = 120.0,
-) -> list[dict[str, Any]]:
-    """Each allocated node's facts: one srun task per node (`srun_command`), waiting `timeout` s
-    for the allocation and the probes."""
+def check_slurm(timeout: float = 120.0, **settings: Any) -> list[dict[str, Any]]:
+    """Each allocated node's facts: one srun task per node (`srun_command`, `SRUN_SETTINGS`),
+    waiting `timeout` s for the allocation and the probes."""
     require_commands(("srun",))
-    cmd = srun_command(partition, nodes, account, time, slurm_args, remote_python)
+    cmd = srun_command(**settings)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
     )
@@ -345,7 +332,10 @@ def check(
             f"{', '.join(CHECKERS)}, or start the cluster and run %nbtrain check on it."
         )
         raise ConfigError(msg)
-    takes = set(inspect.signature(checker).parameters) - {"timeout"}
+    takes = (
+        set(SRUN_SETTINGS) if launcher == "slurm" else set(inspect.signature(checker).parameters)
+    )
+    takes -= {"timeout"}
     unknown = sorted(set(given) - takes)
     if unknown:
         msg = (

@@ -1,22 +1,26 @@
-"""The settings of a start, checked where they enter: `StartOptions`, `LaunchOptions`, the registry.
+"""The settings of a start, checked where they enter: `StartOptions`, the launcher registry, and
+`Option`, how a launcher declares a setting of its own, with the checks made from it.
 
 A primitive: plain dataclasses and their checks, nothing started. Every check runs before any engine
 does; a wrong value is a `ConfigError` naming the flag and a value that works.
 
 The launcher registry is `LAUNCHERS` below: one line per launcher, name -> its module under
-`nbtrain.cluster.launch` (imported only when a start uses it). A new launcher is one new module there
-and one line here (plus its settings in `LaunchOptions`, if it takes any).
+`nbtrain.cluster.launch` (imported only when a start uses it, or when the options are listed). A new
+launcher is one new module there and one line here. Its settings are `Option`s in its module
+(`OPTIONS`); `nbtrain.cluster.launch.LaunchOptions` checks a start's settings against them with
+`check_launch` below, and the magic's flags, the picker's fields and the docs table are made from them.
 """
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 import os
 import re
 import shlex
 import shutil
-import sys
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain import net
@@ -39,7 +43,13 @@ LAUNCHERS = {
     "ray": "ray",  # engines as Ray actors in one placement group
     "connect": "connect",  # an ipyparallel cluster started elsewhere (nbtrain.connect)
 }
-STARTABLE = tuple(name for name in LAUNCHERS if name != "connect")  # what --launcher takes
+
+
+def startable() -> tuple[str, ...]:
+    """What --launcher takes: every registered launcher but connect (an existing cluster)."""
+    return tuple(name for name in LAUNCHERS if name != "connect")
+
+
 LAUNCH_HOST_ENV = "NBTRAIN_LAUNCH_HOST"
 MPIEXEC = "mpiexec"
 
@@ -98,152 +108,149 @@ def default_engine_count(n: int | None = None) -> int:
     return max(1, local_gpu_count()) if n is None else n
 
 
-# the settings each launcher takes besides the shared ones (ip, iface, port, allow_version_mismatch,
-# remote_python); giving another launcher's setting is an error, not silently ignored
-_ONLY = {
-    "hosts": ("ssh", "mpi"),
-    "ssh_args": ("ssh",),
-    "host_env": ("ssh",),
-    "nodes": ("slurm", "ray"),
-    "gpus_per_node": ("slurm",),
-    "engines_per_node": ("slurm", "ray"),
-    "partition": ("slurm",),
-    "account": ("slurm",),
-    "time": ("slurm",),
-    "slurm_args": ("slurm",),
-    "n": ("local", "mpi", "ray"),
-    "mpi_args": ("mpi",),
-    "address": ("ray",),
-    "placement": ("ray",),
-    "gpus_per_rank": ("ray",),
-    "cpus_per_rank": ("ray",),
-}
-_FLAG_HINT = {
-    "ssh": "give the engines per host in --hosts (node1:2,node2:2)",
-    "slurm": "give --nodes and --gpus-per-node (or --engines-per-node)",
-    "mpi": "give the ranks with -n (and --hosts for several hosts)",
-    "ray": "give -n (or --nodes and --engines-per-node), --gpus-per-rank and --placement",
-}
+# -- a launcher's options: declared once, in the launcher's module --------------------------------
+
+#: what an option's value is, and so how it is checked, typed on the command line and shown in the
+#: picker: text; count (a whole number >= 1); count0 (>= 0); amount (a number >= 0); choice (one of
+#: `choices`, any case, - for _); args (extra command-line arguments: a string is split as a shell
+#: would); switch (on or off); hosts (HOST[:ENGINES],...); port; ip (an address of this machine);
+#: mapping (a dict, Python only)
+KINDS = (
+    "text",
+    "count",
+    "count0",
+    "amount",
+    "choice",
+    "args",
+    "switch",
+    "hosts",
+    "port",
+    "ip",
+    "mapping",
+)
 
 
-def _flag(name: str) -> str:
-    return "-n" if name == "n" else "--" + name.replace("_", "-")
+@dataclass(frozen=True)
+class Option:
+    """One setting a launcher takes, declared once in its module (`OPTIONS`).
 
+    The `%nbtrain start` flag and its help group, the checks of `nbtrain.start(launcher=..., name=...)`
+    (`check_value`), the picker's field and the options table in docs/magics.md are all made from
+    this. Launchers that take the same name each declare it (their help may differ); they share one
+    flag.
+    """
 
-@dataclass
-class LaunchOptions:
-    """Settings of a multi-node start (`%nbtrain start --launcher ssh|slurm|mpi|ray ...`), validated on entry."""
-
-    launcher: str = "ssh"  # ssh, slurm, mpi or ray
-    hosts: Any = (
-        None  # "node1:2,node2:2" or a list of net.HostSpec; engines default to the GPU count
-    )
-    ip: str | None = None  # the controller's listen address (default: the one routing to the hosts)
-    iface: str | None = (
-        None  # interface for NCCL/gloo on every node (default: the one reaching rank 0)
-    )
-    port: int | None = None  # rendezvous (MASTER_PORT) on rank 0's host (default: a free one)
-    allow_version_mismatch: bool = False  # start although torch/NCCL/nbtrain differ across nodes
-    ssh_args: list[str] = field(default_factory=list)  # extra ssh arguments, e.g. ["-F", "cfg"]
-    remote_python: str = sys.executable  # the Python on every host that has nbtrain installed
-    host_env: dict[str, dict[str, str]] = field(default_factory=dict)  # env for one host's engines
-    nodes: int | None = None  # slurm: nodes to allocate (default 1)
-    gpus_per_node: int | None = None  # slurm: GPUs per node (--gpus-per-node); one engine per GPU
-    engines_per_node: int | None = None  # slurm: engines per node (default: gpus_per_node, else 1)
-    partition: str | None = None  # slurm: partition (default: the cluster's default partition)
-    account: str | None = None  # slurm: account to charge
-    time: str | None = None  # slurm: time limit, e.g. 02:00:00 or 1-00:00:00
-    slurm_args: list[str] = field(default_factory=list)  # slurm: more sbatch options, one per line
-    n: int | None = None  # mpi: ranks (mpiexec -n; default: the slots in --hosts, else 1)
-    mpi_args: list[str] = field(default_factory=list)  # mpi: more mpiexec arguments
-    address: str | None = None  # ray: auto (this machine's Ray cluster), local, or ray://head:10001
-    placement: str | None = None  # ray: PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD
-    gpus_per_rank: float | None = None  # ray: GPUs in each rank's bundle (default 0: CPU ranks)
-    cpus_per_rank: float | None = None  # ray: CPUs in each rank's bundle (default 1)
+    name: str  #: the Python name: nbtrain.start(name=...), LaunchOptions.name
+    help: str  #: one line: the flag's help, the picker field's tooltip, the docs table's meaning
+    kind: str = "text"  #: how the value is checked (`KINDS`)
+    default: Any = None  #: the value when not given (None: the launcher decides; see `default_doc`)
+    choices: tuple[str, ...] = ()  #: kind "choice": the values, the first the default
+    flag: str | None = ""  #: "" for --name-with-dashes; None: Python only (no flag, no field)
+    example: str = ""  #: a value that works, for messages: "--nodes 2"
+    metavar: str = ""  #: the value's name in --help and the docs ("" : the name in capitals)
+    default_doc: str = ""  #: the default as the docs table says it (else `default`)
+    doc: str = ""  #: the docs table's meaning, where it says more than `help`
+    label: str = ""  #: the picker field's label ("" : no field of its own on the picker)
+    placeholder: str = ""  #: the picker: what an empty field means
+    #: more than the kind checks: takes the value (kind-checked) and returns it normalised, or raises
+    #: ConfigError
+    check: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.launcher == "local":
-            msg = (
-                "hosts, ip, iface, port and the other multi-node settings need launcher='ssh', "
-                "'slurm' or 'mpi' (%nbtrain start --launcher ssh --hosts ...)."
-            )
-            raise ConfigError(msg)
-        if self.launcher not in LAUNCHERS or self.launcher == "connect":
-            msg = f"unknown launcher {self.launcher!r}; choose one of {', '.join(STARTABLE)}."
-            raise ConfigError(msg)
-        defaults = LaunchOptions.__dataclass_fields__
-        for name, launchers in _ONLY.items():
-            value = getattr(self, name)
-            default = defaults[name].default
-            if self.launcher not in launchers and value not in (None, [], {}, "", default):
-                which = " or ".join(f"--launcher {x}" for x in launchers)
-                msg = (
-                    f"{_flag(name)} is a setting of {which}, not of --launcher {self.launcher}; "
-                    f"with --launcher {self.launcher}, {_FLAG_HINT[self.launcher]}."
-                )
-                raise ConfigError(msg)
-        for name in ("ssh_args", "slurm_args", "mpi_args"):
-            if isinstance(getattr(self, name), str):
-                setattr(self, name, shlex.split(getattr(self, name)))
-        if self.launcher == "ssh" and self.hosts is None:
-            msg = "--launcher ssh needs --hosts, e.g. --hosts node1:2,node2:2"
-            raise ConfigError(msg)
-        if isinstance(self.hosts, str):
-            self.hosts = net.parse_hosts(self.hosts)
-        else:
-            self.hosts = list(self.hosts or [])
-        if self.port is not None and not 0 < int(self.port) < 65536:
-            msg = (
-                f"--port {self.port} is not a TCP port; give one from 1 to 65535, or leave it out."
-            )
-            raise ConfigError(msg)
-        if self.ip is not None:
-            try:
-                ipaddress.ip_address(self.ip)
-            except ValueError:
-                msg = f"--ip {self.ip!r} is not an IP address; give an address of this machine."
-                raise ConfigError(msg) from None
-            if self.ip not in net.local_addresses():
-                mine = ", ".join(
-                    f"{i.name} {a}" for i in net.interfaces() for a in i.ipv4 if not i.loopback
-                )
-                msg = f"--ip {self.ip} is not an address of this machine; its addresses: {mine}."
-                raise ConfigError(msg)
-        if self.launcher == "slurm":
-            validate_slurm(self)
-        elif self.launcher == "mpi":
-            validate_mpi(self)
-        elif self.launcher == "ray":
-            validate_ray(self)
-        for h in self.hosts:
-            net.resolve(h.host)  # an unknown host fails here, naming it, before anything starts
-        known = {h.host for h in self.hosts}
-        for host in self.host_env:
-            if host not in known:
-                msg = f"host_env names {host!r}, which is not in --hosts ({', '.join(known)})."
-                raise ConfigError(msg)
+        if self.kind not in KINDS:
+            msg = f"option {self.name}: kind {self.kind!r} is not one of {', '.join(KINDS)}"
+            raise ValueError(msg)
+        if self.kind == "choice" and not self.choices:
+            msg = f"option {self.name}: kind 'choice' needs its choices"
+            raise ValueError(msg)
+
+    @property
+    def cli(self) -> str | None:
+        """The flag on the command line (`--gpus-per-node`), None where the option has none."""
+        if self.flag is None:
+            return None
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def named(self) -> str:
+        """How messages name it: its flag, else its Python name."""
+        return self.cli or self.name
 
 
-def parse_launch(launcher: str, kwargs: dict[str, Any]) -> LaunchOptions:
-    """LaunchOptions from `nbtrain.start(launcher=..., **kwargs)`; unknown settings are an error."""
-    names = {f.name for f in fields(LaunchOptions)} - {"launcher"}
-    unknown = sorted(set(kwargs) - names)
-    if unknown:
-        msg = f"unknown setting(s) for launcher {launcher!r}: {', '.join(unknown)}; known: {', '.join(sorted(names))}."
+def not_given(value: Any) -> bool:
+    """None, or an empty string, list or dict: the option was left out."""
+    return value is None or (isinstance(value, (str, list, tuple, dict)) and not value)
+
+
+def empty(opt: Option) -> Any:
+    """The value of an option left out where it does not apply: [] for arguments and hosts, {} for a
+    mapping, False for a switch, else None."""
+    return {"args": [], "hosts": [], "mapping": {}, "switch": False}.get(opt.kind)
+
+
+def check_value(opt: Option, value: Any) -> Any:
+    """`value` for option `opt`, checked and normalised by its kind (and its own `check`); None
+    stays None. A wrong value is a ConfigError naming the flag and a value that works."""
+    if value is None:
+        return None
+    flag, example = opt.named, opt.example
+    kind = opt.kind
+    if kind in ("count", "count0"):
+        value = positive(value, flag, example or "2", minimum=1 if kind == "count" else 0)
+    elif kind == "amount":
+        value = amount(value, flag, example or "1")
+    elif kind == "choice":
+        wanted = str(value).strip().upper().replace("-", "_")
+        found = [c for c in opt.choices if c.upper().replace("-", "_") == wanted]
+        if not found:
+            msg = f"{flag} {value!r}: choose one of {', '.join(opt.choices)}."
+            raise ConfigError(msg)
+        value = found[0]
+    elif kind == "args":
+        value = shlex.split(value) if isinstance(value, str) else [str(a) for a in value]
+    elif kind == "switch":
+        value = bool(value)
+    elif kind == "hosts":
+        value = net.parse_hosts(value) if isinstance(value, str) else list(value)
+    elif kind == "port":
+        try:
+            port = int(value)
+        except (TypeError, ValueError):
+            port = -1
+        if isinstance(value, bool) or not 0 < port < 65536:
+            msg = f"{flag} {value} is not a TCP port; give one from 1 to 65535, or leave it out."
+            raise ConfigError(msg)
+        value = port
+    elif kind == "ip":
+        value = check_ip(str(value).strip(), flag)
+    elif kind == "mapping":
+        if not isinstance(value, dict):
+            msg = f"{flag} takes a dict, got {type(value).__name__}."
+            raise ConfigError(msg)
+    elif kind == "text":
+        value = str(value).strip()
+    return opt.check(value) if opt.check is not None else value
+
+
+def check_ip(ip: str, flag: str = "--ip") -> str:
+    """`ip` if it is an address of this machine, else a ConfigError listing this machine's."""
+    try:
+        ipaddress.ip_address(ip)
+    except ValueError:
+        msg = f"{flag} {ip!r} is not an IP address; give an address of this machine."
+        raise ConfigError(msg) from None
+    if ip not in net.local_addresses():
+        mine = ", ".join(
+            f"{i.name} {a}" for i in net.interfaces() for a in i.ipv4 if not i.loopback
+        )
+        msg = f"{flag} {ip} is not an address of this machine; its addresses: {mine}."
         raise ConfigError(msg)
-    return LaunchOptions(launcher=launcher, **kwargs)
+    return ip
 
 
-# -- the Slurm and MPI settings --------------------------------------------------------------
-
-COMMANDS = ("sbatch", "squeue", "scancel")
-# sbatch's --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
-# days-hours:minutes:seconds (man sbatch)
-_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
-_NAME = re.compile(r"[A-Za-z0-9_.+-]+(?:,[A-Za-z0-9_.+-]+)*")
-
-
-def _positive(value: Any, flag: str, example: str, minimum: int = 1) -> int:
+def positive(value: Any, flag: str, example: str, minimum: int = 1) -> int:
+    """`value` as a whole number >= `minimum`, else a ConfigError: "--nodes 'x' is not a whole
+    number at least 1; e.g. --nodes 2"."""
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -253,6 +260,71 @@ def _positive(value: Any, flag: str, example: str, minimum: int = 1) -> int:
         msg = f"{flag} {value!r} is not a whole number {least}; e.g. {flag} {example}."
         raise ConfigError(msg)
     return int(number)
+
+
+def amount(value: Any, flag: str, example: str) -> float:
+    """`value` as a number >= 0, else a ConfigError naming the flag and an example."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if isinstance(value, bool) or number != number or number < 0:
+        msg = f"{flag} {value!r} is not a number of 0 or more; e.g. {flag} {example}."
+        raise ConfigError(msg)
+    return number
+
+
+def check_launch(
+    launcher: str, given: dict[str, Any], declared: dict[str, tuple[Option, ...]], hint: str = ""
+) -> dict[str, Any]:
+    """Every option `declared` (launcher -> its options) as `launcher` gets it from `given`: each
+    of its own checked (`check_value`) or its default, every other launcher's None.
+
+    A setting no launcher declares, or another launcher's setting given a value, is a ConfigError
+    that names it, the launchers it belongs to and, from `hint`, what to give instead.
+    """
+    if launcher not in declared:
+        msg = f"unknown launcher {launcher!r}; choose one of {', '.join(declared)}."
+        raise ConfigError(msg)
+    mine = {o.name: o for o in declared[launcher]}
+    owners: dict[str, list[str]] = {}
+    for name, opts in declared.items():
+        for o in opts:
+            owners.setdefault(o.name, []).append(name)
+    unknown = sorted(set(given) - set(owners))
+    if unknown:
+        known = ", ".join(sorted(mine))
+        msg = f"unknown setting(s) for launcher {launcher!r}: {', '.join(unknown)}; known: {known}."
+        raise ConfigError(msg)
+    for name, value in given.items():
+        if name in mine or not_given(value) or value is False:
+            continue
+        theirs = [o for x in owners[name] for o in declared[x] if o.name == name]
+        if any(value == o.default for o in theirs):
+            continue  # another launcher's default, passed along: nothing was asked of this one
+        which = " or ".join(f"--launcher {x}" for x in owners[name])
+        with_this = f"; with --launcher {launcher}, {hint}" if hint else ""
+        msg = f"{theirs[0].named} is a setting of {which}, not of --launcher {launcher}{with_this}."
+        raise ConfigError(msg)
+    # another launcher's options read as left out: empty lists and dicts, off, None
+    values: dict[str, Any] = {
+        name: empty(next(o for o in declared[who[0]] if o.name == name))
+        for name, who in owners.items()
+    }
+    for name, o in mine.items():
+        value = given.get(name)
+        if value is None:
+            value = copy.copy(o.default)
+        values[name] = check_value(o, value) if value is not None else empty(o)
+    return values
+
+
+# -- the Slurm and MPI settings --------------------------------------------------------------
+
+COMMANDS = ("sbatch", "squeue", "scancel")
+# sbatch's --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+# days-hours:minutes:seconds (man sbatch)
+_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
 def check_time(value: str) -> str:
@@ -296,139 +368,11 @@ def require_commands(names: tuple[str, ...] = COMMANDS) -> None:
         raise ConfigError(msg)
 
 
-def validate_slurm(lo: LaunchOptions) -> None:
-    """Check and normalise the Slurm settings of `lo`, before anything runs."""
-    lo.nodes = 1 if lo.nodes is None else _positive(lo.nodes, "--nodes", "2")
-    if lo.gpus_per_node is not None:
-        lo.gpus_per_node = _positive(lo.gpus_per_node, "--gpus-per-node", "4", minimum=0)
-    if lo.engines_per_node is not None:
-        lo.engines_per_node = _positive(lo.engines_per_node, "--engines-per-node", "2")
-    if lo.gpus_per_node and lo.engines_per_node and lo.engines_per_node > lo.gpus_per_node:
-        msg = (
-            f"--engines-per-node {lo.engines_per_node} is more than --gpus-per-node "
-            f"{lo.gpus_per_node}; NCCL needs one GPU per engine. Leave --engines-per-node out (one "
-            "engine per GPU), or use --backend gloo with no --gpus-per-node."
-        )
-        raise ConfigError(msg)
-    for flag, value in (("--partition", lo.partition), ("--account", lo.account)):
-        if value is not None and not _NAME.fullmatch(str(value)):
-            msg = (
-                f"{flag} {value!r} is not a Slurm name (letters, digits, _ . + -; a comma-separated "
-                f"list for several partitions). `sinfo -s` lists the partitions, "
-                "`sacctmgr show assoc user=$USER` your accounts."
-            )
-            raise ConfigError(msg)
-    if lo.time is not None:
-        lo.time = check_time(lo.time)
-    for arg in lo.slurm_args:
-        if not arg.startswith("-") or "\n" in arg:
-            msg = (
-                f"--slurm-args {arg!r}: each one is an sbatch option such as --qos=high or "
-                "--constraint=a100, written as `--option=value`."
-            )
-            raise ConfigError(msg)
-    require_commands()
-
-
-def engines_per_node(lo: LaunchOptions) -> int:
+def engines_per_node(lo: Any) -> int:
     """One engine per GPU where GPUs are asked for, else `--engines-per-node` (default 1)."""
     if lo.engines_per_node is not None:
         return int(lo.engines_per_node)
     return max(1, int(lo.gpus_per_node or 0))
-
-
-def validate_mpi(lo: LaunchOptions) -> None:
-    """Check the MPI settings of `lo` and settle the rank count, before anything runs."""
-    if any(h.user for h in lo.hosts):
-        msg = (
-            "--launcher mpi takes host names without user@ (mpiexec logs in as you); set the user "
-            "for those hosts in ~/.ssh/config instead."
-        )
-        raise ConfigError(msg)
-    slots = sum(h.engines or 1 for h in lo.hosts)
-    if lo.n is None:
-        lo.n = slots or 1
-    elif lo.hosts and int(lo.n) != slots:
-        listed = ",".join(f"{h.host}:{h.engines or 1}" for h in lo.hosts)
-        msg = (
-            f"-n {lo.n} does not match --hosts {listed} ({slots} rank(s)); give the ranks per host "
-            "in --hosts and leave -n out, or make them agree."
-        )
-        raise ConfigError(msg)
-    if shutil.which(MPIEXEC) is None:
-        msg = (
-            f"--launcher mpi needs {MPIEXEC} on PATH, and there is none on this machine. Install an "
-            "MPI (Debian: apt install openmpi-bin, or mpich) or load its module (module load "
-            "openmpi), then start again. Nothing was started."
-        )
-        raise ConfigError(msg)
-
-
-# -- the Ray settings --------------------------------------------------------------------------
-
-PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-
-
-def _amount(value: Any, flag: str, example: str) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    if isinstance(value, bool) or number != number or number < 0:
-        msg = f"{flag} {value!r} is not a number of 0 or more; e.g. {flag} {example}."
-        raise ConfigError(msg)
-    return number
-
-
-def validate_ray(lo: LaunchOptions) -> None:
-    """Check and normalise the Ray settings of `lo`: address, placement, ranks and their bundles.
-
-    Ranks come from -n, or from --nodes and --engines-per-node (one bundle per node holding that
-    node's ranks, the nodes STRICT_SPREAD; --placement then says how a node's ranks sit: PACK or
-    STRICT_PACK, the only ways a node's ranks can share one bundle).
-    """
-    address = (lo.address or "auto").strip()
-    if address not in ("auto", "local") and not re.fullmatch(
-        r"(ray://)?[\w.\-\[\]:]+:\d+", address
-    ):
-        msg = (
-            f"--address {lo.address!r} is not a Ray address. Give auto (the Ray cluster this "
-            "machine belongs to), local (a private one-machine Ray cluster, stopped with nbtrain's) "
-            "or ray://HEAD:10001 (a remote head's Ray Client port)."
-        )
-        raise ConfigError(msg)
-    lo.address = address
-    placement = str(lo.placement or "PACK").upper().replace("-", "_")
-    if placement not in PLACEMENTS:
-        msg = f"--placement {lo.placement!r}: choose one of {', '.join(PLACEMENTS)}."
-        raise ConfigError(msg)
-    lo.placement = placement
-    lo.gpus_per_rank = _amount(lo.gpus_per_rank or 0, "--gpus-per-rank", "1")
-    cpus = 1.0 if lo.cpus_per_rank is None else lo.cpus_per_rank
-    lo.cpus_per_rank = _amount(cpus, "--cpus-per-rank", "2")
-    if lo.gpus_per_rank > 1 and lo.gpus_per_rank != int(lo.gpus_per_rank):
-        msg = f"--gpus-per-rank {lo.gpus_per_rank:g}: above 1, give a whole number of GPUs."
-        raise ConfigError(msg)
-    if lo.nodes is not None or lo.engines_per_node is not None:
-        lo.nodes = 1 if lo.nodes is None else _positive(lo.nodes, "--nodes", "2")
-        per = 1 if lo.engines_per_node is None else lo.engines_per_node
-        lo.engines_per_node = _positive(per, "--engines-per-node", "4")
-        total = lo.nodes * lo.engines_per_node
-        if lo.n is not None and int(lo.n) != total:
-            msg = (
-                f"-n {lo.n} does not match --nodes {lo.nodes} x --engines-per-node "
-                f"{lo.engines_per_node} ({total} ranks); give one or the other."
-            )
-            raise ConfigError(msg)
-        if lo.placement not in ("PACK", "STRICT_PACK"):
-            msg = (
-                f"--placement {lo.placement} with --nodes: each node's ranks share one bundle on one "
-                "node, and the nodes are always STRICT_SPREAD. Use --placement STRICT_PACK (or "
-                f"leave it out), or give -n {total} without --nodes to {lo.placement} single ranks."
-            )
-            raise ConfigError(msg)
-        lo.n = total
-    lo.n = _positive(1 if lo.n is None else lo.n, "-n", "4")
 
 
 def idle_timeout() -> float:

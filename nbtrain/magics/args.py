@@ -95,90 +95,60 @@ def engine_count(text: str) -> int:
     return int(value)
 
 
-def add_multinode_start_args(p: argparse.ArgumentParser) -> None:
-    """The --launcher ssh/slurm/mpi options of `%nbtrain start`."""
-    g = p.add_argument_group("multi-node (--launcher ssh, slurm, mpi or ray)")
-    g.add_argument(
-        "--launcher",
-        choices=("local", "ssh", "slurm", "mpi", "ray"),
-        default="local",
-        help="local: engines on this machine; ssh: on --hosts; slurm: as one sbatch job; "
-        "mpi: with mpiexec -n N; ray: as actors in a Ray placement group",
+def add_launcher_args(p: argparse.ArgumentParser) -> None:
+    """`--launcher` and every launcher's options, made from what each launcher declares
+    (`nbtrain.cluster.launch.declared`): the options several launchers share in one help group, then a
+    group per launcher for its own. Each flag's dest is the option's Python name; values stay text
+    here and are checked where they enter the Python API (`LaunchOptions`), so the magic and
+    `nbtrain.start(launcher=...)` say the same thing."""
+    from nbtrain.cluster import launch
+    from nbtrain.cluster.options import startable
+
+    declared = launch.declared()
+    remote = [name for name in startable() if declared[name]]
+    summary = "; ".join(
+        f"{name}: {getattr(launch.launcher_module(name), 'SUMMARY', name)}" for name in startable()
     )
-    g.add_argument(
-        "--hosts",
-        default=None,
-        help="ssh, mpi: HOST[:ENGINES],... e.g. node1:2,node2:2 (ssh default engines: the host's "
-        "GPU count, 1 on CPU; mpi: 1)",
-    )
-    g.add_argument(
-        "--ip",
-        default=None,
-        help="controller listen address (default: the one routing to the hosts or Slurm nodes)",
-    )
-    g.add_argument(
-        "--iface",
-        default=None,
-        help="network interface for NCCL/gloo on every node (default: the one reaching rank 0)",
-    )
-    g.add_argument(
-        "--port", type=int, default=None, help="rendezvous port on rank 0's host (default: free)"
-    )
-    g.add_argument(
-        "--allow-version-mismatch",
-        action="store_true",
-        help="start although torch, NCCL or nbtrain versions differ across nodes",
-    )
-    g.add_argument(
-        "--python",
-        default=None,
-        help="Python with nbtrain on every host (default: this kernel's interpreter path)",
-    )
-    g.add_argument(
-        "--ssh-args", default=None, help='ssh: extra ssh arguments, e.g. "-F ~/.ssh/cluster"'
-    )
-    # their values are checked where they enter the Python API (nbtrain.cluster.options.validate_slurm),
-    # so the magic and nbtrain.start(launcher="slurm", ...) say the same thing
-    s = p.add_argument_group("slurm (--launcher slurm)")
-    s.add_argument(
-        "--nodes", default=None, help="nodes to allocate (default 1); ray: nodes to spread over"
-    )
-    s.add_argument(
-        "--gpus-per-node",
-        default=None,
-        help="GPUs per node (sbatch --gpus-per-node); one engine per GPU",
-    )
-    s.add_argument(
-        "--engines-per-node",
-        default=None,
-        help="engines per node (default: --gpus-per-node, or 1 on CPU nodes; ray: 1)",
-    )
-    s.add_argument("--partition", default=None, help="partition (default: the cluster's default)")
-    s.add_argument("--account", default=None, help="account to charge the job to")
-    s.add_argument("--time", default=None, help="time limit: 90 (minutes), 02:00:00, 1-12:00:00")
-    s.add_argument(
-        "--slurm-args",
-        default=None,
-        help='more sbatch options, e.g. "--qos=high --constraint=a100"',
-    )
-    m = p.add_argument_group("mpi (--launcher mpi)")
-    m.add_argument(
-        "--mpi-args", default=None, help='more mpiexec arguments, e.g. "--oversubscribe"'
-    )
-    r = p.add_argument_group("ray (--launcher ray; also -n, or --nodes and --engines-per-node)")
-    r.add_argument(
-        "--address",
-        default=None,
-        help="auto: the Ray cluster this machine is in (default); local: a private one here; "
-        "ray://HEAD:10001: a remote head",
-    )
-    r.add_argument(
-        "--placement",
-        default=None,
-        help="PACK (default), SPREAD, STRICT_PACK or STRICT_SPREAD: how Ray places the ranks",
-    )
-    r.add_argument("--gpus-per-rank", default=None, help="GPUs for each rank (default 0)")
-    r.add_argument("--cpus-per-rank", default=None, help="CPUs for each rank (default 1)")
+    listed = ", ".join(remote[:-1]) + f" or {remote[-1]}" if len(remote) > 1 else "".join(remote)
+    shared = p.add_argument_group(f"multi-node (--launcher {listed})")
+    shared.add_argument("--launcher", choices=startable(), default="local", help=summary)
+    groups: dict[str, Any] = {}
+    for name, (opt, takers) in launch.flags().items():
+        cli = opt.cli
+        if cli is None or cli in p._option_string_actions:
+            continue  # Python only, or a flag the command has already (-n)
+        # one declaration that several launchers list (base.NETWORK) is the shared group's
+        same = all(o is opt for x in takers for o in declared[x] if o.name == name)
+        if len(takers) > 1 and same:
+            group = shared
+        else:
+            first = takers[0]
+            if first not in groups:
+                groups[first] = p.add_argument_group(f"{first} (--launcher {first})")
+            group = groups[first]
+        helps = [(x, o.help) for x in takers for o in declared[x] if o.name == name]
+        if len({h for _, h in helps}) > 1:
+            help_text = "; ".join(f"{x}: {h}" for x, h in helps)
+        else:
+            help_text = helps[0][1]
+        help_text = help_text.replace("%", "%%")
+        if opt.kind == "switch":
+            group.add_argument(cli, dest=name, action="store_true", default=None, help=help_text)
+        else:
+            metavar = opt.metavar or name.upper()
+            if opt.kind == "choice" and not opt.metavar:
+                metavar = "{" + ",".join(opt.choices) + "}"
+            group.add_argument(cli, dest=name, default=None, metavar=metavar, help=help_text)
+
+
+def launch_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The launchers' options as `%nbtrain start` got them (None where not given), by their Python
+    names; -n is the command's own."""
+    from nbtrain.cluster import launch
+
+    return {
+        name: getattr(args, name) for name in launch.flags() if name != "n" and hasattr(args, name)
+    }
 
 
 def add_multinode_commands(sub: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 import time
 from typing import Any
 
@@ -15,9 +16,10 @@ from nbtrain.magics import check, faults, groups, scaling
 from nbtrain.magics.args import (
     HelpShown,
     Parser,
+    add_launcher_args,
     add_multinode_commands,
-    add_multinode_start_args,
     engine_count,
+    launch_settings,
     positive_float,
     unknown_options,
 )
@@ -34,7 +36,7 @@ def build_parser() -> Parser:
         type=engine_count,
         default=None,
         help="engines (ranks) to start on this machine (default: one per GPU, or 1 without GPUs); "
-        "with --launcher mpi: mpiexec -n",
+        "with --launcher mpi or ray: the ranks there (mpiexec -n; Ray actors)",
     )
     p.add_argument(
         "--backend",
@@ -58,7 +60,7 @@ def build_parser() -> Parser:
         help="malloc of local engines. auto (default, or $NBTRAIN_ALLOCATOR): tcmalloc on a machine "
         "without GPUs where installed, 3-10%% faster CPU training here; system: glibc's",
     )
-    add_multinode_start_args(p)
+    add_launcher_args(p)
 
     sub.add_parser("stop", help="stop every engine and the controller")
     sub.add_parser("status", help="rank, host, local rank, device, pid, busy/idle")
@@ -70,12 +72,28 @@ def build_parser() -> Parser:
     return parser
 
 
-_PARSER = build_parser()
+_PARSERS: dict[tuple[Any, ...], Parser] = {}
+
+
+def parser() -> Parser:
+    """The `%nbtrain` parser, built on first use (it lists every launcher's options, which imports
+    their modules) and again when the launcher registry changes."""
+    from nbtrain.cluster.options import LAUNCHERS
+
+    key = tuple(
+        (name, mod, id(sys.modules.get(f"nbtrain.cluster.launch.{mod}")))
+        for name, mod in LAUNCHERS.items()
+    )
+    if key not in _PARSERS:
+        _PARSERS.clear()
+        _PARSERS[key] = build_parser()
+    return _PARSERS[key]
 
 
 def _help_text() -> str:
-    parts = [_PARSER.format_help()]
-    for name, sp in _PARSER._subparsers._group_actions[0].choices.items():  # type: ignore[union-attr]
+    p = parser()
+    parts = [p.format_help()]
+    for name, sp in p._subparsers._group_actions[0].choices.items():  # type: ignore[union-attr]
         parts.append(f"--- %nbtrain {name} ---\n{sp.format_help()}")
     return "\n".join(parts)
 
@@ -88,7 +106,7 @@ class NbtrainMagics(Magics):
     def nbtrain(self, line: str) -> Any:
         try:
             # a `# comment` after the options is the user's note, as in any Python line
-            args = _PARSER.parse_command(shlex.split(line, comments=True))
+            args = parser().parse_command(shlex.split(line, comments=True))
         except HelpShown:
             return None
         try:
@@ -105,13 +123,13 @@ class NbtrainMagics(Magics):
         if args.launcher != "local":
             return self._cmd_start_remote(args)
         from nbtrain.cluster.api import start
+        from nbtrain.cluster.launch import flags as launcher_flags
         from nbtrain.cluster.options import default_engine_count, local_gpu_count
 
-        extra = [k for k, v in _launch_settings(args).items() if v not in (None, False)]
-        if extra:
-            flags = ", ".join(
-                "--" + k.replace("_", "-").replace("remote-python", "python") for k in extra
-            )
+        given = [k for k, v in launch_settings(args).items() if v not in (None, False)]
+        if given:
+            by_name = launcher_flags()
+            flags = ", ".join(by_name[k][0].named for k in given)
             msg = (
                 f"{flags}: multi-node settings, but no --launcher was given, so the engines would start "
                 "on this machine only and they would be ignored. Add the launcher they are for, e.g. "
@@ -149,7 +167,7 @@ class NbtrainMagics(Magics):
 
         launch: dict[str, Any] = {"allow_version_mismatch": args.allow_version_mismatch}
         # only what was given: a setting of another launcher is an error, naming it
-        launch.update({k: v for k, v in _launch_settings(args).items() if v is not None})
+        launch.update({k: v for k, v in launch_settings(args).items() if v is not None})
         t0 = time.monotonic()
         cluster = start(
             n=args.n,
@@ -355,27 +373,3 @@ def _user_error(e: NbtrainError) -> NbtrainError:
     e.__cause__ = None
     e.__context__ = None
     return e
-
-
-def _launch_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The multi-node settings of `%nbtrain start` as given (None where not), by LaunchOptions' names."""
-    return {
-        "ip": args.ip,
-        "iface": args.iface,
-        "port": args.port,
-        "hosts": args.hosts,
-        "remote_python": args.python,
-        "ssh_args": args.ssh_args,
-        "nodes": args.nodes,
-        "gpus_per_node": args.gpus_per_node,
-        "engines_per_node": args.engines_per_node,
-        "partition": args.partition,
-        "account": args.account,
-        "time": args.time,
-        "slurm_args": args.slurm_args,
-        "mpi_args": args.mpi_args,
-        "address": args.address,
-        "placement": args.placement,
-        "gpus_per_rank": args.gpus_per_rank,
-        "cpus_per_rank": args.cpus_per_rank,
-    }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -23,15 +24,53 @@ from nbtrain import net
 from nbtrain.cluster import procs, registry
 from nbtrain.cluster.failures import start_failed
 from nbtrain.cluster.group import init_group
+from nbtrain.cluster.launch import LaunchOptions
 from nbtrain.cluster.launch.network import plan_network, rendezvous_port
 from nbtrain.cluster.launch.preflight import run_preflight
-from nbtrain.cluster.options import HEARTBEAT_MS, LaunchOptions, StartOptions
+from nbtrain.cluster.options import HEARTBEAT_MS, Option, StartOptions
 from nbtrain.cluster.session import Launched, Session, close_client
 from nbtrain.cluster.topology import RankInfo, assign_ranks
 from nbtrain.engine import network, setup
 from nbtrain.errors import ClusterError
 
 log = logging.getLogger("nbtrain")
+
+# the options every multi-node launcher takes (each lists them in its OPTIONS); their picker fields
+# are the form's shared ones (display.picker.shared), so they have no label here
+NETWORK = (
+    Option(
+        "ip",
+        "controller listen address (default: the one routing to the hosts or nodes)",
+        kind="ip",
+        default_doc="the address routing to the hosts or nodes",
+    ),
+    Option(
+        "iface",
+        "network interface for NCCL/gloo on every node (default: the one reaching rank 0)",
+        default_doc="the interface reaching rank 0",
+    ),
+    Option(
+        "port",
+        "rendezvous port on rank 0's host (default: a free one)",
+        kind="port",
+        default_doc="a free port",
+    ),
+    Option(
+        "allow_version_mismatch",
+        "start although torch, NCCL, nbtrain or Python differ across nodes",
+        kind="switch",
+        default=False,
+    ),
+)
+#: the Python the remote engines run (not for Ray: its workers run the Ray cluster's Python)
+PYTHON = Option(
+    "remote_python",
+    "the Python with nbtrain on every node (default: this kernel's interpreter path)",
+    flag="--python",
+    metavar="PYTHON",
+    default=sys.executable,
+    default_doc="this kernel's interpreter path",
+)
 
 
 def ssh_base(lo: LaunchOptions, timeout: float) -> list[str]:

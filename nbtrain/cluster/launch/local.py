@@ -19,19 +19,17 @@ from typing import Any
 from nbtrain.cluster import allocator, procs, registry
 from nbtrain.cluster.failures import start_failed
 from nbtrain.cluster.group import free_local_port, init_group, reinit
-from nbtrain.cluster.options import (
-    HEARTBEAT_MS,
-    LaunchOptions,
-    StartOptions,
-    idle_timeout,
-    local_gpu_count,
-)
+from nbtrain.cluster.launch import LaunchOptions
+from nbtrain.cluster.options import HEARTBEAT_MS, StartOptions, idle_timeout, local_gpu_count
 from nbtrain.cluster.session import Launched, Session, close_client
 from nbtrain.cluster.topology import assign_ranks, compact
 from nbtrain.engine import setup
 from nbtrain.errors import ClusterError
 
 log = logging.getLogger("nbtrain")
+
+#: what --launcher local does, in --launcher's help
+SUMMARY = "engines on this machine"
 
 
 def engine_environment(options: StartOptions) -> dict[str, str]:

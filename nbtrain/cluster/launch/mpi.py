@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import socket
 import subprocess
 from collections.abc import Callable
@@ -24,12 +25,75 @@ from ipyparallel.cluster.launcher import MPIEngineSetLauncher
 
 from nbtrain import net
 from nbtrain.cluster import procs
-from nbtrain.cluster.launch.base import EngineLaunch, start_engines, stop_here
-from nbtrain.cluster.options import MPIEXEC, LaunchOptions, StartOptions
+from nbtrain.cluster.launch import LaunchOptions
+from nbtrain.cluster.launch.base import NETWORK, PYTHON, EngineLaunch, start_engines, stop_here
+from nbtrain.cluster.options import MPIEXEC, Option, StartOptions
 from nbtrain.cluster.session import Launched, close_client
-from nbtrain.errors import ClusterError
+from nbtrain.errors import ClusterError, ConfigError
 
 log = logging.getLogger("nbtrain")
+
+#: what --launcher mpi does, in --launcher's help
+SUMMARY = "under one mpiexec -n N"
+OPTIONS = (
+    Option(
+        "n",
+        "ranks: mpiexec -n (default: the slots in --hosts, else 1)",
+        kind="count",
+        flag="-n",
+        example="4",
+        metavar="N",
+        default_doc="the slots in `--hosts`, else 1",
+    ),
+    Option(
+        "hosts",
+        "HOST[:SLOTS],... e.g. node1:4,node2:4 (slots default to 1)",
+        kind="hosts",
+        example="node1:4,node2:4",
+        doc="`HOST[:SLOTS],...` in rank order, e.g. `node1:4,node2:4`; slots default to 1",
+    ),
+    Option(
+        "mpi_args",
+        'more mpiexec arguments, e.g. "--oversubscribe"',
+        kind="args",
+        default=[],
+        metavar="ARGS",
+        doc='more mpiexec arguments: `"--oversubscribe"`, `"--mca btl_tcp_if_include eth0"`',
+    ),
+    *NETWORK,
+    PYTHON,
+)
+HINT = "give the ranks with -n (and --hosts for several hosts)"
+
+
+def validate(lo: LaunchOptions) -> None:
+    """Settle the rank count from -n and --hosts; the hosts are known here; mpiexec is on PATH."""
+    if any(h.user for h in lo.hosts):
+        msg = (
+            "--launcher mpi takes host names without user@ (mpiexec logs in as you); set the user "
+            "for those hosts in ~/.ssh/config instead."
+        )
+        raise ConfigError(msg)
+    slots = sum(h.engines or 1 for h in lo.hosts)
+    if lo.n is None:
+        lo.n = slots or 1
+    elif lo.hosts and int(lo.n) != slots:
+        listed = ",".join(f"{h.host}:{h.engines or 1}" for h in lo.hosts)
+        msg = (
+            f"-n {lo.n} does not match --hosts {listed} ({slots} rank(s)); give the ranks per host "
+            "in --hosts and leave -n out, or make them agree."
+        )
+        raise ConfigError(msg)
+    if shutil.which(MPIEXEC) is None:
+        msg = (
+            f"--launcher mpi needs {MPIEXEC} on PATH, and there is none on this machine. Install an "
+            "MPI (Debian: apt install openmpi-bin, or mpich) or load its module (module load "
+            "openmpi), then start again. Nothing was started."
+        )
+        raise ConfigError(msg)
+    for h in lo.hosts:
+        net.resolve(h.host)  # an unknown host fails here, naming it, before anything starts
+
 
 # what the engines need from the kernel's side; Open MPI passes only what -x names to other hosts
 _EXPORT = ("IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR")

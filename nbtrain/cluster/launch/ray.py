@@ -28,16 +28,31 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from nbtrain import net
 from nbtrain.cluster import procs
 from nbtrain.cluster.group import reinit
+from nbtrain.cluster.launch import LaunchOptions
 from nbtrain.cluster.launch.base import EngineLaunch, start_engines, stop_here
 from nbtrain.cluster.launch.ray_address import output_to, resolve, unreachable
 from nbtrain.cluster.launch.ray_engines import RayEngineSet
-from nbtrain.cluster.options import PROFILE, LaunchOptions, StartOptions
+
+# the launcher's options and their checks (declared with the placement they decide)
+from nbtrain.cluster.launch.ray_placement import (  # noqa: F401
+    HINT,
+    OPTIONS,
+    PLACEMENTS,
+    SUMMARY,
+    RayNode,
+    bundles,
+    explain_pending,
+    pending_fix,
+    rank_order,
+    resources_text,
+    validate,
+)
+from nbtrain.cluster.options import PROFILE, StartOptions
 from nbtrain.cluster.session import Launched, Session, close_client
 from nbtrain.cluster.topology import describe_ranks
 from nbtrain.engine import setup
@@ -48,90 +63,6 @@ log = logging.getLogger("nbtrain")
 
 NAMESPACE = "nbtrain"
 INSTALL_HINT = 'pip install "ray[default]" (the same Ray version as the cluster\'s)'
-
-
-@dataclass(frozen=True)
-class RayNode:
-    """One alive Ray node as the placement explanation sees it."""
-
-    name: str  # its host name (or address)
-    address: str
-    total: dict[str, float]  # its CPU and GPU (and other) resources
-
-
-def bundles(lo: LaunchOptions) -> tuple[list[dict[str, float]], str, int]:
-    """The placement group's bundles, its strategy, and the ranks per bundle."""
-    per = int(lo.engines_per_node) if lo.nodes is not None and lo.engines_per_node else 1
-    count = int(lo.n or 1) // per
-    cpus, gpus = float(lo.cpus_per_rank or 0), float(lo.gpus_per_rank or 0)
-    bundle = {k: v * per for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
-    strategy = "STRICT_SPREAD" if per > 1 or lo.nodes is not None else str(lo.placement)
-    if lo.nodes is not None and lo.nodes == 1:
-        strategy = "PACK"  # one node: nothing to spread
-    return [dict(bundle) for _ in range(count)], strategy, per
-
-
-def rank_order(bundle_nodes: dict[int, str], per_bundle: int = 1) -> list[int]:
-    """The bundle of each rank, node-major: nodes in the order of their first bundle, a node's
-    bundles in index order, `per_bundle` consecutive ranks per bundle."""
-    first: dict[str, int] = {}
-    for index in sorted(bundle_nodes):
-        first.setdefault(bundle_nodes[index], index)
-    ordered = sorted(bundle_nodes, key=lambda i: (first[bundle_nodes[i]], i))
-    return [i for i in ordered for _ in range(per_bundle)]
-
-
-def _fmt(resources: dict[str, float]) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in resources.items()) + "}"
-
-
-def explain_pending(
-    wanted: Sequence[dict[str, float]],
-    strategy: str,
-    nodes: Sequence[RayNode],
-    available: dict[str, float],
-) -> str:
-    """Why Ray has not placed the group: the resources missing, given the strategy; one line."""
-    need: dict[str, float] = {}
-    for b in wanted:
-        for k, v in b.items():
-            need[k] = need.get(k, 0.0) + v
-    why: list[str] = []
-    for k, amount in need.items():
-        total = sum(n.total.get(k, 0.0) for n in nodes)
-        free = available.get(k, 0.0)
-        if total < amount:
-            why.append(f"{amount:g} {k} wanted, the Ray cluster has {total:g} in all")
-        elif free < amount:
-            why.append(f"{amount:g} {k} wanted, {free:g} free now (the rest in use by other work)")
-    one = wanted[0] if wanted else {}
-    fits = [n for n in nodes if all(n.total.get(k, 0.0) >= v for k, v in one.items())]
-    if not fits:
-        why.append(f"no node can hold one bundle {_fmt(one)} (a bundle never spans nodes)")
-    elif strategy == "STRICT_PACK":
-        for k, amount in need.items():
-            largest = max(n.total.get(k, 0.0) for n in nodes)
-            if largest < amount:
-                why.append(
-                    f"STRICT_PACK puts every bundle on one node, and the largest has {largest:g} {k} "
-                    f"of the {amount:g} wanted"
-                )
-    elif strategy == "STRICT_SPREAD" and len(fits) < len(wanted):
-        why.append(
-            f"STRICT_SPREAD puts each of the {len(wanted)} bundles on its own node, and "
-            f"{len(fits)} node(s) can hold one"
-        )
-    if not why:
-        why.append("the resources exist but are taken or still being freed")
-    return "; ".join(why)
-
-
-def _pending_fix(strategy: str) -> str:
-    looser = " a looser --placement (PACK or SPREAD)," if strategy.startswith("STRICT") else ""
-    return (
-        f"Ask for fewer ranks (-n) or fewer --gpus-per-rank/--cpus-per-rank,{looser} add nodes to "
-        "the Ray cluster (ray start --address HEAD:6379 on them), or give a longer --timeout"
-    )
 
 
 class RayLaunch(EngineLaunch):
@@ -325,7 +256,7 @@ class RayLaunch(EngineLaunch):
         )
         wanted, strategy, per = bundles(self.lo)
         self.group = placement_group(wanted, strategy=strategy, name=self.group_name)
-        shape = f"{len(wanted)} bundle(s) of {_fmt(wanted[0])}, {strategy}"
+        shape = f"{len(wanted)} bundle(s) of {resources_text(wanted[0])}, {strategy}"
         said_pending = ""
         while not self.group.wait(timeout_seconds=min(1.0, remaining())):
             why = explain_pending(
@@ -334,7 +265,7 @@ class RayLaunch(EngineLaunch):
             if remaining() <= 0.1:
                 msg = (
                     f"Ray could not place the placement group within --timeout {options.timeout:g} s "
-                    f"({shape}): {why}. {_pending_fix(strategy)}. The group was removed; nothing "
+                    f"({shape}): {why}. {pending_fix(strategy)}. The group was removed; nothing "
                     "was left running."
                 )
                 raise ClusterError(msg)

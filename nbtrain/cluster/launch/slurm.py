@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import shlex
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -28,27 +27,144 @@ from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
 
 from nbtrain import net
 from nbtrain.cluster import procs
-from nbtrain.cluster.launch.base import EngineLaunch, start_engines, stop_here
-from nbtrain.cluster.options import LaunchOptions, StartOptions, engines_per_node, require_commands
+from nbtrain.cluster.launch import LaunchOptions
+from nbtrain.cluster.launch.base import NETWORK, PYTHON, EngineLaunch, start_engines, stop_here
+from nbtrain.cluster.launch.slurm_jobs import (
+    ENDED,
+    expand_nodes,
+    job_state,
+    pending_hint,
+    run,
+    slurm_env,
+    submit_hint,
+    wait_job_gone,
+)
+from nbtrain.cluster.options import (
+    Option,
+    StartOptions,
+    check_time,
+    engines_per_node,
+    require_commands,
+)
 from nbtrain.cluster.session import Launched, close_client
 from nbtrain.errors import ClusterError, ConfigError
 
 log = logging.getLogger("nbtrain")
 
-# job states after which the job runs nothing any more (squeue's long names)
-_ENDED = {
-    "BOOT_FAIL",
-    "CANCELLED",
-    "COMPLETED",
-    "DEADLINE",
-    "FAILED",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "PREEMPTED",
-    "REVOKED",
-    "SPECIAL_EXIT",
-    "TIMEOUT",
-}
+_NAME = re.compile(r"[A-Za-z0-9_.+-]+(?:,[A-Za-z0-9_.+-]+)*")
+
+
+def _slurm_name(flag: str) -> Any:
+    def check(value: str) -> str:
+        if not _NAME.fullmatch(value):
+            msg = (
+                f"{flag} {value!r} is not a Slurm name (letters, digits, _ . + -; a comma-separated "
+                f"list for several partitions). `sinfo -s` lists the partitions, "
+                "`sacctmgr show assoc user=$USER` your accounts."
+            )
+            raise ConfigError(msg)
+        return value
+
+    return check
+
+
+def _sbatch_lines(args: list[str]) -> list[str]:
+    for arg in args:
+        if not arg.startswith("-") or "\n" in arg:
+            msg = (
+                f"--slurm-args {arg!r}: each one is an sbatch option such as --qos=high or "
+                "--constraint=a100, written as `--option=value`."
+            )
+            raise ConfigError(msg)
+    return args
+
+
+#: what --launcher slurm does, in --launcher's help
+SUMMARY = "as one sbatch job"
+OPTIONS = (
+    Option(
+        "nodes",
+        "nodes to allocate (default 1)",
+        kind="count",
+        default=1,
+        example="2",
+        metavar="N",
+        label="Nodes",
+    ),
+    Option(
+        "gpus_per_node",
+        "GPUs per node (sbatch --gpus-per-node); one engine per GPU",
+        kind="count0",
+        example="4",
+        metavar="G",
+        default_doc="none (CPU nodes)",
+        label="GPUs per node",
+        placeholder="none (CPU nodes)",
+    ),
+    Option(
+        "engines_per_node",
+        "engines (Slurm tasks) per node (default: --gpus-per-node, or 1 on CPU nodes)",
+        kind="count",
+        example="2",
+        metavar="E",
+        default_doc="G, or 1 on CPU nodes",
+        label="Engines per node",
+        placeholder="one per GPU, else 1",
+    ),
+    Option(
+        "partition",
+        "partition (default: the cluster's default)",
+        metavar="P",
+        default_doc="the cluster's default",
+        label="Partition",
+        placeholder="the default partition",
+        check=_slurm_name("--partition"),
+    ),
+    Option(
+        "account",
+        "account to charge the job to",
+        metavar="A",
+        default_doc="your default",
+        label="Account",
+        placeholder="your default account",
+        check=_slurm_name("--account"),
+    ),
+    Option(
+        "time",
+        "time limit: 90 (minutes), 02:00:00, 1-12:00:00",
+        metavar="T",
+        default_doc="the partition's default",
+        label="Time limit",
+        placeholder="the partition's default, e.g. 02:00:00",
+        check=check_time,
+    ),
+    Option(
+        "slurm_args",
+        'more sbatch options, e.g. "--qos=high --constraint=a100"',
+        kind="args",
+        default=[],
+        metavar="ARGS",
+        doc='more sbatch options, each becomes an `#SBATCH` line: `"--qos=high --constraint=a100"`',
+        label="Extra sbatch lines",
+        placeholder="--qos=high\n--constraint=a100",
+        check=_sbatch_lines,
+    ),
+    *NETWORK,
+    PYTHON,
+)
+HINT = "give --nodes and --gpus-per-node (or --engines-per-node)"
+
+
+def validate(lo: LaunchOptions) -> None:
+    """No more engines per node than GPUs; Slurm's commands are here."""
+    if lo.gpus_per_node and lo.engines_per_node and lo.engines_per_node > lo.gpus_per_node:
+        msg = (
+            f"--engines-per-node {lo.engines_per_node} is more than --gpus-per-node "
+            f"{lo.gpus_per_node}; NCCL needs one GPU per engine. Leave --engines-per-node out (one "
+            "engine per GPU), or use --backend gloo with no --gpus-per-node."
+        )
+        raise ConfigError(msg)
+    require_commands()
 
 
 def batch_script(lo: LaunchOptions) -> str:
@@ -80,25 +196,6 @@ def batch_script(lo: LaunchOptions) -> str:
     return "\n".join(lines)
 
 
-def _slurm_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    # a notebook that itself runs in a Slurm job (Jupyter started by sbatch) has SLURM_* set; sbatch
-    # and srun would take them for the new job's (SLURM_MEM_PER_CPU, SLURM_NTASKS...)
-    env = dict(os.environ if env is None else env)
-    return {k: v for k, v in env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
-
-
-def _run(command: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        env=_slurm_env(),
-        timeout=timeout,
-        check=False,
-    )
-
-
 class SlurmEngineSet(SlurmEngineSetLauncher):
     """ipyparallel's Slurm engine set, with sbatch's and scancel's own messages kept for errors.
 
@@ -121,7 +218,7 @@ class SlurmEngineSet(SlurmEngineSetLauncher):
         return super().stop()
 
     def _run_command(self, command: list[str], **kwargs: Any) -> str:
-        env = _slurm_env(kwargs.pop("env", None))
+        env = slurm_env(kwargs.pop("env", None))
         try:
             proc = subprocess.run(
                 command,
@@ -144,65 +241,9 @@ class SlurmEngineSet(SlurmEngineSetLauncher):
             said = said.replace("\n", "; ")
             if command[0] == "scancel" and "Invalid job id" in said:
                 return said  # already gone
-            msg = f"{command[0]} refused: {said}.{_submit_hint(said)} Nothing was left running."
+            msg = f"{command[0]} refused: {said}.{submit_hint(said)} Nothing was left running."
             raise ClusterError(msg)
         return proc.stdout
-
-
-def _submit_hint(said: str) -> str:
-    low = said.lower()
-    if "partition" in low:
-        return " Pick a partition that exists and you may use (`sinfo -s` lists them) with --partition."
-    if "account" in low or "association" in low:
-        return " Pass --account with an account you belong to (`sacctmgr show assoc user=$USER`)."
-    if "gres" in low or "gpu" in low:
-        return (
-            " The partition has no GPUs configured as Slurm GRES: pick a GPU partition with "
-            "--partition, or leave --gpus-per-node out on CPU nodes."
-        )
-    if "time limit" in low or "--time" in low:
-        return " Ask for a shorter --time (`sinfo -s` shows each partition's limit)."
-    if "node count" in low or "node configuration" in low:
-        return " Ask for fewer --nodes (`sinfo -s` shows each partition's nodes)."
-    return ""
-
-
-def _pending_hint(reason: str, lo: LaunchOptions) -> str:
-    where = f"partition {lo.partition}" if lo.partition else "the default partition"
-    if reason.startswith("Partition") and reason not in ("PartitionDown", "PartitionInactive"):
-        return (
-            f"The job asks for more than {where} allows ({reason}: nodes, GPUs or time). Check "
-            "`sinfo -s` and ask for fewer --nodes or --gpus-per-node, or a shorter --time."
-        )
-    if reason in ("PartitionDown", "PartitionInactive"):
-        return f"{where.capitalize()} is down: pick another with --partition (`sinfo -s`)."
-    if reason in ("ReqNodeNotAvail", "NodeDown", "BadConstraints"):
-        return "The nodes it needs are down, drained or do not match (`sinfo -R`)."
-    if "Account" in reason or "Assoc" in reason or "QOS" in reason:
-        return f"An account or QOS limit holds it ({reason}): check --account and --slurm-args."
-    return (
-        "The cluster is busy: give a longer --timeout, ask for fewer nodes, or try again later "
-        "(`squeue -u $USER --start` estimates the start)."
-    )
-
-
-def job_state(job_id: str) -> tuple[str, str, str] | None:
-    """(state, reason, nodelist) of a job as squeue shows it; None once Slurm has forgotten it."""
-    proc = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r|%N"])
-    line = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not line:
-        return None
-    state, reason, nodes = (line[0].split("|") + ["", ""])[:3]
-    return state, reason, nodes
-
-
-def expand_nodes(nodelist: str) -> list[str]:
-    """gpu[01-02] -> [gpu01, gpu02], as Slurm expands it."""
-    if not nodelist or nodelist in ("(null)", "n/a"):
-        return []
-    proc = _run(["scontrol", "show", "hostnames", nodelist])
-    names = proc.stdout.split()
-    return names or [nodelist]
 
 
 def _tail(path: str, lines: int = 15) -> str:
@@ -236,12 +277,12 @@ class SlurmLaunch(EngineLaunch):
         if self.lo.partition:
             cmd += ["-p", str(self.lo.partition)]
         try:
-            out = _run(cmd, timeout=15).stdout
+            out = run(cmd, timeout=15).stdout
         except subprocess.TimeoutExpired:
             out = ""
         addrs = list(dict.fromkeys(ln.split()[-1] for ln in out.splitlines() if ln.split()))[:8]
         if not addrs and self.lo.partition:
-            known = _run(["sinfo", "-h", "-o", "%R"], timeout=15).stdout.split()
+            known = run(["sinfo", "-h", "-o", "%R"], timeout=15).stdout.split()
             if known and not set(str(self.lo.partition).split(",")) & set(known):
                 msg = (
                     f"--partition {self.lo.partition}: this Slurm cluster has no such partition; "
@@ -307,7 +348,7 @@ class SlurmLaunch(EngineLaunch):
         if not job_id:
             return
         found = job_state(job_id)
-        if found is None or found[0] in _ENDED:
+        if found is None or found[0] in ENDED:
             state = found[0] if found else "ended"
             out = _tail(getattr(es, "output_file", "") or "")
             msg = (
@@ -340,7 +381,7 @@ class SlurmLaunch(EngineLaunch):
             msg = (
                 f"slurm job {job_id} was still pending after --timeout {timeout:g} s (reason: "
                 f"{found[1]}). It was cancelled (scancel {job_id}); nothing is left running. "
-                + _pending_hint(found[1], self.lo)
+                + pending_hint(found[1], self.lo)
             )
             raise ClusterError(msg)
         from nbtrain.engine import network
@@ -381,7 +422,7 @@ class SlurmLaunch(EngineLaunch):
             es.keep_output = not remove_logs
         # ipyparallel's stop runs scancel JOB, then stops the controller
         if not stop_here(ipp_cluster, procs.controller_pids(ipp_cluster)) and job_id:
-            _run(["scancel", str(job_id)])
+            run(["scancel", str(job_id)])
         batch_file = getattr(es, "batch_file", None)
         if batch_file:
             try:
@@ -389,30 +430,10 @@ class SlurmLaunch(EngineLaunch):
             except OSError:
                 pass
         if job_id:
-            _wait_job_gone(str(job_id))
+            wait_job_gone(str(job_id))
 
     def restart_hint(self) -> str:
         return "%nbtrain start --force --launcher slurm with the same settings (a new job)"
-
-
-def _wait_job_gone(job_id: str, timeout: float = 30.0) -> None:
-    """Wait until Slurm runs nothing of the job any more (cancelled jobs go through COMPLETING)."""
-    deadline = time.monotonic() + timeout
-    state = None
-    while time.monotonic() < deadline:
-        found = job_state(job_id)
-        if found is None or found[0] in _ENDED:
-            return
-        state = found[0]
-        time.sleep(0.25)
-    log.warning(
-        "nbtrain: slurm job %s is still %s %g s after scancel; check `squeue -j %s` on %s",
-        job_id,
-        state,
-        timeout,
-        job_id,
-        socket.gethostname(),
-    )
 
 
 def start(options: StartOptions, lo: LaunchOptions | None, quiet: bool = True) -> Launched:

@@ -17,18 +17,69 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain import net
+from nbtrain.cluster.launch import LaunchOptions
 from nbtrain.cluster.launch.base import (
+    NETWORK,
+    PYTHON,
     EngineLaunch,
     ssh_base,
     ssh_run,
     start_engines,
     teardown_remote,
 )
-from nbtrain.cluster.options import LAUNCH_HOST_ENV, LaunchOptions, StartOptions
+from nbtrain.cluster.options import LAUNCH_HOST_ENV, Option, StartOptions
 from nbtrain.cluster.plan import Slot, plan_devices
 from nbtrain.cluster.session import Launched
 from nbtrain.engine import network
 from nbtrain.errors import ClusterError, ConfigError
+
+#: what --launcher ssh does, in --launcher's help
+SUMMARY = "on --hosts over SSH"
+OPTIONS = (
+    Option(
+        "hosts",
+        "HOST[:ENGINES],... e.g. node1:2,node2:2 (engines default to the host's GPU count, 1 on CPU)",
+        kind="hosts",
+        example="node1:2,node2:2",
+        doc="`HOST[:ENGINES],...` in rank order, e.g. `node1:2,node2:2`; engines default to the "
+        "host's GPU count, 1 on CPU",
+        label="Hosts:engines",
+        placeholder="node1:2,node2:2",
+    ),
+    *NETWORK,
+    PYTHON,
+    Option(
+        "ssh_args",
+        'extra ssh arguments, e.g. "-F ~/.ssh/cluster"',
+        kind="args",
+        default=[],
+        metavar="ARGS",
+        label="ssh arguments",
+        placeholder="e.g. -F ~/.ssh/cluster",
+    ),
+    Option(
+        "host_env",
+        "environment for one host's engines: {host: {NAME: value}}",
+        kind="mapping",
+        default={},
+        flag=None,
+    ),
+)
+HINT = "give the engines per host in --hosts (node1:2,node2:2)"
+
+
+def validate(lo: LaunchOptions) -> None:
+    """The hosts are given, and known by name here; host_env names only hosts in --hosts."""
+    if not lo.hosts:
+        msg = "--launcher ssh needs --hosts, e.g. --hosts node1:2,node2:2"
+        raise ConfigError(msg)
+    for h in lo.hosts:
+        net.resolve(h.host)  # an unknown host fails here, naming it, before anything starts
+    known = {h.host for h in lo.hosts}
+    for host in lo.host_env:
+        if host not in known:
+            msg = f"host_env names {host!r}, which is not in --hosts ({', '.join(known)})."
+            raise ConfigError(msg)
 
 
 def start(options: StartOptions, lo: LaunchOptions | None, quiet: bool = True) -> Launched:

@@ -35,8 +35,7 @@ def check_node_interfaces(
     from concurrent.futures import ThreadPoolExecutor
 
     from nbtrain import net
-    from nbtrain.cluster.launch import ssh
-    from nbtrain.cluster.options import LaunchOptions
+    from nbtrain.cluster.launch import LaunchOptions, ssh
 
     specs = net.parse_hosts(s.hosts)
     extra: dict[str, Any] = {}

@@ -6,15 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbtrain.cluster.options import PLACEMENTS
-from nbtrain.display.picker.settings import (
-    RAY_RANKS,
-    PickerSettings,
-    int_text,
-    number_text,
-    parse_int,
-    parse_number,
-)
+from nbtrain.display.picker.fields import OptionFields
+from nbtrain.display.picker.settings import RAY_RANKS, PickerSettings, int_text, parse_int
 
 ADDRESS_HINT = (
     "<small><code>auto</code>: the Ray cluster this machine belongs to; <code>local</code>: a "
@@ -29,9 +22,12 @@ class RayPage:
     def __init__(self, s: PickerSettings, style: dict[str, str]) -> None:
         import ipywidgets as w
 
-        self.address = w.Text(
-            value=s.address, placeholder="auto", description="Ray address", style=style
-        )
+        # the address, each rank's GPUs and CPUs and the placement: the launcher's declared options
+        self.form = OptionFields("ray", s, style)
+        self.address = self.form.address
+        self.gpus_per_rank = self.form.gpus_per_rank
+        self.cpus_per_rank = self.form.cpus_per_rank
+        self.placement = self.form.placement
         self.address_hint = w.HTML(ADDRESS_HINT)
         self.ranks_by = w.RadioButtons(
             options=[(label, k) for k, label in RAY_RANKS.items()],
@@ -51,24 +47,6 @@ class RayPage:
             description="Engines per node",
             style=style,
         )
-        self.gpus_per_rank = w.Text(
-            value=number_text(s.gpus_per_rank),
-            placeholder="0 (CPU ranks)",
-            description="GPUs per rank",
-            style=style,
-        )
-        self.cpus_per_rank = w.Text(
-            value=number_text(s.cpus_per_rank),
-            placeholder="1",
-            description="CPUs per rank",
-            style=style,
-        )
-        self.placement = w.Dropdown(
-            options=list(PLACEMENTS),
-            value=s.placement if s.placement in PLACEMENTS else "PACK",
-            description="Placement",
-            style=style,
-        )
         self._by_n = w.VBox([self.n])
         self._by_nodes = w.VBox([self.nodes, self.engines_per_node])
         self.box = w.VBox(
@@ -78,9 +56,7 @@ class RayPage:
                 self.ranks_by,
                 self._by_n,
                 self._by_nodes,
-                self.gpus_per_rank,
-                self.cpus_per_rank,
-                self.placement,
+                *self._rest(),
             ]
         )
         self.ranks_by.observe(self._on_ranks_by, names="value")
@@ -92,6 +68,10 @@ class RayPage:
         self._by_n.layout.display = "none" if by_nodes else ""
         self._by_nodes.layout.display = "" if by_nodes else "none"
 
+    def _rest(self) -> list[Any]:
+        # the declared options after the address, in their order (a new one shows here)
+        return [f for f in self.form.fields() if f is not self.address]
+
     def fields(self) -> list[Any]:
         """The page's fields in the form's order (each change re-validates the page)."""
         return [
@@ -100,22 +80,17 @@ class RayPage:
             self.n,
             self.nodes,
             self.engines_per_node,
-            self.gpus_per_rank,
-            self.cpus_per_rank,
-            self.placement,
+            *self._rest(),
         ]
 
     def values(self) -> dict[str, Any]:
         """The page's `PickerSettings` fields as the widgets show them now."""
         return {
-            "address": self.address.value.strip(),
+            **self.form.values(),
             "ray_ranks_by": self.ranks_by.value,
             "ray_n": int(self.n.value),
             "ray_nodes": parse_int(self.nodes.value),
             "ray_engines_per_node": parse_int(self.engines_per_node.value),
-            "gpus_per_rank": parse_number(self.gpus_per_rank.value),
-            "cpus_per_rank": parse_number(self.cpus_per_rank.value),
-            "placement": self.placement.value,
         }
 
     def nodes_key(self) -> tuple[str, ...]:

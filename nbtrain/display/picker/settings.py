@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +18,75 @@ from nbtrain.errors import NbtrainError
 
 log = logging.getLogger("nbtrain")
 
-# widget value -> label (MPI is started with %nbtrain start --launcher mpi; the picker has no page)
-LAUNCHERS = {
+# widget value -> label, for the launchers with a page of their own (MPI is started with
+# %nbtrain start --launcher mpi; the picker has no page for it). A launcher whose module names a
+# `LABEL` gets a page made from its declared options (`launchers()`).
+PAGES = {
     "local": "this machine",
     "ssh": "SSH hosts",
     "slurm": "Slurm",
     "ray": "Ray cluster",
     "connect": "existing cluster",
 }
+LAUNCHERS = PAGES  # the launchers with pages of their own, as before
+
+
+def launchers() -> dict[str, str]:
+    """Every launcher the picker shows (value -> label): those with pages of their own, then any
+    registered launcher whose module has a `LABEL`, on a page made from its options."""
+    from nbtrain.cluster import launch
+    from nbtrain.cluster.options import startable
+
+    out = dict(PAGES)
+    for name in startable():
+        label = getattr(launch.launcher_module(name), "LABEL", None)
+        if name not in out and label:
+            out[name] = label
+    return out
+
+
+# the form's shared fields: option -> the PickerSettings field that holds it (iface "auto" and
+# empty texts are left out, so the launcher's own default applies)
+SHARED_FIELDS = {
+    "ip": "ip",
+    "iface": "iface",
+    "port": "port",
+    "allow_version_mismatch": "allow_version_mismatch",
+    "remote_python": "python",
+}
+
+
+def setting(s: PickerSettings, launcher: str, name: str) -> Any:
+    """Option `name` of `launcher` as the settings hold it: its own field, else `s.options`."""
+    if name in SHARED_FIELDS:
+        return getattr(s, SHARED_FIELDS[name])
+    if name in {f.name for f in fields(PickerSettings)}:
+        return getattr(s, name)
+    return s.options.get(launcher, {}).get(name)
+
+
+def launch_settings(s: PickerSettings, launcher: str, names: Any = None) -> dict[str, Any]:
+    """The options `launcher` declares (all, or `names`) as `nbtrain.start(launcher=...)` takes them:
+    only those given, so the launcher's defaults (and Slurm's, Ray's) stay the defaults. Options
+    with a picker field (a label), and the form's shared fields; the ranks of the Ray page are the
+    page's own (`ray_launch`)."""
+    from nbtrain.cluster import launch
+
+    given: dict[str, Any] = {}
+    for o in launch.declared()[launcher]:
+        if not (o.label or o.name in SHARED_FIELDS) or (names is not None and o.name not in names):
+            continue
+        value = setting(s, launcher, o.name)
+        if isinstance(value, str):
+            value = value.strip()
+        if o.name == "iface" and value == AUTO:
+            value = None
+        if value is None or value is False or (isinstance(value, str) and not value):
+            continue
+        given[o.name] = value
+    return given
+
+
 # the Ray page's two ways to give the ranks (--launcher ray takes one or the other)
 RAY_RANKS = {"n": "ranks (-n)", "nodes": "nodes x engines per node"}
 BACKENDS = ("auto", "gloo", "nccl")
@@ -68,6 +129,9 @@ class PickerSettings:
     gpus_per_rank: float | None = None  # --gpus-per-rank (None: 0, CPU ranks)
     cpus_per_rank: float | None = None  # --cpus-per-rank (None: 1)
     placement: str = "PACK"  # --placement: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD
+    # launcher -> option -> value, for the options a launcher declares that have no field above (a
+    # new option, or a launcher with no page of its own): its page is made from the declarations
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PickerSettings:
@@ -119,10 +183,9 @@ def validate(s: PickerSettings) -> dict[str, str]:
     from nbtrain import net
 
     errors: dict[str, str] = {}
-    if s.launcher not in LAUNCHERS:
-        errors["launcher"] = (
-            f"unknown launcher {s.launcher!r}; choose one of {', '.join(LAUNCHERS)}."
-        )
+    shown = launchers()
+    if s.launcher not in shown:
+        errors["launcher"] = f"unknown launcher {s.launcher!r}; choose one of {', '.join(shown)}."
     if s.backend not in BACKENDS:
         errors["backend"] = f"unknown backend {s.backend!r}; choose one of {', '.join(BACKENDS)}."
     if s.timeout <= 0:
@@ -144,7 +207,24 @@ def validate(s: PickerSettings) -> dict[str, str]:
         errors.update(validate_slurm(s, skip_port="port" in errors))
     if s.launcher == "ray":
         errors.update(validate_ray(s, skip_port="port" in errors))
+    if s.launcher in shown and s.launcher not in PAGES:
+        errors.update(validate_page(s, skip_port="port" in errors))
     return errors
+
+
+def validate_page(s: PickerSettings, skip_port: bool = False) -> dict[str, str]:
+    """The problems of a page made from a launcher's options, as `LaunchOptions` checks them."""
+    from nbtrain.cluster.launch import LaunchOptions
+    from nbtrain.errors import ConfigError
+
+    launch = launch_settings(s, s.launcher)
+    if skip_port:
+        launch.pop("port", None)
+    try:
+        LaunchOptions(launcher=s.launcher, **launch)
+    except ConfigError as e:
+        return {s.launcher: str(e)}
+    return {}
 
 
 def validate_slurm(s: PickerSettings, skip_port: bool = False) -> dict[str, str]:
@@ -152,7 +232,7 @@ def validate_slurm(s: PickerSettings, skip_port: bool = False) -> dict[str, str]
     `LaunchOptions(launcher="slurm", ...)` checks them (numbers, names, sbatch lines, --ip, and
     that sbatch is on PATH). One message for the rest: LaunchOptions stops at the first."""
     from nbtrain.cluster import options
-    from nbtrain.cluster.options import LaunchOptions
+    from nbtrain.cluster.launch import LaunchOptions
     from nbtrain.errors import ConfigError
 
     errors: dict[str, str] = {}
@@ -177,7 +257,7 @@ def validate_ray(s: PickerSettings, skip_port: bool = False) -> dict[str, str]:
     """The Ray page's problems, as `LaunchOptions(launcher="ray", ...)` checks them (the address,
     placement, ranks and each rank's GPUs and CPUs, --ip). Nothing connects to Ray. One message:
     LaunchOptions stops at the first."""
-    from nbtrain.cluster.options import LaunchOptions
+    from nbtrain.cluster.launch import LaunchOptions
     from nbtrain.errors import ConfigError
 
     launch = ray_launch(s)
@@ -229,8 +309,15 @@ def api_call(s: PickerSettings, force: bool = False) -> tuple[str, dict[str, Any
             "timeout": s.timeout,
             "force": force,
             # only when given, as the magic does: LaunchOptions' defaults stay the defaults
-            **({"remote_python": s.python} if s.python else {}),
-            **({"ssh_args": s.ssh_args} if s.ssh_args else {}),
+            **launch_settings(s, "ssh", ("remote_python", "ssh_args")),
+        }
+    if s.launcher != "connect":  # a launcher whose page is made from its options
+        return "start", {
+            "launcher": s.launcher,
+            **launch_settings(s, s.launcher),
+            "backend": s.backend,
+            "timeout": s.timeout,
+            "force": force,
         }
     return "connect", {
         "cluster_id": s.cluster_id or None,
@@ -247,42 +334,21 @@ def api_call(s: PickerSettings, force: bool = False) -> tuple[str, dict[str, Any
 def slurm_launch(s: PickerSettings) -> dict[str, Any]:
     """The Slurm settings as `nbtrain.start(launcher="slurm", ...)` takes them: only those given,
     so LaunchOptions' defaults (and Slurm's: default partition, account, time) stay the defaults."""
-    given: dict[str, Any] = {
-        "nodes": s.nodes,
-        "gpus_per_node": s.gpus_per_node,
-        "engines_per_node": s.engines_per_node,
-        "partition": s.partition.strip() or None,
-        "account": s.account.strip() or None,
-        "time": s.time.strip() or None,
-        "slurm_args": s.slurm_args.strip() or None,
-        "remote_python": s.python.strip() or None,
-        "ip": s.ip.strip() or None,
-        "iface": None if s.iface in ("", AUTO) else s.iface,
-        "port": s.port,
-        "allow_version_mismatch": s.allow_version_mismatch or None,
-    }
-    return {k: v for k, v in given.items() if v is not None}
+    return launch_settings(s, "slurm")
 
 
 def ray_launch(s: PickerSettings) -> dict[str, Any]:
-    """The Ray settings as `nbtrain.start(launcher="ray", ...)` takes them: the address and
-    placement always, -n or --nodes x --engines-per-node (as the page's choice says), the rest only
-    when given, so LaunchOptions' defaults (0 GPUs, 1 CPU per rank) stay the defaults."""
+    """The Ray settings as `nbtrain.start(launcher="ray", ...)` takes them: the page's options as
+    given (the address and placement always have a value), and -n or --nodes x --engines-per-node
+    as the page's choice says."""
     by_nodes = s.ray_ranks_by == "nodes"
-    given: dict[str, Any] = {
-        "address": s.address.strip() or "auto",
+    ranks: dict[str, Any] = {
         "n": None if by_nodes else s.ray_n,
         # nodes x engines with both empty is one node of one engine (and its placement rules)
         "nodes": (1 if s.ray_nodes is None else s.ray_nodes) if by_nodes else None,
         "engines_per_node": s.ray_engines_per_node if by_nodes else None,
-        "gpus_per_rank": s.gpus_per_rank,
-        "cpus_per_rank": s.cpus_per_rank,
-        "placement": s.placement,
-        "ip": s.ip.strip() or None,
-        "iface": None if s.iface in ("", AUTO) else s.iface,
-        "port": s.port,
-        "allow_version_mismatch": s.allow_version_mismatch or None,
     }
+    given = {**launch_settings(s, "ray"), **ranks}
     return {k: v for k, v in given.items() if v is not None}
 
 

@@ -17,6 +17,7 @@ import time
 from typing import Any, Protocol
 
 from nbtrain.display.picker.existing import ExistingPage
+from nbtrain.display.picker.fields import OptionsPage
 from nbtrain.display.picker.interfaces import (
     NodeInterfaces,
     check_node_interfaces,
@@ -31,8 +32,9 @@ from nbtrain.display.picker.results import Progress, ResultsView, error_text
 from nbtrain.display.picker.settings import (
     AUTO,
     BACKENDS,
-    LAUNCHERS,
+    PAGES,
     PickerSettings,
+    launchers,
     load_settings,
     save_settings,
     start_cluster,
@@ -88,9 +90,10 @@ class ClusterPicker:
         )
         style = {"description_width": "150px"}
 
+        shown = launchers()
         self.launcher = w.ToggleButtons(
-            options=[(label, k) for k, label in LAUNCHERS.items()],
-            value=s.launcher if s.launcher in LAUNCHERS else "local",
+            options=[(label, k) for k, label in shown.items()],
+            value=s.launcher if s.launcher in shown else "local",
             description="Launcher",
             style=style,
         )
@@ -106,6 +109,10 @@ class ClusterPicker:
             "ray": self.ray_page,
             "connect": self.existing_page,
         }
+        # a launcher with no page of its own: its page is made from the options it declares
+        for name in shown:
+            if name not in PAGES:
+                self.pages[name] = OptionsPage(name, s, style)
         self.remote = RemoteEngines(s, style)
         self.network = NodeNetwork(s, style)
         self.backend = w.Dropdown(
@@ -175,6 +182,7 @@ class ClusterPicker:
                 self._ssh_box,
                 self._slurm_box,
                 self._ray_box,
+                *[page.box for name, page in self.pages.items() if name not in PAGES],
                 self._engines_remote,
                 self._connect_box,
                 self.backend,
@@ -193,6 +201,10 @@ class ClusterPicker:
             field.observe(self._on_slurm, names="value")
         for field in (*self.ray_page.fields(), self.ip, self.port):
             field.observe(self._on_ray, names="value")
+        for page in self.pages.values():
+            if isinstance(page, OptionsPage):
+                for field in page.fields():
+                    field.observe(self._on_page, names="value")
         self.check_button.on_click(self._on_check)
         self.start_button.on_click(self._on_start)
         self.probe_button.on_click(self._on_probe)
@@ -206,17 +218,20 @@ class ClusterPicker:
     # -- settings ----------------------------------------------------------------------------------
     def settings(self) -> PickerSettings:
         """The settings the widgets show now."""
+        values: dict[str, Any] = {}
+        options: dict[str, dict[str, Any]] = {}
+        parts: list[Any] = [*self.pages.values(), self.remote, self.network]
+        for part in parts:
+            got = dict(part.values())
+            for launcher, more in got.pop("options", {}).items():
+                options.setdefault(launcher, {}).update(more)
+            values.update(got)
         return PickerSettings(
             launcher=self.launcher.value,
             backend=self.backend.value,
             timeout=float(self.timeout.value),
-            **self.local_page.values(),
-            **self.ssh_page.values(),
-            **self.slurm_page.values(),
-            **self.ray_page.values(),
-            **self.existing_page.values(),
-            **self.remote.values(),
-            **self.network.values(),
+            options=options,
+            **values,
         )
 
     def _show_error(self, text: str) -> None:
@@ -240,6 +255,8 @@ class ClusterPicker:
             self._on_slurm()
         elif self.launcher.value == "ray":
             self._on_ray()
+        elif self.launcher.value not in PAGES:
+            self._on_page()
         else:
             self._show_error("")
         self._refresh_ifaces()
@@ -252,6 +269,11 @@ class ClusterPicker:
     def _on_ray(self, *_: Any) -> None:
         # the Ray page as the user types: an address, placement, rank count or amount it would refuse
         if self.launcher.value == "ray":
+            self._show_error("\n".join(validate(self.settings()).values()))
+
+    def _on_page(self, *_: Any) -> None:
+        # a page made from a launcher's options, as the user types: what LaunchOptions would refuse
+        if self.launcher.value not in PAGES:
             self._show_error("\n".join(validate(self.settings()).values()))
 
     # -- the interfaces of the nodes ---------------------------------------------------------------
