@@ -106,3 +106,25 @@ def test_resume_equals_uninterrupted(cluster, tiny, tmp_path):
             atol=1e-5,
         )
     _close_adapters(_adapter(tmp_path / "straight"), _adapter(tmp_path / "resumed"))
+
+
+def test_fsdp_equals_ddp(cluster, tiny, tmp_path):
+    """shard='fsdp' on 2 ranks (each rank holds half the base; the reference forward without the adapter
+    gathers the weights as the policy's does) logs what DDP logs."""
+    rows = {}
+    for shard in ("ddp", "fsdp"):
+        out = tmp_path / shard
+        result = _on_cluster(cluster, _cfg(tiny, out, 2, max_steps=4, shard=shard))[0]
+        rows[shard] = result.history
+        if shard == "fsdp":
+            assert "fsdp over 2 rank(s)" in result.plan["levers"]
+            held, total = result.plan["base_params_held"]
+            assert held < total
+    for k in ("loss", *METRICS):
+        torch.testing.assert_close(
+            torch.tensor(rows["fsdp"][k].to_list()),
+            torch.tensor(rows["ddp"][k].to_list()),
+            rtol=1e-4,
+            atol=1e-5,
+        )
+    _close_adapters(_adapter(tmp_path / "ddp"), _adapter(tmp_path / "fsdp"))

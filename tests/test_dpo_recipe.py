@@ -1,0 +1,42 @@
+"""The DPO recipe in one process: the reference is the model with its adapter off, so before the first
+update the policy is the reference (LoRA's B starts at zero): the first step's loss is log 2 and every
+reward is 0, here on a 4-bit (QLoRA) base, whose frozen weights the reference forward shares."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import nbtrain
+from nbtrain.data import preferences_path
+from nbtrain.sft.dpo_loss import METRICS
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+
+
+def test_qlora_first_step_is_the_reference(tiny, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    cfg = nbtrain.DPOConfig(
+        model=tiny,
+        data=preferences_path(),
+        output_dir=str(tmp_path / "q"),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=5e-3,
+        logging_steps=1,
+        save_steps=None,
+        max_length=64,
+        data_cache="off",
+        load_in_4bit=True,
+    )
+    result = nbtrain.finetune(cfg)
+    assert "4-bit NF4 base" in result.plan["levers"]
+    first, last = result.history.iloc[0], result.history.iloc[-1]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert first[k] == pytest.approx(0.0, abs=1e-6)
+    assert first["logps/chosen"] < 0 and set(METRICS) <= set(result.history.columns)
+    # then the adapter moves the policy away from the reference
+    assert abs(last["rewards/margins"]) > 1e-4
+    assert (tmp_path / "q" / "adapter" / "adapter_model.safetensors").is_file()
