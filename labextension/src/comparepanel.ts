@@ -1,13 +1,13 @@
 /**
  * The comparison panel: the chosen runs' loss, eval loss, tokens/s and learning-rate curves over
  * each other (a colour per run), against step or time, smoothed as TensorBoard smooths, on a
- * linear or log y axis, with a tooltip of each run's value at the hovered step; beside them a
- * table of the settings that differ, each run's last metrics and its adapter folder; a CSV download of
- * what is drawn.
+ * linear or log y axis, with a tooltip of each run's smoothed and raw value at the hovered step;
+ * under them, full width, a table of each run with the settings that differ, its last metrics and
+ * its adapter folder, then the runs' last samples side by side; a CSV download of what is drawn.
  */
 import { Widget } from '@lumino/widgets';
 
-import { ISeries, LineChart } from './charts';
+import { formatValue, ISeries, LineChart } from './charts';
 import {
   COMPARE_METRICS,
   CompareModel,
@@ -18,9 +18,18 @@ import {
   smooth,
   XAxis
 } from './compare';
-import { formatLoss, formatRate } from './model';
+import { shortPath } from './model';
 import { COLOURS } from './panel';
+import { sideBySide } from './samples';
 import { IComparePage } from './tokens';
+
+/** Each compared metric's y axis title, with its unit. */
+const Y_TITLES: Record<string, string> = {
+  loss: 'nats/token',
+  eval_loss: 'nats/token',
+  tokens_per_s: 'tokens/s',
+  learning_rate: 'learning rate'
+};
 
 /** TensorBoard's default smoothing. */
 const DEFAULT_SMOOTHING = 0.6;
@@ -74,7 +83,11 @@ export class ComparePanel extends Widget {
     );
 
     this._charts = COMPARE_METRICS.map(
-      m => new LineChart(m.title, m.key, { hover: true })
+      m =>
+        new LineChart(m.title, m.key, {
+          hover: true,
+          yTitle: Y_TITLES[m.key] ?? m.key
+        })
     );
     const grid = document.createElement('div');
     grid.className = 'nbtrain-RunPanel-charts';
@@ -83,13 +96,14 @@ export class ComparePanel extends Widget {
     this._table.className = 'nbtrain-Compare-table';
     this._status = document.createElement('div');
     this._status.className = 'nbtrain-Compare-status';
-    const body = document.createElement('div');
-    body.className = 'nbtrain-Compare-body';
-    const side = document.createElement('div');
+    // the table and the samples under the charts, full width: a column beside them clipped it
+    const side = document.createElement('section');
     side.className = 'nbtrain-Compare-side';
     side.append(this._table);
-    body.append(grid, side);
-    this.node.append(controls, this._status, body);
+    this._samples = document.createElement('section');
+    this._samples.className = 'nbtrain-Compare-samples';
+    this._samples.hidden = true;
+    this.node.append(controls, this._status, grid, side, this._samples);
 
     for (const input of [this._x, this._smoothing, this._log]) {
       input.addEventListener('input', () => this._render());
@@ -134,6 +148,9 @@ export class ComparePanel extends Widget {
       return;
     }
     this.model.dispose();
+    for (const chart of this._charts) {
+      chart.dispose();
+    }
     super.dispose();
   }
 
@@ -155,31 +172,106 @@ export class ComparePanel extends Widget {
       const chart = this._charts[i];
       chart.setOptions({
         logY: this._log.checked,
-        xName: x === 'step' ? 'step' : 's'
+        xTitle: x === 'step' ? 'step' : 'seconds',
+        note: weight > 0 ? `smoothed ${weight.toFixed(2)}` : ''
       });
-      const series: ISeries[] = [];
-      page.runs.forEach((run, r) => {
+      const series: ISeries[] = page.runs.map((run, r) => {
         const className = COLOURS[r % COLOURS.length];
         const points = runPoints(run, metric.key, x);
-        if (weight > 0) {
-          series.push({ label: run.label, className, points, faint: true });
-        }
-        series.push({
-          label: run.label,
-          className,
-          points: smooth(points, weight)
-        });
+        return weight > 0
+          ? {
+              label: run.label,
+              className,
+              points: smooth(points, weight),
+              raw: points
+            }
+          : { label: run.label, className, points };
       });
       chart.update(series);
     }
     this._renderTable(page);
+    this._renderSamples(page);
+  }
+
+  /** The runs' last samples side by side: a row per prompt, a column per run. */
+  private _renderSamples(page: IComparePage): void {
+    const matched = sideBySide(page.runs);
+    this._samples.hidden = !matched.length;
+    if (!matched.length) {
+      this._samples.replaceChildren();
+      return;
+    }
+    const head = document.createElement('h3');
+    head.textContent = 'Last samples';
+    const table = document.createElement('table');
+    table.className = 'nbtrain-Compare-samplesTable';
+    const withReference = matched.some(m => m.reference !== null);
+    const top = table.createTHead().insertRow();
+    const th = (text: string, className = '') => {
+      const cell = document.createElement('th');
+      cell.textContent = text;
+      cell.className = className;
+      top.appendChild(cell);
+      return cell;
+    };
+    th('prompt', 'nbtrain-Compare-promptHead');
+    if (withReference) {
+      th('reference', 'nbtrain-Compare-referenceHead');
+    }
+    page.runs.forEach((run, r) => {
+      const steps = matched
+        .map(m => m.completions[r]?.step)
+        .filter((s): s is number => s !== undefined);
+      const cell = th('', 'nbtrain-Compare-runHead');
+      const key = document.createElement('span');
+      key.className = `nbtrain-Chart-key ${COLOURS[r % COLOURS.length]}`;
+      key.textContent = run.label;
+      const step = document.createElement('span');
+      step.className = 'nbtrain-Compare-sampleStep';
+      step.textContent = steps.length
+        ? ` step ${Math.max(...steps)}`
+        : ' no samples';
+      cell.append(key, step);
+      cell.dataset.runId = run.id;
+    });
+    const body = table.createTBody();
+    for (const m of matched) {
+      const tr = body.insertRow();
+      const prompt = tr.insertCell();
+      prompt.className = 'nbtrain-Sample-prompt';
+      prompt.textContent = m.prompt;
+      if (withReference) {
+        const ref = tr.insertCell();
+        ref.className = 'nbtrain-Sample-reference';
+        ref.textContent = m.reference ?? '–';
+      }
+      m.completions.forEach((sample, r) => {
+        const td = tr.insertCell();
+        td.className = 'nbtrain-Sample-completion';
+        td.dataset.runId = page.runs[r].id;
+        td.textContent = sample ? sample.completion : '–';
+      });
+    }
+    this._samples.replaceChildren(head, table);
   }
 
   private _renderTable(page: IComparePage): void {
     const fields = Object.keys(page.diff);
+    const metrics: Array<[string, string]> = [
+      ['loss', 'loss'],
+      ['eval_loss', 'eval loss'],
+      ['tokens_per_s', 'tokens/s'],
+      ['step', 'steps']
+    ];
     const head = document.createElement('thead');
     const top = head.insertRow();
-    for (const title of ['run', ...fields, 'loss', 'eval loss', 'tokens/s']) {
+    // the run, what differs, how it ended; then where its adapter is
+    for (const title of [
+      'run',
+      ...fields,
+      ...metrics.map(m => m[1]),
+      'adapter'
+    ]) {
       const th = document.createElement('th');
       th.textContent = title;
       if (fields.includes(title)) {
@@ -196,22 +288,28 @@ export class ComparePanel extends Widget {
       const key = document.createElement('span');
       key.className = `nbtrain-Chart-key ${COLOURS[r % COLOURS.length]}`;
       key.textContent = run.label;
-      // the adapter under the name: a long path would squeeze the numbers beside it
-      const adapter = document.createElement('div');
-      adapter.className = 'nbtrain-Compare-adapter';
-      adapter.textContent = run.adapter ?? 'no adapter exported';
-      adapter.title = 'adapter folder';
       name.className = 'nbtrain-Compare-run';
-      name.append(key, adapter);
-      name.title = run.output_dir;
+      name.append(key);
+      name.title = `${run.name}\n${run.output_dir}`;
       for (const field of fields) {
         const td = tr.insertCell();
         td.dataset.field = field;
         td.textContent = formatSetting(page.diff[field][r]);
       }
-      tr.insertCell().textContent = formatLoss(finalValue(run, 'loss'));
-      tr.insertCell().textContent = formatLoss(finalValue(run, 'eval_loss'));
-      tr.insertCell().textContent = formatRate(finalValue(run, 'tokens_per_s'));
+      for (const [metric] of metrics) {
+        const td = tr.insertCell();
+        td.dataset.metric = metric;
+        td.className = 'nbtrain-Compare-number';
+        const value = finalValue(run, metric);
+        td.textContent =
+          metric === 'step' ? String(value ?? '–') : formatValue(value);
+      }
+      const adapter = tr.insertCell();
+      adapter.className = 'nbtrain-Compare-adapter';
+      adapter.textContent = run.adapter
+        ? shortPath(run.adapter, 2)
+        : 'none exported';
+      adapter.title = run.adapter ?? 'no adapter exported';
     });
     this._table.replaceChildren(head, body);
     this._table.dataset.fields = fields.join(',');
@@ -227,6 +325,7 @@ export class ComparePanel extends Widget {
   private _log: HTMLInputElement;
   private _charts: LineChart[];
   private _table: HTMLTableElement;
+  private _samples: HTMLElement;
   private _status: HTMLElement;
 }
 

@@ -7,10 +7,12 @@ import {
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
 import {
+  Dialog,
   ICommandPalette,
   InputDialog,
   MainAreaWidget,
   Notification,
+  showDialog,
   WidgetTracker
 } from '@jupyterlab/apputils';
 import { IStatusBar } from '@jupyterlab/statusbar';
@@ -104,7 +106,22 @@ const plugin: JupyterFrontEndPlugin<void> = {
       return widget;
     };
 
-    const stopRun = async (id: string) => {
+    /** Stop a run, after asking: a stop ends the run (at its next step, with a checkpoint). */
+    const stopRun = async (id: string, confirm = true): Promise<boolean> => {
+      const name = model.getRun(id)?.name ?? id;
+      if (confirm) {
+        const answer = await showDialog({
+          title: `Stop run ${name}?`,
+          body: 'It saves a checkpoint and ends at its next step; resume it with resume=True.',
+          buttons: [
+            Dialog.cancelButton(),
+            Dialog.warnButton({ label: 'Stop run' })
+          ]
+        });
+        if (!answer.button.accept) {
+          return false;
+        }
+      }
       try {
         await model.stopRun(id);
         Notification.info(
@@ -115,6 +132,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         Notification.error(`nbtrain: could not stop run ${id}: ${error}`);
       }
       tracker.forEach(w => void w.content.metrics.refresh());
+      return true;
     };
 
     const openRun = (id: string) => {
@@ -124,11 +142,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         return open;
       }
       const metrics = new RunMetrics({ request, runId: id });
-      const content = new RunPanel(
-        metrics,
-        runId => void stopRun(runId),
-        request
-      );
+      const content = new RunPanel(metrics, runId => stopRun(runId), request);
       const widget = new MainAreaWidget({ content });
       widget.id = `nbtrain-run-${id}`;
       widget.title.label = `Run: ${model.getRun(id)?.name ?? id}`;
@@ -163,6 +177,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
       caption: 'Ask a running run to checkpoint and end at its next step',
       execute: async args => {
         let id = args.id as string | undefined;
+        // a run picked in the palette's dialog was chosen to stop; a click is asked about first
+        const picked = !id;
         if (!id) {
           await model.refresh();
           const running = model.runs.filter(run => run.state === 'running');
@@ -174,7 +190,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
             )) ?? undefined;
         }
         if (id) {
-          await stopRun(id);
+          await stopRun(id, !picked);
         }
       }
     });

@@ -15,37 +15,48 @@ import {
   IScalingReport,
   Requester
 } from './tokens';
+import { formatValue } from './charts';
 import { PolledModel, Standby } from './polled';
 
-/** `3.2k`, `950`, `1.4M`: a rate short enough for the status bar. */
-export function formatRate(value: number | null | undefined): string {
-  if (value === null || value === undefined || !Number.isFinite(value)) {
-    return '–';
-  }
-  const abs = Math.abs(value);
-  if (abs >= 1e6) {
-    return `${(value / 1e6).toFixed(1)}M`;
-  }
-  if (abs >= 1e3) {
-    return `${(value / 1e3).toFixed(1)}k`;
-  }
-  return `${Math.round(value)}`;
-}
-
-/** A loss with three significant digits past the point where it matters: `1.23`, `0.0412`. */
-export function formatLoss(value: number | null | undefined): string {
-  if (value === null || value === undefined || !Number.isFinite(value)) {
-    return '–';
-  }
-  return Math.abs(value) >= 0.1 ? value.toFixed(2) : value.toPrecision(3);
-}
-
-/** The status bar text for a run: `step 120/1000 · loss 1.23 · 3.2k tok/s`. */
+/** The status bar text for a run: `live-sft · step 120/1000 · loss 1.23 · 3.20k tok/s`. */
 export function statusText(run: IRun): string {
+  return `${run.name} · ${progressParts(run).join(' · ')}`;
+}
+
+/** A run's progress as the sidebar and status bar write it: step, loss, tokens/s. */
+export function progressParts(run: IRun): string[] {
   const steps = run.total_steps
     ? `${run.step}/${run.total_steps}`
     : `${run.step}`;
-  return `step ${steps} · loss ${formatLoss(run.loss)} · ${formatRate(run.tokens_per_s)} tok/s`;
+  return [
+    `step ${steps}`,
+    `loss ${formatValue(run.loss)}`,
+    `${formatValue(run.tokens_per_s)} tok/s`
+  ];
+}
+
+/** `2m 05s`, `1h 02m`, `12s`: how long a run ran (or has been running). */
+export function formatDuration(seconds: number): string {
+  if (!Number.isFinite(seconds) || seconds < 0) {
+    return '–';
+  }
+  const s = Math.round(seconds);
+  const h = Math.floor(s / 3600);
+  const m = Math.floor((s % 3600) / 60);
+  const pad = (n: number) => String(n).padStart(2, '0');
+  if (h) {
+    return `${h}h ${pad(m)}m`;
+  }
+  return m ? `${m}m ${pad(s % 60)}s` : `${s}s`;
+}
+
+/** `…/runs/lr-1e-2/adapter`: a long path shortened to its last parts (the whole on hover). */
+export function shortPath(path: string, parts = 2): string {
+  const pieces = path.split('/').filter(p => p);
+  if (pieces.length <= parts) {
+    return path;
+  }
+  return `…/${pieces.slice(-parts).join('/')}`;
 }
 
 /** The most recently started run that is still running, if any. */
@@ -109,12 +120,8 @@ export function scalingLines(report: IScalingReport): IScalingLine[] {
   return report.rows.map(row => ({
     size: (report.unit === 'nodes' ? row.nodes : row.ranks) ?? row.ranks,
     ranks: row.ranks,
-    tokensPerS: Number.isFinite(row.tokens_per_s)
-      ? Math.round(row.tokens_per_s).toLocaleString('en-US')
-      : '–',
-    efficiency: Number.isFinite(row.efficiency)
-      ? row.efficiency.toFixed(2)
-      : '–',
+    tokensPerS: formatValue(row.tokens_per_s),
+    efficiency: formatValue(row.efficiency),
     predicted: Boolean(row.predicted)
   }));
 }

@@ -1,22 +1,25 @@
 /**
- * A run's main-area panel: live charts of loss and eval loss, tokens/s and learning rate, GPU
- * memory and MFU when the run logged them (GPU runs), and its scaling report when one was saved.
+ * A run's main-area panel: a header naming the run (state, start, duration, output folder,
+ * progress), live charts of loss and eval loss, tokens/s and learning rate, GPU memory and MFU when
+ * the run logged them (GPU runs), the completions it sampled during training, and its scaling
+ * report when one was saved.
  * Everything comes from the server, so a panel opens (and keeps updating) without the
  * kernel that started the run.
  */
 import { Widget } from '@lumino/widgets';
 
-import { ISeries, LineChart } from './charts';
+import { formatValue, ISeries, LineChart } from './charts';
 import {
   fetchScaling,
-  formatLoss,
-  formatRate,
+  formatDuration,
   hasMetric,
   rankMemoryKeys,
   RunMetrics,
-  scalingLines
+  scalingLines,
+  shortPath
 } from './model';
-import { IMetricsRow, IScalingPage, Requester } from './tokens';
+import { ISampledStep, RunSamples } from './samples';
+import { IMetricsRow, IScalingPage, ISample, Requester } from './tokens';
 
 function series(
   rows: IMetricsRow[],
@@ -50,41 +53,54 @@ export const COLOURS = [
 export class RunPanel extends Widget {
   constructor(
     metrics: RunMetrics,
-    onStop: (id: string) => void,
-    request: Requester
+    onStop: (id: string) => Promise<boolean>,
+    request: Requester,
+    samples?: RunSamples
   ) {
     super();
     this.metrics = metrics;
+    this.samples = samples ?? new RunSamples({ request, runId: metrics.runId });
     this._onStop = onStop;
     this._request = request;
     this.addClass('nbtrain-RunPanel');
     this.node.dataset.runId = metrics.runId;
-    this._header = document.createElement('div');
+    this._header = document.createElement('header');
     this._header.className = 'nbtrain-RunPanel-header';
-    this._summary = document.createElement('span');
-    this._summary.className = 'nbtrain-RunPanel-summary';
+    const titleLine = document.createElement('div');
+    titleLine.className = 'nbtrain-RunPanel-titleLine';
+    this._name = document.createElement('h2');
+    this._name.className = 'nbtrain-RunPanel-name';
+    this._state = document.createElement('span');
+    this._state.className = 'nbtrain-State';
     this._stop = document.createElement('button');
     this._stop.className =
       'jp-Button jp-mod-styled jp-mod-warn nbtrain-StopButton';
     this._stop.textContent = 'Stop run';
     this._stop.title = 'Checkpoint and end this run at its next step';
-    this._stop.addEventListener('click', () => {
-      this._stop.disabled = true;
-      this._stop.textContent = 'Stopping…';
-      this._onStop(metrics.runId);
+    this._stop.addEventListener('click', () => void this._stopClicked());
+    titleLine.append(this._name, this._state, this._stop);
+    this._about = document.createElement('div');
+    this._about.className = 'nbtrain-RunPanel-about';
+    this._summary = document.createElement('div');
+    this._summary.className = 'nbtrain-RunPanel-summary';
+    this._header.append(titleLine, this._about, this._summary);
+    this._loss = new LineChart('Loss', 'loss', {
+      hover: true,
+      yTitle: 'nats/token'
     });
-    this._header.append(this._summary, this._stop);
-    this._loss = new LineChart('Loss', 'loss', { hover: true });
     this._throughput = new LineChart('Tokens/s', 'tokens_per_s', {
-      hover: true
+      hover: true,
+      yTitle: 'tokens/s'
     });
     this._lr = new LineChart('Learning rate', 'learning_rate', {
-      hover: true
+      hover: true,
+      yTitle: 'learning rate'
     });
-    this._memory = new LineChart('GPU peak memory (GB)', 'peak_memory_gb', {
-      hover: true
+    this._memory = new LineChart('GPU peak memory', 'peak_memory_gb', {
+      hover: true,
+      yTitle: 'GB'
     });
-    this._mfu = new LineChart('MFU (%)', 'mfu', { hover: true });
+    this._mfu = new LineChart('MFU', 'mfu', { hover: true, yTitle: '%' });
     this._grid = document.createElement('div');
     this._grid.className = 'nbtrain-RunPanel-charts';
     this._grid.append(
@@ -94,21 +110,97 @@ export class RunPanel extends Widget {
       this._memory.node,
       this._mfu.node
     );
+    this._samplesView = new SamplesView();
     this._scaling = new ScalingView();
-    this.node.append(this._header, this._grid, this._scaling.node);
+    this.node.append(
+      this._header,
+      this._grid,
+      this._samplesView.node,
+      this._scaling.node
+    );
     metrics.changed.connect(this._render, this);
+    this.samples.changed.connect(this._renderSamples, this);
     this._render();
+    this._renderSamples();
+    // the duration of a running run moves on between polls too
+    this._clock = window.setInterval(() => this._renderAbout(), 1000);
   }
 
   readonly metrics: RunMetrics;
+  readonly samples: RunSamples;
 
   dispose(): void {
     if (this.isDisposed) {
       return;
     }
+    window.clearInterval(this._clock);
     this.metrics.dispose();
+    this.samples.dispose();
     this._scaling.dispose();
+    for (const chart of [
+      this._loss,
+      this._throughput,
+      this._lr,
+      this._memory,
+      this._mfu
+    ]) {
+      chart.dispose();
+    }
     super.dispose();
+  }
+
+  private async _stopClicked(): Promise<void> {
+    this._stop.disabled = true;
+    const asked = await this._onStop(this.metrics.runId);
+    if (this.isDisposed) {
+      return;
+    }
+    if (asked) {
+      this._stop.textContent = 'Stopping…';
+    } else {
+      this._stop.disabled = false;
+    }
+  }
+
+  /** The line under the name: when it started, how long it ran, where, and its folder. */
+  private _renderAbout(): void {
+    const run = this.metrics.run;
+    if (!run || run.kind === 'scaling') {
+      return;
+    }
+    const end =
+      run.ended ?? (run.state === 'running' ? Date.now() / 1000 : null);
+    const parts: Array<[string, string, string?]> = [
+      ['started', `started ${formatStart(run.started)}`],
+      [
+        'duration',
+        end === null
+          ? ''
+          : `${run.state === 'running' ? 'running for' : 'ran'} ${formatDuration(end - run.started)}`
+      ],
+      [
+        'where',
+        `${run.world_size} rank${run.world_size === 1 ? '' : 's'} on ${run.host}`
+      ],
+      ['folder', shortPath(run.output_dir, 3), run.output_dir]
+    ];
+    this._about.replaceChildren(
+      ...parts
+        .filter(([, text]) => text)
+        .map(([key, text, title]) => {
+          const span = document.createElement('span');
+          span.className = `nbtrain-RunPanel-${key}`;
+          span.textContent = text;
+          if (title) {
+            span.title = title;
+          }
+          return span;
+        })
+    );
+  }
+
+  private _renderSamples(): void {
+    this._samplesView.show(this.samples.steps, this.samples.error);
   }
 
   private _render(): void {
@@ -119,30 +211,36 @@ export class RunPanel extends Widget {
       this._scalingFolder = run.scaling;
       void this._loadScaling();
     }
+    if (run) {
+      this._name.textContent = run.name;
+      this._name.title = run.name;
+      this._state.className = `nbtrain-State nbtrain-State-${run.state}`;
+      this._state.textContent = run.state;
+      this.node.dataset.state = run.state;
+    }
     if (isScaling && run) {
       this.title.label = `Scaling: ${run.name}`;
-      this.node.dataset.state = run.state;
       this.node.dataset.kind = 'scaling';
-      this._summary.textContent = `scaling report in ${run.scaling ?? run.output_dir}${run.measured ? ` · measured ${run.measured}` : ''}`;
+      this._about.textContent = `scaling report in ${run.scaling ?? run.output_dir}${run.measured ? ` · measured ${run.measured}` : ''}`;
+      this._about.title = run.scaling ?? run.output_dir;
+      this._summary.textContent = 'scaling report';
       this._stop.style.display = 'none';
       this._grid.style.display = 'none'; // (the hidden attribute loses to its display: grid)
       return;
     }
     if (run) {
       this.title.label = `Run: ${run.name}`;
-      this.node.dataset.state = run.state;
+      this._renderAbout();
       const last = rows.length ? rows[rows.length - 1] : null;
       const step = last ? last.step : run.step;
       const steps = run.total_steps ? `${step}/${run.total_steps}` : `${step}`;
       const parts = [
-        `<span class="nbtrain-State nbtrain-State-${run.state}">${run.state}</span>`,
         `step <b class="nbtrain-RunPanel-step">${steps}</b>`,
-        `loss ${formatLoss(last?.loss ?? run.loss)}`,
-        `${formatRate(last?.tokens_per_s ?? run.tokens_per_s)} tok/s`,
-        `${run.world_size} rank${run.world_size === 1 ? '' : 's'} on ${escapeHtml(run.host)}`
+        `loss ${formatValue(last?.loss ?? run.loss)}`,
+        `${formatValue(last?.tokens_per_s ?? run.tokens_per_s)} tok/s`
       ];
       this._summary.innerHTML = parts.join(' · ');
-      this._summary.title = run.output_dir;
+      this._summary.title = '';
       // (the hidden attribute loses to .jp-Button's display rule)
       this._stop.style.display = run.state === 'running' ? '' : 'none';
     }
@@ -196,21 +294,18 @@ export class RunPanel extends Widget {
       this._scaling.clear();
       return;
     }
-    let image: Blob | null = null;
-    try {
-      image = await this._request<Blob>(
-        `runs/${encodeURIComponent(this.metrics.runId)}/scaling.png`
-      );
-    } catch {
-      // the table stands without its figure
-    }
     if (!this.isDisposed) {
-      this._scaling.show(page, image);
+      this._scaling.show(page);
     }
   }
 
-  private _onStop: (id: string) => void;
+  private _onStop: (id: string) => Promise<boolean>;
   private _request: Requester;
+  private _clock: number;
+  private _name: HTMLElement;
+  private _state: HTMLElement;
+  private _about: HTMLElement;
+  private _samplesView: SamplesView;
   private _grid: HTMLElement;
   private _memory: LineChart;
   private _mfu: LineChart;
@@ -224,7 +319,89 @@ export class RunPanel extends Widget {
   private _lr: LineChart;
 }
 
-/** The "Scaling" section: the verdict, the table (predicted sizes marked) and the figure. */
+/**
+ * The "Samples" section: the completions the run generated for its sample prompts, newest step
+ * first; the newest step open, older ones folded. Hidden for a run that samples nothing.
+ */
+class SamplesView {
+  constructor() {
+    this.node = document.createElement('section');
+    this.node.className = 'nbtrain-Samples';
+    this.node.hidden = true;
+  }
+
+  readonly node: HTMLElement;
+
+  show(steps: ISampledStep[], error: string | null): void {
+    if (!steps.length) {
+      this.node.hidden = true;
+      this.node.replaceChildren();
+      return;
+    }
+    // a step the reader opened or folded stays so through the next poll
+    for (const details of this.node.querySelectorAll<HTMLDetailsElement>(
+      'details[data-step]'
+    )) {
+      this._open.set(Number(details.dataset.step), details.open);
+    }
+    const head = document.createElement('h3');
+    head.textContent = 'Samples';
+    const note = document.createElement('p');
+    note.className = 'nbtrain-Samples-note';
+    const prompts = new Set(steps.flatMap(s => s.samples.map(x => x.index)));
+    note.textContent = `${prompts.size} prompt${prompts.size === 1 ? '' : 's'} sampled at ${steps.length} step${steps.length === 1 ? '' : 's'}, newest first${error ? ` · last poll failed: ${error}` : ''}`;
+    const blocks = steps.map((step, i) => {
+      const details = document.createElement('details');
+      details.className = 'nbtrain-Samples-step';
+      details.dataset.step = String(step.step);
+      details.open = this._open.get(step.step) ?? i === 0;
+      const summary = document.createElement('summary');
+      // the ranks generate a step's prompts together: its time is each row's (the same) time
+      const seconds = Math.max(0, ...step.samples.map(x => x.seconds ?? 0));
+      const tokens = step.samples.reduce((t, x) => t + (x.tokens ?? 0), 0);
+      summary.textContent = `step ${step.step} · ${step.samples.length} completion${step.samples.length === 1 ? '' : 's'} · ${tokens} token${tokens === 1 ? '' : 's'} in ${formatValue(seconds)} s`;
+      details.append(summary, ...step.samples.map(sampleBlock));
+      return details;
+    });
+    this.node.replaceChildren(head, note, ...blocks);
+    this.node.hidden = false;
+  }
+
+  private _open = new Map<number, boolean>();
+}
+
+/** One prompt and its completion (and reference), long text wrapped as written. */
+export function sampleBlock(sample: ISample): HTMLElement {
+  const div = document.createElement('div');
+  div.className = 'nbtrain-Sample';
+  div.dataset.index = String(sample.index);
+  const prompt = document.createElement('div');
+  prompt.className = 'nbtrain-Sample-prompt';
+  prompt.textContent = sample.prompt;
+  prompt.title = `prompt ${sample.index}`;
+  const completion = document.createElement('div');
+  completion.className = 'nbtrain-Sample-completion';
+  completion.textContent = sample.completion;
+  completion.title =
+    sample.tokens !== null
+      ? `${sample.tokens} token${sample.tokens === 1 ? '' : 's'}`
+      : '';
+  div.append(prompt, completion);
+  if (sample.reference !== null) {
+    const reference = document.createElement('div');
+    reference.className = 'nbtrain-Sample-reference';
+    reference.textContent = sample.reference;
+    reference.title = "the data file's completion";
+    div.append(reference);
+  }
+  return div;
+}
+
+/**
+ * The "Scaling" section: the verdict, the table (predicted sizes marked) and the figure, drawn
+ * with the panel's own charts (so it follows the theme): tokens/s and efficiency against size,
+ * the measured line solid and the prediction from the largest measured size on.
+ */
 class ScalingView {
   constructor() {
     this.node = document.createElement('section');
@@ -234,7 +411,7 @@ class ScalingView {
 
   readonly node: HTMLElement;
 
-  show(page: IScalingPage, image: Blob | null): void {
+  show(page: IScalingPage): void {
     const report = page.report;
     const unit = report.unit === 'ranks' ? 'ranks' : 'nodes';
     const head = document.createElement('h3');
@@ -255,7 +432,8 @@ class ScalingView {
       header.appendChild(th);
     }
     const body = table.createTBody();
-    for (const line of scalingLines(report)) {
+    const lines = scalingLines(report);
+    for (const line of lines) {
       const tr = body.insertRow();
       tr.dataset.predicted = String(line.predicted);
       if (line.predicted) {
@@ -270,21 +448,51 @@ class ScalingView {
         tr.insertCell().textContent = text;
       }
     }
-    const parts: HTMLElement[] = [head, verdict, machine, table];
-    this._revoke();
-    if (image) {
-      this._url = URL.createObjectURL(image);
-      const img = document.createElement('img');
-      img.className = 'nbtrain-Scaling-figure';
-      img.alt = `tokens/s and efficiency against ${unit}`;
-      img.src = this._url;
-      parts.push(img);
+    this._disposeCharts();
+    const grid = document.createElement('div');
+    grid.className = 'nbtrain-RunPanel-charts nbtrain-Scaling-charts';
+    for (const [key, title, yTitle] of [
+      ['tokens_per_s', 'Tokens/s', 'tokens/s'],
+      ['efficiency', 'Efficiency', 'efficiency']
+    ]) {
+      const chart = new LineChart(title, `scaling_${key}`, {
+        hover: true,
+        xTitle: unit,
+        yTitle
+      });
+      const at = (predicted: boolean) =>
+        report.rows
+          .map((row, i) => ({ row, size: lines[i].size }))
+          .filter(({ row }) => Boolean(row.predicted) === predicted)
+          .map(({ row, size }) => [size, Number(row[key])] as [number, number])
+          .filter(([, y]) => Number.isFinite(y))
+          .sort((a, b) => a[0] - b[0]);
+      const measured = at(false);
+      const predicted = at(true);
+      grid.appendChild(chart.node);
+      this._charts.push(chart);
+      chart.update([
+        { label: 'measured', className: 'nbtrain-c1', points: measured },
+        {
+          label: 'predicted',
+          className: 'nbtrain-c2 nbtrain-Chart-dashed',
+          // from the largest measured size on, so the two lines meet
+          points: predicted.length ? [...measured.slice(-1), ...predicted] : []
+        }
+      ]);
     }
-    this.node.replaceChildren(...parts);
+    this.node.replaceChildren(head, verdict, machine, table, grid);
     this.node.hidden = false;
+    // drawn once laid out, at their width
+    requestAnimationFrame(() => {
+      for (const chart of this._charts) {
+        chart.redraw();
+      }
+    });
   }
 
   showError(message: string): void {
+    this._disposeCharts();
     this.node.replaceChildren();
     const p = document.createElement('p');
     p.className = 'nbtrain-Scaling-error';
@@ -294,27 +502,34 @@ class ScalingView {
   }
 
   clear(): void {
-    this._revoke();
+    this._disposeCharts();
     this.node.replaceChildren();
     this.node.hidden = true;
   }
 
   dispose(): void {
-    this._revoke();
+    this._disposeCharts();
   }
 
-  private _revoke(): void {
-    if (this._url) {
-      URL.revokeObjectURL(this._url);
-      this._url = null;
+  private _disposeCharts(): void {
+    for (const chart of this._charts) {
+      chart.dispose();
     }
+    this._charts = [];
   }
 
-  private _url: string | null = null;
+  private _charts: LineChart[] = [];
 }
 
-function escapeHtml(text: string): string {
-  const div = document.createElement('div');
-  div.textContent = text;
-  return div.innerHTML;
+/** `14:05` today, `Nov 25 14:05` another day: when a run started. */
+function formatStart(seconds: number): string {
+  const date = new Date(seconds * 1000);
+  const time = date.toLocaleTimeString('en-GB', {
+    hour: '2-digit',
+    minute: '2-digit'
+  });
+  if (date.toDateString() === new Date().toDateString()) {
+    return time;
+  }
+  return `${date.toLocaleDateString('en-US', { month: 'short', day: 'numeric' })} ${time}`;
 }

@@ -3,7 +3,7 @@
  */
 import { Widget } from '@lumino/widgets';
 
-import { formatLoss, formatRate, TrainingModel } from './model';
+import { progressParts, TrainingModel } from './model';
 import { ICluster, IRun } from './tokens';
 
 /** What the sidebar asks of the application: open a run's panel, stop a run, compare runs. */
@@ -188,7 +188,7 @@ function renderRun(run: IRun, selected: boolean): HTMLElement {
   const li = el('li', 'nbtrain-Run');
   li.dataset.runId = run.id;
   li.dataset.state = run.state;
-  li.title = `${run.output_dir}\nopen the run's charts`;
+  li.title = `${run.name}\n${run.output_dir}\nopen the run's charts`;
   const head = el('div', 'nbtrain-Item-head');
   if (run.kind !== 'scaling') {
     const box = document.createElement('input');
@@ -200,24 +200,27 @@ function renderRun(run: IRun, selected: boolean): HTMLElement {
     box.setAttribute('aria-label', `select ${run.name} to compare`);
     head.append(box);
   }
+  const name = el('span', 'nbtrain-Item-name', run.name);
+  // a name cut by the sidebar's width reads whole on hover
+  name.title = run.name;
   head.append(
-    el('span', 'nbtrain-Item-name', run.name),
+    name,
     el('span', `nbtrain-State nbtrain-State-${run.state}`, run.state)
   );
   if (run.kind === 'scaling') {
     li.dataset.kind = 'scaling';
-    li.title = `${run.output_dir}\nopen the scaling report`;
+    li.title = `${run.name}\n${run.output_dir}\nopen the scaling report`;
     li.append(head, el('div', 'nbtrain-Item-detail', 'scaling report'));
     return li;
   }
-  const steps = run.total_steps
-    ? `${run.step}/${run.total_steps}`
-    : `${run.step}`;
-  const detail = el(
-    'div',
-    'nbtrain-Item-detail nbtrain-Run-progress',
-    `step ${steps} · loss ${formatLoss(run.loss)} · ${formatRate(run.tokens_per_s)} tok/s`
-  );
+  // each part stays on one line: a narrow sidebar wraps between parts, never inside one
+  const detail = el('div', 'nbtrain-Item-detail nbtrain-Run-progress');
+  progressParts(run).forEach((part, i) => {
+    if (i) {
+      detail.append(' · ');
+    }
+    detail.append(el('span', 'nbtrain-Run-part', part));
+  });
   li.append(head, detail);
   if (run.total_steps) {
     const bar = el('div', 'nbtrain-Run-bar');
@@ -227,9 +230,13 @@ function renderRun(run: IRun, selected: boolean): HTMLElement {
     li.append(bar);
   }
   if (run.state === 'running') {
-    const stop = el('button', 'jp-Button nbtrain-StopButton', 'Stop');
+    const stop = el(
+      'button',
+      'jp-Button jp-mod-styled jp-mod-warn nbtrain-StopButton',
+      'Stop'
+    );
     stop.dataset.stopRun = run.id;
-    stop.title = 'Checkpoint and end this run at its next step';
+    stop.title = 'Checkpoint and end this run at its next step (asks first)';
     head.append(stop);
   }
   return li;

@@ -89,6 +89,27 @@ export interface IScalingPage {
   report: IScalingReport;
 }
 
+/** One completion sampled during training (a row of the run's samples.jsonl, nbtrain.runs.SAMPLES_FILE). */
+export interface ISample {
+  step: number;
+  /** The prompt's index among the run's sample prompts. */
+  index: number;
+  prompt: string;
+  completion: string;
+  /** The data file's completion for this prompt, where it has one. */
+  reference: string | null;
+  tokens: number | null;
+  seconds: number | null;
+}
+
+/** GET runs/<id>/samples?since=K: the rows of steps >= K, whole steps, oldest first. */
+export interface ISamplesPage {
+  run: IRun;
+  rows: ISample[];
+  last_step: number | null;
+  more: boolean;
+}
+
 /** One run as GET compare?runs=... returns it (nbtrain.compare.load_run on the server). */
 export interface ICompareRun {
   id: string;
@@ -102,6 +123,8 @@ export interface ICompareRun {
   final: Record<string, number | string | null>;
   /** output_dir/adapter when an adapter was exported. */
   adapter: string | null;
+  /** The completions of the run's last sampled step, in prompt order ([] when it sampled none). */
+  samples?: ISample[];
 }
 
 /** GET compare?runs=<id>,<id>: the runs, and the settings that differ (values in run order). */

@@ -1,12 +1,13 @@
 import { describe, expect, it } from 'vitest';
 
 import {
+  axisLabels,
   downsample,
   extent,
-  formatTick,
-  formatTicks,
   leftMargin,
   linePath,
+  logAxisLabels,
+  logTicks,
   niceTicks
 } from '../src/charts';
 
@@ -56,29 +57,60 @@ describe('axes', () => {
     expect(niceTicks(3, 3)).toEqual([3]);
   });
 
-  it('labels ticks briefly', () => {
-    expect(formatTick(2e-4)).toBe('2e-4');
-    expect(formatTick(1.5e-4)).toBe('1.5e-4');
-    expect(formatTick(32000)).toBe('32k');
-    expect(formatTick(0.9312)).toBe('0.931');
+  it('steps the x axis by whole steps', () => {
+    expect(niceTicks(1, 3, 8, 1)).toEqual([1, 2, 3]);
+    expect(niceTicks(1, 3, 8)).toEqual([1, 1.5, 2, 2.5, 3]);
+  });
+
+  it('labels an axis in one format: a shared suffix and the decimals its step needs', () => {
+    expect(axisLabels([0, 5000, 10000])).toEqual(['0', '5k', '10k']);
+    expect(axisLabels([0, 500, 1000, 1500])).toEqual([
+      '0',
+      '0.5k',
+      '1.0k',
+      '1.5k'
+    ]);
+    expect(axisLabels([4.5, 5, 5.5])).toEqual(['4.5', '5.0', '5.5']);
+    expect(axisLabels([0, 1, 2, 3])).toEqual(['0', '1', '2', '3']);
+    expect(axisLabels([0.92, 0.94, 0.96])).toEqual(['0.92', '0.94', '0.96']);
+    expect(axisLabels([0, 1e-4, 2e-4])).toEqual(['0', '1e-4', '2e-4']);
+    expect(axisLabels([1.5e-4, 2e-4])).toEqual(['1.5e-4', '2e-4']);
   });
 
   it('gives a narrow range of ticks distinct labels', () => {
     const ticks = niceTicks(0.0049, 0.00506, 4);
-    const labels = formatTicks(ticks);
+    const labels = axisLabels(ticks);
     expect(new Set(labels).size).toBe(ticks.length);
     expect(labels).toContain('5e-3');
     expect(labels).toContain('4.95e-3');
-    // a wide range keeps the short labels
-    expect(formatTicks([0, 1e-4, 2e-4])).toEqual(['0', '1e-4', '2e-4']);
+  });
+
+  it('puts round ticks on a log axis', () => {
+    // a loss from 4.6 to 8.1: round values, not 10^0.7, 10^0.8 (5.01, 6.31, 7.94)
+    const narrow = logTicks(4.6, 8.1, 4);
+    expect(narrow).toEqual([5, 6, 7, 8]);
+    expect(logAxisLabels(narrow)).toEqual(['5', '6', '7', '8']);
+    expect(logTicks(0.8, 12, 4)).toEqual([1, 2, 5, 10]);
+    expect(logTicks(0.01, 100, 4)).toEqual([0.01, 0.1, 1, 10, 100]);
+    expect(logAxisLabels([0.01, 0.1, 1, 10])).toEqual([
+      '0.01',
+      '0.1',
+      '1',
+      '10'
+    ]);
+    // many decades: every other power of ten
+    expect(logTicks(1e-6, 1e3, 4)).toEqual([1e-6, 1e-4, 1e-2, 1, 100]);
+    for (const t of logTicks(2.3, 3.9, 4)) {
+      expect(Number(t.toPrecision(2))).toBe(t);
+    }
   });
 
   it('widens the left margin for long y labels only', () => {
-    expect(leftMargin(['0', '1e-4', '2e-4'])).toBe(48);
-    expect(leftMargin(['4.998e-3', '4.999e-3', '5e-3'])).toBeGreaterThan(48);
-    // the longest label fits between the SVG's left edge and the plot
+    const short = leftMargin(['0', '1', '2']);
+    expect(leftMargin(['4.998e-3', '4.999e-3', '5e-3'])).toBeGreaterThan(short);
+    // the longest label and the rotated y title fit between the SVG's left edge and the plot
     expect(leftMargin(['4.998e-3'])).toBeGreaterThanOrEqual(
-      '4.998e-3'.length * 5.5 + 6
+      '4.998e-3'.length * 6.6 + 6 + 14
     );
   });
 });

@@ -1,11 +1,12 @@
 import { describe, expect, it } from 'vitest';
 
+import { formatValue } from '../src/charts';
 import {
-  formatLoss,
-  formatRate,
+  formatDuration,
   mergeRows,
   newestRunning,
   RunMetrics,
+  shortPath,
   statusText,
   TrainingModel
 } from '../src/model';
@@ -81,23 +82,48 @@ function steps(from: number, to: number): IMetricsRow[] {
 }
 
 describe('formatting', () => {
-  it('writes the status bar text the issue specifies', () => {
+  it('writes the status bar text, naming the run', () => {
     expect(statusText(makeRun())).toBe(
-      'step 120/1000 · loss 1.23 · 3.2k tok/s'
+      'sft · step 120/1000 · loss 1.23 · 3.21k tok/s'
     );
   });
 
   it('copes with unknown totals and missing numbers', () => {
     expect(
       statusText(makeRun({ total_steps: null, loss: null, tokens_per_s: null }))
-    ).toBe('step 120 · loss – · – tok/s');
+    ).toBe('sft · step 120 · loss – · – tok/s');
   });
 
-  it('shortens rates and keeps small losses readable', () => {
-    expect(formatRate(950)).toBe('950');
-    expect(formatRate(1_460_000)).toBe('1.5M');
-    expect(formatLoss(0.04123)).toBe('0.0412');
-    expect(formatLoss(Number.NaN)).toBe('–');
+  it('writes every number one way: three significant digits, a suffix from 1000 on', () => {
+    expect(formatValue(950)).toBe('950');
+    expect(formatValue(999.4)).toBe('999');
+    expect(formatValue(999.7)).toBe('1.00k');
+    expect(formatValue(3165.6)).toBe('3.17k');
+    expect(formatValue(12_000)).toBe('12.0k');
+    expect(formatValue(1_460_000)).toBe('1.46M');
+    expect(formatValue(4.7)).toBe('4.70');
+    expect(formatValue(0.958)).toBe('0.958');
+    expect(formatValue(0.04123)).toBe('0.0412');
+    expect(formatValue(2e-4)).toBe('2e-4');
+    expect(formatValue(1.234e-4)).toBe('1.23e-4');
+    expect(formatValue(-1.5)).toBe('-1.50');
+    expect(formatValue(0)).toBe('0');
+    expect(formatValue(Number.NaN)).toBe('–');
+    expect(formatValue(null)).toBe('–');
+  });
+
+  it('writes durations and shortens paths', () => {
+    expect(formatDuration(12.4)).toBe('12s');
+    expect(formatDuration(125)).toBe('2m 05s');
+    expect(formatDuration(3720)).toBe('1h 02m');
+    expect(formatDuration(-1)).toBe('–');
+    expect(shortPath('/home/me/runs/lr-1e-2/adapter')).toBe(
+      '…/lr-1e-2/adapter'
+    );
+    expect(shortPath('/home/me/runs/lr-1e-2/adapter', 3)).toBe(
+      '…/runs/lr-1e-2/adapter'
+    );
+    expect(shortPath('runs/a')).toBe('runs/a');
   });
 });
 

@@ -94,15 +94,15 @@ describe('scalingLines', () => {
       {
         size: 2,
         ranks: 4,
-        tokensPerS: '1,236',
-        efficiency: '0.68',
+        tokensPerS: '1.24k',
+        efficiency: '0.684',
         predicted: false
       },
       {
         size: 8,
         ranks: 16,
-        tokensPerS: '2,336',
-        efficiency: '0.32',
+        tokensPerS: '2.34k',
+        efficiency: '0.323',
         predicted: true
       }
     ]);
