@@ -40,3 +40,36 @@ def test_qlora_first_step_is_the_reference(tiny, tmp_path):
     # then the adapter moves the policy away from the reference
     assert abs(last["rewards/margins"]) > 1e-4
     assert (tmp_path / "q" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_logits_path_and_checkpointing_agree(tiny, tmp_path):
+    """The sequence log-probs through the logits (fused_cross_entropy=False, as for a model whose logits
+    are post-processed) equal those from the hidden states with gradient checkpointing on."""
+    import torch
+
+    rows = {}
+    for fused in (False, True):
+        cfg = nbtrain.DPOConfig(
+            model=tiny,
+            data=preferences_path(),
+            output_dir=str(tmp_path / f"fused-{fused}"),
+            max_steps=3,
+            per_device_train_batch_size=4,
+            learning_rate=5e-3,
+            logging_steps=1,
+            save_steps=None,
+            max_length=64,
+            data_cache="off",
+            fused_cross_entropy=fused,
+            gradient_checkpointing=fused,
+        )
+        result = nbtrain.finetune(cfg)
+        assert ("loss chunked" if fused else "loss logits") in result.plan["levers"]
+        rows[fused] = result.history
+    for k in ("loss", *METRICS):
+        torch.testing.assert_close(
+            torch.tensor(rows[True][k].to_list()),
+            torch.tensor(rows[False][k].to_list()),
+            rtol=1e-5,
+            atol=1e-6,
+        )

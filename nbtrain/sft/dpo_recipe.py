@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from nbtrain.errors import ConfigError
-from nbtrain.sft import dpo_loss, prefs, shard, tokens
+from nbtrain.sft import dpo_loss, prefs, shard, speed, tokens
 from nbtrain.sft.dpo_config import DPOConfig
 from nbtrain.sft.hooks import Hooks
 from nbtrain.sft.recipe import SFTRecipe
@@ -74,6 +74,12 @@ class DPORecipe(SFTRecipe):
 
         self.batches = d.agree(make)
         self.evals = None
+        if self.torch_compile:  # as SFT's set-up does it
+            why_not = speed.compile_layers(self.model.get_base_model())
+            if why_not is None:
+                self.levers.append("torch.compile")
+            else:
+                self.notes.append(why_not)
         self.spe = self.batches.steps_per_epoch
 
     def setup(self) -> None:
