@@ -31,7 +31,7 @@ export default defineConfig({
   use: {
     baseURL: `http://127.0.0.1:${port}`,
     browserName: 'chromium',
-    viewport: { width: 1400, height: 850 },
+    viewport: { width: 1400, height: 900 },
     video: 'off',
     screenshot: 'only-on-failure',
     trace: 'off',

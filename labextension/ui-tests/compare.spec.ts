@@ -1,7 +1,10 @@
 /**
  * Comparing runs from the Training sidebar: two real tiny `finetune` runs that differ only in
  * learning rate (tests/ui/run_writer.py, the same writer training.spec.ts drives) are ticked in the
- * run list and opened in one panel. Also writes docs/images/lab-compare.png for the README.
+ * run list and opened in one panel. Each samples three prompts every 6 steps (samples.jsonl: see
+ * run_writer.py for where finetune cannot sample yet), for the Samples section of a run's panel and
+ * the last samples side by side. The panel is looked at in the light and the dark theme, and its
+ * geometry checked. Also writes docs/images/lab-compare.png and lab-samples.png.
  */
 import { ChildProcess, spawn } from 'child_process';
 import * as fs from 'fs';
@@ -9,9 +12,18 @@ import * as path from 'path';
 
 import { expect, Locator, Page, test } from '@playwright/test';
 
-import { formatTick } from '../src/charts';
+import { formatValue } from '../src/charts';
 import { ema } from '../src/compare';
-import { openLab, openSidebar } from './lab';
+import { shortPath } from '../src/model';
+import {
+  expectInside,
+  expectNoOverlap,
+  fontSizes,
+  openLab,
+  openRunPanel,
+  openSidebar,
+  setTheme
+} from './lab';
 
 const uiDir = process.env.NBTRAIN_UI_DIR!;
 const repo = path.resolve(__dirname, '..', '..');
@@ -19,6 +31,7 @@ const shots = path.join(uiDir, 'screenshots');
 const root = path.join(uiDir, 'runs', 'compare');
 const RATES = ['1e-2', '1e-3'];
 const STEPS = 12;
+const SAMPLE_STEPS = 6;
 
 function writer(rate: string, model?: string): ChildProcess {
   const args = [
@@ -30,6 +43,8 @@ function writer(rate: string, model?: string): ChildProcess {
     rate,
     '--eval-steps',
     '4',
+    '--sample-steps',
+    String(SAMPLE_STEPS),
     '--name',
     `lr-${rate}`,
     ...(model ? ['--model', model] : [])
@@ -62,6 +77,22 @@ function exited(proc: ChildProcess): Promise<number | null> {
 function metrics(rate: string): Array<Record<string, number>> {
   return fs
     .readFileSync(path.join(root, `lr-${rate}`, 'metrics.jsonl'), 'utf8')
+    .trim()
+    .split('\n')
+    .map(line => JSON.parse(line));
+}
+
+interface ISampleRow {
+  step: number;
+  index: number;
+  prompt: string;
+  completion: string;
+  reference: string | null;
+}
+
+function samples(rate: string): ISampleRow[] {
+  return fs
+    .readFileSync(path.join(root, `lr-${rate}`, 'samples.jsonl'), 'utf8')
     .trim()
     .split('\n')
     .map(line => JSON.parse(line));
@@ -173,19 +204,44 @@ test('two runs, ticked in the sidebar, are drawn over each other with a legend',
       rate === '1e-2' ? '0.01' : '1e-3'
     );
     const last = metrics(rate)[STEPS - 1];
-    await expect(row.locator('td').nth(2)).toHaveText(last.loss.toFixed(2));
-    await expect(row.locator('.nbtrain-Compare-adapter')).toHaveText(
-      path.join(fs.realpathSync(root), `lr-${rate}`, 'adapter')
+    await expect(row.locator('td[data-metric="loss"]')).toHaveText(
+      formatValue(last.loss)
     );
+    await expect(row.locator('td[data-metric="step"]')).toHaveText(
+      String(STEPS)
+    );
+    // the adapter's path shortened, the whole of it on hover
+    const adapter = path.join(fs.realpathSync(root), `lr-${rate}`, 'adapter');
+    const cell = row.locator('.nbtrain-Compare-adapter');
+    await expect(cell).toHaveText(shortPath(adapter, 2));
+    await expect(cell).toHaveAttribute('title', adapter);
   }
+  // the run, what differs and how it ended come first; the adapter last
+  await expect(table.locator('thead th')).toHaveText([
+    'run',
+    'learning_rate',
+    'loss',
+    'eval loss',
+    'tokens/s',
+    'steps',
+    'adapter'
+  ]);
 
-  // hovering shows each run's smoothed value at the nearest step
+  // hovering shows each run's smoothed value at the nearest step, and its raw value
   const svg = panel.locator('figure[data-chart="loss"] svg');
   const box = (await svg.boundingBox())!;
   await page.mouse.move(box.x + box.width * 0.6, box.y + box.height / 2);
   const tip = panel.locator('figure[data-chart="loss"] .nbtrain-Chart-tooltip');
   await expect(tip).toBeVisible();
-  const head = (await tip.locator('.nbtrain-Chart-tooltipHead').textContent())!;
+  await expect(tip.locator('.nbtrain-Chart-tooltipHead th')).toHaveText([
+    /^step \d+$/,
+    'smoothed',
+    'value'
+  ]);
+  const head = (await tip
+    .locator('.nbtrain-Chart-tooltipHead th')
+    .first()
+    .textContent())!;
   const step = Number(head.replace('step ', ''));
   expect(step).toBeGreaterThan(1);
   expect(step).toBeLessThan(STEPS);
@@ -194,15 +250,31 @@ test('two runs, ticked in the sidebar, are drawn over each other with a legend',
   );
   for (const rate of RATES) {
     const losses = metrics(rate).map(r => r.loss);
-    const expected = ema(losses, weight)[step - 1];
-    await expect(tip.locator(`[data-series="lr-${rate}"]`)).toHaveText(
-      `lr-${rate}: ${formatTick(expected, 2)}`
+    const line = tip.locator(`tr[data-series="lr-${rate}"]`);
+    await expect(line.locator('.nbtrain-Chart-tooltipValue')).toHaveText(
+      formatValue(ema(losses, weight)[step - 1])
+    );
+    await expect(line.locator('.nbtrain-Chart-tooltipRaw')).toHaveText(
+      formatValue(losses[step - 1])
     );
   }
+  // the legend gives where each run ended (raw), and says the lines are smoothed
+  const legend = panel.locator(
+    'figure[data-chart="loss"] .nbtrain-Chart-legend'
+  );
+  for (const rate of RATES) {
+    await expect(legend.locator(`[data-series="lr-${rate}"]`)).toHaveText(
+      `lr-${rate} ${formatValue(metrics(rate)[STEPS - 1].loss)}`
+    );
+  }
+  await expect(
+    panel.locator('figure[data-chart="loss"] .nbtrain-Chart-note')
+  ).toHaveText(`smoothed ${weight.toFixed(2)}`);
   await page.screenshot({ path: path.join(shots, 'compare-hover.png') });
 
   // the README screenshot: the sidebar with both runs ticked, and the comparison
   await page.mouse.move(0, 0);
+  await panel.locator('.nbtrain-Compare-table').scrollIntoViewIfNeeded();
   const docs = path.join(repo, 'docs', 'images', 'lab-compare.png');
   await page.screenshot({ path: docs });
 });
@@ -276,4 +348,149 @@ test('smoothing, log scale and time change the drawing; the CSV has both runs', 
   await panel.locator('.nbtrain-Compare-x').selectOption('time');
   expect(await at()).not.toBe(logged);
   await page.screenshot({ path: path.join(shots, 'compare-by-time.png') });
+});
+
+test('the comparison reads in both themes: axis titles, round ticks, the table whole under the charts', async ({
+  page
+}) => {
+  const panel = await openComparison(page);
+  await panel.locator('.nbtrain-Compare-log').check();
+  for (const theme of ['JupyterLab Light', 'JupyterLab Dark'] as const) {
+    await setTheme(page, theme);
+    const charts = panel.locator('.nbtrain-RunPanel-charts');
+    const loss = panel.locator('figure[data-chart="loss"]');
+    await expect(loss.locator('.nbtrain-Chart-xTitle')).toHaveText('step');
+    await expect(loss.locator('.nbtrain-Chart-yTitle')).toHaveText(
+      'nats/token (log)'
+    );
+    await expect(
+      panel.locator('figure[data-chart="tokens_per_s"] .nbtrain-Chart-yTitle')
+    ).toHaveText('tokens/s (log)');
+    // round ticks on the log axis: each label is a value with at most two significant digits
+    for (const chart of ['loss', 'tokens_per_s', 'learning_rate']) {
+      const labels = await panel
+        .locator(`figure[data-chart="${chart}"] .nbtrain-Chart-yTick`)
+        .allTextContents();
+      expect(labels.length).toBeGreaterThanOrEqual(2);
+      for (const label of labels) {
+        const value = Number(label.replace(/k$/, 'e3'));
+        expect(value, `${chart}: ${label}`).toBe(Number(value.toPrecision(2)));
+      }
+    }
+    // tick labels keep their size whatever the chart's width, and do not overlap
+    const ticks = panel.locator('.nbtrain-Chart-tick');
+    for (const size of await fontSizes(ticks)) {
+      expect(size).toBeCloseTo(11, 0);
+    }
+    for (const chart of ['loss', 'tokens_per_s']) {
+      await expectNoOverlap(
+        panel.locator(`figure[data-chart="${chart}"] .nbtrain-Chart-xTick`)
+      );
+      await expectNoOverlap(
+        panel.locator(`figure[data-chart="${chart}"] .nbtrain-Chart-yTick`)
+      );
+    }
+    // the table is under the charts, and every column of it shows
+    const table = panel.locator('.nbtrain-Compare-table');
+    await table.scrollIntoViewIfNeeded();
+    const chartsBox = (await charts.boundingBox())!;
+    const tableBox = (await table.boundingBox())!;
+    expect(tableBox.y).toBeGreaterThanOrEqual(chartsBox.y + chartsBox.height);
+    await expectInside(table.locator('th, td'), panel);
+    await page.screenshot({
+      path: path.join(
+        shots,
+        `compare-${theme.endsWith('Dark') ? 'dark' : 'light'}.png`
+      )
+    });
+  }
+  await setTheme(page, 'JupyterLab Light');
+});
+
+test("a run's Samples section: each prompt's completion by step, newest first; the runs' last samples side by side", async ({
+  page
+}) => {
+  await openLab(page);
+  await openSidebar(page);
+  const rows = samples(RATES[0]);
+  const steps = [...new Set(rows.map(r => r.step))].sort((a, b) => b - a);
+  // step 0, every SAMPLE_STEPS and the last
+  expect(steps).toEqual([12, 6, 0]);
+  const panel = await openRunPanel(page, `lr-${RATES[0]}`);
+  const section = panel.locator('.nbtrain-Samples');
+  await expect(section).toBeVisible();
+  await expect(section.locator('h3')).toHaveText('Samples');
+  const blocks = section.locator('details.nbtrain-Samples-step');
+  await expect(blocks).toHaveCount(steps.length);
+  for (const [i, step] of steps.entries()) {
+    const block = blocks.nth(i);
+    await expect(block).toHaveAttribute('data-step', String(step));
+    // the newest step is open, older ones folded
+    expect(await block.evaluate(d => (d as HTMLDetailsElement).open)).toBe(
+      i === 0
+    );
+  }
+  const newest = blocks.first();
+  const mine = rows
+    .filter(r => r.step === steps[0])
+    .sort((a, b) => a.index - b.index);
+  await expect(newest.locator('.nbtrain-Sample-completion')).toHaveText(
+    mine.map(r => r.completion)
+  );
+  await expect(newest.locator('.nbtrain-Sample-prompt')).toHaveText(
+    mine.map(r => r.prompt)
+  );
+  await expect(newest.locator('.nbtrain-Sample-reference')).toHaveText(
+    mine.filter(r => r.reference !== null).map(r => r.reference!)
+  );
+  // an older step opens on a click
+  await blocks.nth(2).locator('summary').click();
+  await expect(
+    blocks.nth(2).locator('.nbtrain-Sample-completion').first()
+  ).toHaveText(
+    rows.find(r => r.step === steps[2] && r.index === 0)!.completion
+  );
+  // long text wraps inside the panel: nothing runs off to the right
+  const long = newest.locator('.nbtrain-Sample-completion').nth(2);
+  expect(await long.evaluate(e => e.scrollWidth <= e.clientWidth + 1)).toBe(
+    true
+  );
+  expect(
+    await long.evaluate(e => e.getBoundingClientRect().height)
+  ).toBeGreaterThan(20);
+  await expectInside(section.locator('.nbtrain-Sample > div'), panel);
+  await section.scrollIntoViewIfNeeded();
+  await page.screenshot({ path: path.join(shots, 'samples-light.png') });
+  await page.screenshot({
+    path: path.join(repo, 'docs', 'images', 'lab-samples.png')
+  });
+  await setTheme(page, 'JupyterLab Dark');
+  await section.scrollIntoViewIfNeeded();
+  await page.screenshot({ path: path.join(shots, 'samples-dark.png') });
+  await setTheme(page, 'JupyterLab Light');
+
+  // the comparison: the runs' last samples side by side, a column per run
+  const compare = await openComparison(page);
+  const side = compare.locator('.nbtrain-Compare-samples');
+  await expect(side.locator('h3')).toHaveText('Last samples');
+  const table = side.locator('table');
+  await expect(table.locator('th.nbtrain-Compare-runHead')).toHaveCount(2);
+  const order = await table
+    .locator('th.nbtrain-Compare-runHead .nbtrain-Chart-key')
+    .allTextContents();
+  expect(order.sort()).toEqual(RATES.map(r => `lr-${r}`).sort());
+  for (const rate of RATES) {
+    const last = samples(rate)
+      .filter(r => r.step === STEPS)
+      .sort((a, b) => a.index - b.index);
+    const id = await compare
+      .locator('.nbtrain-Compare-table tbody tr', { hasText: `lr-${rate}` })
+      .getAttribute('data-run-id');
+    await expect(
+      table.locator(`td.nbtrain-Sample-completion[data-run-id="${id}"]`)
+    ).toHaveText(last.map(r => r.completion));
+  }
+  await expectInside(table.locator('th, td'), compare);
+  await side.scrollIntoViewIfNeeded();
+  await page.screenshot({ path: path.join(shots, 'compare-samples.png') });
 });

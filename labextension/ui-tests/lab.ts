@@ -1,7 +1,7 @@
 /**
  * What every UI spec does first: open JupyterLab and its Training sidebar.
  */
-import { expect, Page } from '@playwright/test';
+import { expect, Locator, Page } from '@playwright/test';
 
 export const token = process.env.NBTRAIN_UI_TOKEN!;
 
@@ -41,4 +41,90 @@ export async function openRunPanel(page: Page, name: string) {
   const panel = page.locator(`.nbtrain-RunPanel[data-run-id="${id}"]`);
   await expect(panel).toBeVisible();
   return panel;
+}
+
+/** Switch Lab's theme through its Settings menu ('JupyterLab Light' or 'JupyterLab Dark'). */
+export async function setTheme(
+  page: Page,
+  theme: 'JupyterLab Light' | 'JupyterLab Dark'
+): Promise<void> {
+  const light = theme === 'JupyterLab Light';
+  const body = page.locator('body');
+  if ((await body.getAttribute('data-jp-theme-light')) === String(light)) {
+    return;
+  }
+  await page.locator('.lm-MenuBar-itemLabel', { hasText: 'Settings' }).click();
+  await page
+    .locator('.lm-Menu-itemLabel', { hasText: /^Theme$/ })
+    .first()
+    .hover();
+  await page
+    .locator('.lm-Menu-itemLabel', { hasText: new RegExp(`^${theme}$`) })
+    .click();
+  await expect(body).toHaveAttribute('data-jp-theme-light', String(light));
+  // the theme's CSS loads after the attribute flips
+  await page.waitForTimeout(500);
+}
+
+/** Every element of `items` lies inside `box` (nothing clipped, nothing off-screen to the right). */
+export async function expectInside(
+  items: Locator,
+  box: Locator
+): Promise<void> {
+  const outer = (await box.boundingBox())!;
+  const n = await items.count();
+  expect(n).toBeGreaterThan(0);
+  for (let i = 0; i < n; i++) {
+    const r = (await items.nth(i).boundingBox())!;
+    const what = `${await items.nth(i).evaluate(e => e.outerHTML.slice(0, 80))}`;
+    expect(r.x, what).toBeGreaterThanOrEqual(outer.x - 0.5);
+    expect(r.x + r.width, what).toBeLessThanOrEqual(
+      outer.x + outer.width + 0.5
+    );
+  }
+}
+
+/** No two of `items` overlap (tick labels, legend keys). */
+export async function expectNoOverlap(items: Locator): Promise<void> {
+  const boxes = await items.evaluateAll(els =>
+    els.map(e => {
+      const r = e.getBoundingClientRect();
+      return {
+        l: r.left,
+        r: r.right,
+        t: r.top,
+        b: r.bottom,
+        text: e.textContent
+      };
+    })
+  );
+  for (let i = 0; i < boxes.length; i++) {
+    for (let j = i + 1; j < boxes.length; j++) {
+      const a = boxes[i];
+      const b = boxes[j];
+      const overlap =
+        a.l < b.r - 0.5 &&
+        b.l < a.r - 0.5 &&
+        a.t < b.b - 0.5 &&
+        b.t < a.b - 0.5;
+      expect(overlap, `"${a.text}" overlaps "${b.text}"`).toBe(false);
+    }
+  }
+}
+
+/** The rendered font size, in px, of each of `items`. */
+export async function fontSizes(items: Locator): Promise<number[]> {
+  return items.evaluateAll(els =>
+    els.map(e => {
+      // an SVG text's size on screen: its box height against its font size, through the scaling
+      const svg = (e as SVGGraphicsElement).ownerSVGElement;
+      const size = parseFloat(getComputedStyle(e).fontSize);
+      if (!svg) {
+        return size;
+      }
+      const scale =
+        svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
+      return size * scale;
+    })
+  );
 }

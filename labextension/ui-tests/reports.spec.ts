@@ -26,13 +26,13 @@ test('a GPU run shows peak memory per rank and MFU; a CPU run does not', async (
   await expect(memory).toHaveAttribute('data-points', '120');
   await expect(memory.locator('path.nbtrain-Chart-line')).toHaveCount(2);
   await expect(memory.locator('.nbtrain-Chart-key')).toHaveText([
-    'rank 0 14',
+    'rank 0 14.0',
     'rank 1 13.4'
   ]);
   const mfu = panel.locator('figure[data-chart="mfu"]');
   await expect(mfu).toBeVisible();
   await expect(mfu).toHaveAttribute('data-points', '60');
-  await expect(mfu.locator('.nbtrain-Chart-key')).toHaveText('MFU 40');
+  await expect(mfu.locator('.nbtrain-Chart-key')).toHaveText('MFU 40.0');
   await panel.screenshot({ path: path.join(shots, 'gpu-run-panel.png') });
 
   const cpu = await openRunPanel(page, 'finished-sft');
@@ -55,8 +55,8 @@ test("the scaling report shows in its own panel and in the measured run's", asyn
   const own = await openRunPanel(page, 'scaling 1-4 nodes');
   await expect(own).toHaveAttribute('data-kind', 'scaling');
   // a report has no training charts
-  await expect(own.locator('.nbtrain-RunPanel-charts')).toBeHidden();
-  await expect(own.locator('.nbtrain-RunPanel-summary')).toContainText(
+  await expect(own.locator(':scope > .nbtrain-RunPanel-charts')).toBeHidden();
+  await expect(own.locator('.nbtrain-RunPanel-about')).toContainText(
     'scaling report in'
   );
   for (const name of ['scaling 1-4 nodes', 'finished-sft']) {
@@ -76,19 +76,22 @@ test("the scaling report shows in its own panel and in the measured run's", asyn
     ]);
     await expect(rows.nth(2).locator('td')).toHaveText([
       '4',
-      '1,098',
-      '0.30',
+      '1.10k',
+      '0.304',
       'measured'
     ]);
     await expect(section.locator('tr[data-predicted="true"]')).toHaveCount(2);
     await expect(
       section.locator('tr[data-predicted="true"] td:first-child')
     ).toHaveText(['8', '16']);
-    // the figure came through the API and decoded
-    const img = section.locator('img.nbtrain-Scaling-figure');
-    await expect
-      .poll(() => img.evaluate(el => (el as HTMLImageElement).naturalWidth))
-      .toBe(1000);
+    // the figure is drawn with the panel's own charts (so it follows the theme): the 3 measured
+    // sizes, and the prediction from the largest measured size on
+    for (const chart of ['scaling_tokens_per_s', 'scaling_efficiency']) {
+      const figure = section.locator(`figure[data-chart="${chart}"]`);
+      await expect(figure).toHaveAttribute('data-points', '6');
+      await expect(figure.locator('.nbtrain-Chart-xTitle')).toHaveText('nodes');
+      await expect(figure.locator('path.nbtrain-Chart-line')).toHaveCount(2);
+    }
   }
   const run = await openRunPanel(page, 'finished-sft');
   await run.screenshot({ path: path.join(shots, 'scaling-in-run-panel.png') });

@@ -4,11 +4,31 @@ import * as path from 'path';
 
 import { expect, test } from '@playwright/test';
 
-import { openLab, openSidebar } from './lab';
+import { expectInside, openLab, openSidebar, setTheme } from './lab';
 
 const uiDir = process.env.NBTRAIN_UI_DIR!;
 const repo = path.resolve(__dirname, '..', '..');
 const shots = path.join(uiDir, 'screenshots');
+
+/** The contrast ratio (WCAG) of an element's text colour against its background colour. */
+function contrast(e: Element): number {
+  const rgb = (c: string) => (c.match(/[\d.]+/g) ?? []).slice(0, 3).map(Number);
+  const lum = ([r, g, b]: number[]) => {
+    const f = (v: number) => {
+      const s = v / 255;
+      return s <= 0.03928 ? s / 12.92 : Math.pow((s + 0.055) / 1.055, 2.4);
+    };
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+  };
+  const style = getComputedStyle(e);
+  // the text colour is drawn over the background: blend its alpha in
+  const fg = rgb(style.color);
+  const alpha = Number((style.color.match(/[\d.]+/g) ?? [])[3] ?? 1);
+  const bg = rgb(style.backgroundColor);
+  const seen = fg.map((v, i) => v * alpha + bg[i] * (1 - alpha));
+  const [a, b] = [lum(seen), lum(bg)].sort((x, y) => y - x);
+  return (a + 0.05) / (b + 0.05);
+}
 
 function stepOf(text: string | null): number {
   return Number((text ?? '').split('/')[0]);
@@ -24,7 +44,7 @@ test('Lab opens and the sidebar lists the finished fixture run and the cluster',
   const run = page.locator('.nbtrain-Run', { hasText: 'finished-sft' });
   await expect(run).toHaveAttribute('data-state', 'done');
   await expect(run.locator('.nbtrain-Run-progress')).toContainText(
-    'step 200/200 · loss 0.96'
+    'step 200/200 · loss 0.958'
   );
   // the one-engine ipyparallel cluster serve_lab.py started, with its side file
   const cluster = page.locator('.nbtrain-Cluster[data-cluster-id="ui-test"]');
@@ -88,7 +108,7 @@ test('a run being written advances its step, and stop ends it', async ({
     // the status bar follows the newest running run
     const status = page.locator('.nbtrain-Status');
     await expect(status).toHaveText(
-      /^step \d+\/100000 · loss \d+\.\d+ · [\d.]+k? tok\/s$/
+      /^live-sft · step \d+\/100000 · loss [\d.]+ · [\d.]+[kM]? tok\/s$/
     );
 
     await row.locator('.nbtrain-Item-name').click();
@@ -125,7 +145,87 @@ test('a run being written advances its step, and stop ends it', async ({
     await page.screenshot({ path: docs });
     await page.screenshot({ path: path.join(shots, 'live-run.png') });
 
+    // the look of a running run, in both themes
+    for (const theme of ['JupyterLab Light', 'JupyterLab Dark'] as const) {
+      await setTheme(page, theme);
+      const dark = theme.endsWith('Dark');
+      // the "running" pill reads: its text stands out from its background (WCAG AA, 4.5:1)
+      for (const pill of [
+        row.locator('.nbtrain-State'),
+        panel.locator('.nbtrain-RunPanel-titleLine .nbtrain-State')
+      ]) {
+        await expect(pill).toHaveText('running');
+        expect(await pill.evaluate(contrast)).toBeGreaterThanOrEqual(4.5);
+      }
+      // Stop looks like a button: filled, not faded as a disabled one is
+      const stopItem = row.locator('.nbtrain-StopButton');
+      await expect(stopItem).toBeEnabled();
+      expect(
+        await stopItem.evaluate(e => {
+          const s = getComputedStyle(e);
+          return [s.backgroundColor, s.opacity, s.cursor];
+        })
+      ).toEqual([
+        expect.not.stringMatching(/rgba\(0, 0, 0, 0\)/),
+        '1',
+        'pointer'
+      ]);
+      // each part of a run's line stays whole: "3.2k tok/s" never breaks in two
+      for (const part of await row.locator('.nbtrain-Run-part').all()) {
+        const lines = await part.evaluate(e => e.getClientRects().length);
+        expect(lines).toBe(1);
+      }
+      // the status bar item's text sits level with Lab's own items' text, and names its run
+      const bar = page.locator('#jp-main-statusbar');
+      const textMiddle = (e: Element) => {
+        const range = document.createRange();
+        range.selectNodeContents(e);
+        const r = range.getBoundingClientRect();
+        return r.top + r.height / 2;
+      };
+      const mine = await status.evaluate(textMiddle);
+      const theirs = await bar
+        .locator('.jp-StatusBar-TextItem')
+        .first()
+        .evaluate(textMiddle);
+      expect(Math.abs(mine - theirs)).toBeLessThanOrEqual(1);
+      await expectInside(status, bar);
+      // the panel's header: the run's name, when it started, how long, and its folder
+      await expect(panel.locator('.nbtrain-RunPanel-name')).toHaveText(
+        'live-sft'
+      );
+      await expect(panel.locator('.nbtrain-RunPanel-started')).toHaveText(
+        /^started \d\d:\d\d$/
+      );
+      await expect(panel.locator('.nbtrain-RunPanel-duration')).toHaveText(
+        /^running for \d+(s|m \d\ds)$/
+      );
+      await expect(panel.locator('.nbtrain-RunPanel-folder')).toHaveAttribute(
+        'title',
+        fs.realpathSync(out)
+      );
+      await page.screenshot({
+        path: path.join(shots, `live-run-${dark ? 'dark' : 'light'}.png`)
+      });
+    }
+    await setTheme(page, 'JupyterLab Light');
+    // a cut name reads whole on hover
+    await expect(row.locator('.nbtrain-Item-name')).toHaveAttribute(
+      'title',
+      'live-sft'
+    );
+
+    // Stop asks first: cancelled, the run goes on; confirmed, it stops
+    const dialog = page.locator('.jp-Dialog');
     await panel.getByRole('button', { name: 'Stop run' }).click();
+    await expect(dialog).toContainText('Stop run live-sft?');
+    await dialog.getByRole('button', { name: 'Cancel' }).click();
+    await expect(dialog).toHaveCount(0);
+    await page.waitForTimeout(1500);
+    await expect(panel).toHaveAttribute('data-state', 'running');
+    await expect(panel.getByRole('button', { name: 'Stop run' })).toBeEnabled();
+    await panel.getByRole('button', { name: 'Stop run' }).click();
+    await dialog.getByRole('button', { name: 'Stop run' }).click();
     await expect(panel).toHaveAttribute('data-state', 'stopped', {
       timeout: 15_000
     });
