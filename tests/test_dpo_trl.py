@@ -8,8 +8,9 @@ clipping at 1.0, fp32 on the CPU, dropout off on both sides (TRL's disable_dropo
 How both sides see the same batches in the same order: nbtrain shuffles its rows once per epoch
 (`epoch_order(seed)`); the test reads that order off the recipe (`batches.order(0)`), hands TRL the rows
 in exactly that order, and makes TRL's Trainer read them sequentially (`train_sampling_strategy=
-"sequential"`). With one rank, 2 pairs per step and 24 rows, both take rows 0-1, 2-3, ... of that order;
-the test checks that TRL's processed data set has the same rows as nbtrain's pairs, token for token.
+"sequential"`). With one rank, 2 pairs per step (1 x 2 accumulation steps in one case) and 24 rows,
+both take rows 0-1, 2-3, ... of that order; the test checks that TRL's processed data set has the same
+rows as nbtrain's pairs, token for token.
 
 TRL's per-step numbers are taken as its `compute_loss` returns them (the loss unrounded, and the
 metrics it appends for the step), nbtrain's from its history with logging_steps=1.
@@ -26,7 +27,6 @@ from nbtrain.sft.dpo_loss import METRICS
 pytest.importorskip("trl")
 
 STEPS = 10
-BATCH = 2
 LR = 5e-3
 
 
@@ -47,7 +47,7 @@ def _standard_rows(n: int = 24) -> list[dict]:
     return rows
 
 
-def _conversational_rows(n: int = 8) -> list[dict]:
+def _conversational_rows(n: int) -> list[dict]:
     from nbtrain.data.make_preferences import make_pairs
 
     return [r for r in make_pairs() if isinstance(r.get("prompt"), list)][:n]
@@ -61,6 +61,7 @@ def _implicit(rows: list[dict]) -> list[dict]:
 
 
 def _trl_trainer(model_dir, rows, tmp_path, cfg, recorded=None):
+    """TRL's DPOTrainer with `cfg`'s settings; `recorded` gets each compute_loss call's loss and metrics."""
     import datasets
     from peft import LoraConfig
     from transformers import AutoTokenizer
@@ -76,8 +77,8 @@ def _trl_trainer(model_dir, rows, tmp_path, cfg, recorded=None):
 
     args = DPOConfig(
         output_dir=str(tmp_path / "trl"),
-        per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         max_steps=STEPS,
         learning_rate=LR,
         lr_scheduler_type="linear",
@@ -125,7 +126,7 @@ def _nb_cfg(model_dir, rows, tmp_path, **kw):
         "data": rows,
         "output_dir": str(tmp_path / "nb"),
         "max_steps": STEPS,
-        "per_device_train_batch_size": BATCH,
+        "per_device_train_batch_size": 2,
         "learning_rate": LR,
         "lora_r": 8,
         "lora_alpha": 16,
@@ -148,25 +149,27 @@ def _trl_pairs(trainer):
     return [(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]) for r in ds]
 
 
-@pytest.mark.parametrize(
-    ("loss_type", "precompute"), [("sigmoid", False), ("ipo", False), ("sigmoid", True)]
-)
-def test_steps_match_trl(tiny, tmp_path, loss_type, precompute):
+CASES = {
+    "sigmoid": {},
+    "ipo": {"loss_type": "ipo", "beta": 0.5},
+    "sigmoid, precomputed reference": {"precompute_ref_log_probs": True},
+    # 1 pair x 2 accumulation steps: TRL divides each micro-batch's mean by 2, nbtrain by the step's pairs
+    "sigmoid, accumulation": {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2},
+    "sigmoid, conversational": {"max_length": 64},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_steps_match_trl(tiny, tmp_path, case):
     """10 steps: per-step loss and every reward metric equal TRL's within fp32 tolerance."""
     import torch
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     from nbtrain.sft.dpo_recipe import DPORecipe
 
-    rows = _standard_rows()
-    cfg = _nb_cfg(
-        tiny,
-        rows,
-        tmp_path,
-        loss_type=loss_type,
-        beta=0.5 if loss_type == "ipo" else 0.1,
-        precompute_ref_log_probs=precompute,
-    )
+    rows = _conversational_rows(24) if "conversational" in case else _standard_rows()
+    cfg = _nb_cfg(tiny, rows, tmp_path, **CASES[case])
+    precompute = cfg.precompute_ref_log_probs
     recipe = DPORecipe(cfg)
     recipe.setup()
     init = {k: v.detach().clone() for k, v in get_peft_model_state_dict(recipe.peft_model).items()}
@@ -185,11 +188,16 @@ def test_steps_match_trl(tiny, tmp_path, loss_type, precompute):
     assert all(torch.equal(now[k], v) for k, v in init.items())
     trainer.train()
 
-    assert len(recorded) == STEPS and len(ours) == STEPS
-    theirs = {k: torch.tensor([r[k] for r in recorded], dtype=torch.float64) for k in recorded[0]}
+    # one record per micro-batch: a step's numbers are the mean of its micro-batches' (equal sizes)
+    ga = cfg.gradient_accumulation_steps
+    assert len(recorded) == STEPS * ga and len(ours) == STEPS
+    theirs = {
+        k: torch.tensor([r[k] for r in recorded], dtype=torch.float64).reshape(STEPS, ga).mean(1)
+        for k in recorded[0]
+    }
     mine = {k: torch.tensor(ours[k].tolist(), dtype=torch.float64) for k in theirs}
     worst = {k: float((mine[k] - theirs[k]).abs().max()) for k in theirs}
-    print(f"\n{loss_type} precompute={precompute}: max |nbtrain - TRL| over {STEPS} steps: {worst}")
+    print(f"\n{case}: max |nbtrain - TRL| over {STEPS} steps: {worst}")
     for k in theirs:
         torch.testing.assert_close(mine[k], theirs[k], rtol=1e-4, atol=1e-5, msg=k)
     # the run moved: a test of ten identical zeros would prove nothing
@@ -208,7 +216,7 @@ def test_tokens_match_trl(tiny, tmp_path, layout):
     from nbtrain.sft.prefs import encode_pairs
     from nbtrain.sft.tiny import make_tiny_tokenizer
 
-    rows = _standard_rows(9) if layout == "implicit standard" else _conversational_rows()
+    rows = _standard_rows(9) if layout == "implicit standard" else _conversational_rows(8)
     if layout.startswith("implicit"):
         rows = _implicit(rows)
     tok = AutoTokenizer.from_pretrained(tiny)
