@@ -16,6 +16,8 @@ from typing import Any
 
 # metrics drawn as curves: (key, axis title)
 PLOTS = (("loss", "loss"), ("tokens_per_s", "tokens/s"))
+# a third curve where the rows have it: DPO's reward margin (nbtrain.sft.dpo_recipe)
+REWARD_PLOT = ("rewards/margins", "reward margin")
 TABLE_KEYS = (
     "step",
     "epoch",
@@ -140,12 +142,13 @@ class LiveDisplay:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        if self._fig is None:
-            self._fig = Figure(figsize=(8.0, 2.6), dpi=80)
+        plots = self._plots()
+        if self._fig is None or len(self._axes) != len(plots):
+            self._fig = Figure(figsize=(4.0 * len(plots), 2.6), dpi=80)
             FigureCanvasAgg(self._fig)
-            self._axes = self._fig.subplots(1, 2)
+            self._axes = self._fig.subplots(1, len(plots))
         fig, axes = self._fig, self._axes
-        for ax, (key, title) in zip(axes, PLOTS):
+        for ax, (key, title) in zip(axes, plots):
             ax.clear()
             pts = [
                 (r["step"], r[key])
@@ -186,12 +189,19 @@ class LiveDisplay:
         2-core machine (the kernel competes with them for CPU); this costs well under a millisecond.
         """
         panels = []
-        for i, (key, title) in enumerate(PLOTS):
+        plots = self._plots()
+        for i, (key, title) in enumerate(plots):
             series = [(key, "#1f77b4")]
             if key == "loss":
                 series.append(("eval_loss", "#ff7f0e"))
             panels.append(_svg_panel(self.rows, series, title, x0=i * 330))
-        return f"<svg xmlns='http://www.w3.org/2000/svg' width='660' height='190' font-family='sans-serif' font-size='10'>{''.join(panels)}</svg>"
+        return f"<svg xmlns='http://www.w3.org/2000/svg' width='{330 * len(plots)}' height='190' font-family='sans-serif' font-size='10'>{''.join(panels)}</svg>"
+
+    def _plots(self) -> tuple[tuple[str, str], ...]:
+        """The curves to draw: PLOTS, and the reward margin once a row has it (a DPO run)."""
+        if any(REWARD_PLOT[0] in r for r in self.rows):
+            return (*PLOTS, REWARD_PLOT)
+        return PLOTS
 
     def _table_html(self) -> str:
         if not self.rows:
