@@ -128,3 +128,20 @@ def test_fsdp_equals_ddp(cluster, tiny, tmp_path):
             atol=1e-5,
         )
     _close_adapters(_adapter(tmp_path / "ddp"), _adapter(tmp_path / "fsdp"))
+
+
+def test_an_epochs_short_last_step(cluster, tiny, tmp_path):
+    """9 pairs, 2 ranks x 2: the last step has one pair, so rank 1 trains on a stand-in pair that counts
+    for nothing (it still joins the gradient all-reduce); the run equals one process of 4 pairs a step."""
+    import json
+
+    rows = [json.loads(x) for x in open(preferences_path()).read().splitlines()[:9]]
+    kw = {"data": rows, "max_steps": -1, "num_train_epochs": 1}
+    one = nbtrain.finetune(nbtrain.DPOConfig(**_cfg(tiny, tmp_path / "one", 4, **kw))).history
+    two = _on_cluster(cluster, _cfg(tiny, tmp_path / "two", 2, **kw))[0].history
+    assert two["step"].to_list() == [1, 2, 3]
+    for k in ("loss", *METRICS):
+        torch.testing.assert_close(
+            torch.tensor(two[k].to_list()), torch.tensor(one[k].to_list()), rtol=1e-4, atol=1e-5
+        )
+    _close_adapters(_adapter(tmp_path / "one"), _adapter(tmp_path / "two"))
