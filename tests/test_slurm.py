@@ -166,7 +166,7 @@ def test_bad_slurm_settings_start_nothing(kw, words):
         ("ssh", dict(hosts="localhost", partition="gpu"), ["--partition", "--launcher slurm"]),
         ("ssh", dict(hosts="localhost", time="10"), ["--time is a setting of --launcher slurm"]),
         ("mpi", dict(gpus_per_node=4), ["--gpus-per-node is a setting of --launcher slurm"]),
-        ("local", dict(nodes=2), ["need launcher='ssh', 'slurm' or 'mpi'"]),
+        ("local", dict(nodes=2), ["need launcher='ssh', 'slurm', 'mpi' or 'ray'"]),
         ("pbs", dict(nodes=2), ["unknown launcher 'pbs'"]),
     ],
 )

@@ -105,7 +105,7 @@ def add_launcher_args(p: argparse.ArgumentParser) -> None:
     from nbtrain.cluster.options import startable
 
     declared = launch.declared()
-    remote = [name for name in startable() if declared[name]]
+    remote = [name for name in startable() if declared[name] and name != "local"]
     summary = "; ".join(
         f"{name}: {getattr(launch.launcher_module(name), 'SUMMARY', name)}" for name in startable()
     )

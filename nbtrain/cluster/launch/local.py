@@ -20,7 +20,13 @@ from nbtrain.cluster import allocator, procs, registry
 from nbtrain.cluster.failures import start_failed
 from nbtrain.cluster.group import free_local_port, init_group, reinit
 from nbtrain.cluster.launch import LaunchOptions
-from nbtrain.cluster.options import HEARTBEAT_MS, StartOptions, idle_timeout, local_gpu_count
+from nbtrain.cluster.options import (
+    HEARTBEAT_MS,
+    Option,
+    StartOptions,
+    idle_timeout,
+    local_gpu_count,
+)
 from nbtrain.cluster.session import Launched, Session, close_client
 from nbtrain.cluster.topology import assign_ranks, compact
 from nbtrain.engine import setup
@@ -30,6 +36,19 @@ log = logging.getLogger("nbtrain")
 
 #: what --launcher local does, in --launcher's help
 SUMMARY = "engines on this machine"
+# -n is %nbtrain start's own (StartOptions.n); declared here so that another launcher given it
+# names local among those that take it
+OPTIONS = (
+    Option(
+        "n",
+        "engines on this machine (default: one per GPU, or 1 without GPUs)",
+        kind="count",
+        flag="-n",
+        example="2",
+        metavar="N",
+        default_doc="one per GPU, or 1 without GPUs",
+    ),
+)
 
 
 def engine_environment(options: StartOptions) -> dict[str, str]:
