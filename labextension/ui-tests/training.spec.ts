@@ -4,7 +4,13 @@ import * as path from 'path';
 
 import { expect, test } from '@playwright/test';
 
-import { expectInside, openLab, openSidebar, setTheme } from './lab';
+import {
+  expectInside,
+  openLab,
+  openRunPanel,
+  openSidebar,
+  setTheme
+} from './lab';
 
 const uiDir = process.env.NBTRAIN_UI_DIR!;
 const repo = path.resolve(__dirname, '..', '..');
@@ -57,9 +63,9 @@ test('Lab opens and the sidebar lists the finished fixture run and the cluster',
 test("a finished run's panel draws its charts", async ({ page }) => {
   await openLab(page);
   await openSidebar(page);
-  await page.locator('.nbtrain-Run', { hasText: 'finished-sft' }).click();
-  const panel = page.locator('.nbtrain-RunPanel', { hasText: 'done' });
-  await expect(panel).toBeVisible();
+  // by its run id: panels an earlier spec left open are restored with the layout
+  const panel = await openRunPanel(page, 'finished-sft');
+  await expect(panel).toHaveAttribute('data-state', 'done');
   // 200 loss points and 8 eval-loss points (every 25 steps) from the fixture's metrics.jsonl
   const loss = panel.locator('figure[data-chart="loss"]');
   await expect(loss).toHaveAttribute('data-points', '208');
@@ -130,13 +136,7 @@ test('a run being written advances its step, and stop ends it', async ({
     expect(points).toBeGreaterThan(first);
 
     // the README screenshot: sidebar with both runs, the live panel, the status bar
-    await page
-      .locator('.nbtrain-Run', { hasText: 'finished-sft' })
-      .locator('.nbtrain-Item-name')
-      .click();
-    await expect(
-      page.locator('.nbtrain-RunPanel', { hasText: 'done' })
-    ).toBeVisible();
+    await openRunPanel(page, 'finished-sft');
     await page.locator('.lm-TabBar-tab', { hasText: 'Run: live-sft' }).click();
     await expect(panel).toBeVisible();
     await page.waitForTimeout(1500);
