@@ -108,3 +108,27 @@ def test_implicit_prompt_as_trl_cuts_it():
             want["chosen"],
             want["rejected"],
         )
+
+
+def test_cut_as_trl_cuts():
+    """max_prompt_length keeps the prompt's end, max_completion_length each completion's start (older
+    TRL's limits), then max_length cuts prompt + completion at truncation_side."""
+    from nbtrain.sft.prefs import Cut, Pair, collate
+
+    pair = Pair(0, [1, 2, 3, 4], [5, 6, 7], [8, 9])
+    assert Cut(None, "right", 2, 2).seqs(pair) == [
+        ([3, 4, 5, 6], [0, 0, 1, 1]),
+        ([3, 4, 8, 9], [0, 0, 1, 1]),
+    ]
+    assert Cut(5, "right").seqs(pair) == [
+        ([1, 2, 3, 4, 5], [0, 0, 0, 0, 1]),
+        ([1, 2, 3, 4, 8], [0, 0, 0, 0, 1]),
+    ]
+    assert Cut(3, "left").seqs(pair)[1] == ([4, 8, 9], [0, 1, 1])
+    batch = collate([pair], 8, 0, Cut(None))
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 0], [1, 2, 3, 4, 8, 9, 0, 0]]
+    assert batch["completion_mask"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 0, 0]]
+    assert batch["attention_mask"].sum().item() == 13 and batch["real"].tolist() == [True]
+    # a rank with no pair left: one stand-in pair of pad tokens, with nothing to score
+    empty = collate([], 1, 0, Cut(None))
+    assert empty["real"].tolist() == [False] and empty["completion_mask"].sum().item() == 0

@@ -99,6 +99,7 @@ def _trl_trainer(model_dir, rows, tmp_path, cfg, recorded=None):
         loss_type=[cfg.loss_type],
         precompute_ref_log_probs=cfg.precompute_ref_log_probs,
         max_length=cfg.max_length,
+        truncation_mode={"right": "keep_start", "left": "keep_end"}[cfg.truncation_side],
         disable_dropout=True,
     )
     lora = LoraConfig(
@@ -156,6 +157,8 @@ CASES = {
     # 1 pair x 2 accumulation steps: TRL divides each micro-batch's mean by 2, nbtrain by the step's pairs
     "sigmoid, accumulation": {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2},
     "sigmoid, conversational": {"max_length": 64},
+    # cut keeping each sequence's end: TRL's truncation_mode="keep_end" (deprecated there, still there)
+    "sigmoid, keep_end": {"truncation_side": "left", "max_length": 16},
 }
 
 
@@ -183,6 +186,9 @@ def test_steps_match_trl(tiny, tmp_path, case):
     trainer = _trl_trainer(tiny, [rows[i] for i in order], tmp_path, cfg, recorded)
     assert _trl_pairs(trainer) == _pairs_of(recipe, order)  # the same tokens, in the same order
     assert ("ref_chosen_logps" in trainer.train_dataset.column_names) == precompute
+    if cfg.max_length <= 24:  # the standard rows' cases also check how both cut long sequences
+        longest = max(len(p) + max(len(c), len(r)) for p, c, r in _pairs_of(recipe, order[:20]))
+        assert longest > cfg.max_length
     set_peft_model_state_dict(trainer.model, init)
     now = get_peft_model_state_dict(trainer.model)
     assert all(torch.equal(now[k], v) for k, v in init.items())
