@@ -300,6 +300,19 @@ CHECKERS: dict[str, Callable[..., list[dict[str, Any]]]] = {
 }
 
 
+def check_settings() -> dict[str, tuple[str, ...]]:
+    """Launcher -> the settings its pre-start check takes (names of the launcher's declared options)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for launcher, checker in CHECKERS.items():
+        if launcher == "slurm":
+            out[launcher] = SRUN_SETTINGS
+        else:
+            out[launcher] = tuple(
+                p for p in inspect.signature(checker).parameters if p != "timeout"
+            )
+    return out
+
+
 def check(
     launcher: str | None = None, timeout: float | None = None, **settings: Any
 ) -> CheckResult:

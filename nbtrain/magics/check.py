@@ -25,21 +25,20 @@ def add_check_command(sub: Any) -> None:
         "--nodes), ray (--address); default: the running cluster, else what the options name, "
         "else local",
     )
-    p.add_argument("--hosts", default=None, help="ssh: HOST,... e.g. node1,node2")
-    p.add_argument("--ssh-args", default=None, help='ssh: extra ssh arguments, e.g. "-F cfg"')
-    p.add_argument(
-        "--python",
-        default=None,
-        help="Python with nbtrain on every node (default: this one's path)",
-    )
-    p.add_argument("--partition", default=None, help="slurm: partition to run the probe in")
-    p.add_argument("--nodes", default=None, help="slurm: nodes to check (default 1)")
-    p.add_argument("--account", default=None, help="slurm: account to charge")
-    p.add_argument("--time", default=None, help="slurm: time limit of the probe's job")
-    p.add_argument("--slurm-args", default=None, help='slurm: more srun options, e.g. "--qos=high"')
-    p.add_argument(
-        "--address", default=None, help="ray: auto, local or ray://HEAD:10001 (every alive node)"
-    )
+    # the sources' settings: flags made from the options their launchers declare
+    from nbtrain.cluster.check import check_settings
+    from nbtrain.cluster.launch import flags
+
+    declared = flags()
+    for name in dict.fromkeys(n for names in check_settings().values() for n in names):
+        opt, takers = declared[name]
+        if opt.cli is None:
+            continue
+        who = [x for x, names in check_settings().items() if name in names]
+        text = f"{', '.join(who)}: {opt.help}".replace("%", "%%")
+        p.add_argument(
+            opt.cli, dest=name, default=None, metavar=opt.metavar or name.upper(), help=text
+        )
     p.add_argument(
         "--timeout",
         type=positive_float,
@@ -50,21 +49,11 @@ def add_check_command(sub: Any) -> None:
 
 def cmd_check(args: argparse.Namespace) -> Any:
     """Run the check the options name and print its table and advice; returns the result."""
-    from nbtrain.cluster.check import check
+    from nbtrain.cluster.check import check, check_settings
     from nbtrain.cluster.facade import current_cluster
 
-    settings: dict[str, Any] = {
-        "hosts": args.hosts,
-        "ssh_args": args.ssh_args,
-        "remote_python": args.python,
-        "partition": args.partition,
-        "nodes": args.nodes,
-        "account": args.account,
-        "time": args.time,
-        "slurm_args": args.slurm_args,
-        "address": args.address,
-    }
-    given = {k: v for k, v in settings.items() if v is not None}
+    names = {n for names in check_settings().values() for n in names}
+    given = {k: v for k in names if (v := getattr(args, k, None)) is not None}
     cluster = current_cluster()
     if args.launcher is None and not given and cluster is not None:
         result = cluster.check(**({"timeout": args.timeout} if args.timeout else {}))
