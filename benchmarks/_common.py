@@ -23,6 +23,16 @@ WORK = HERE / "_work"
 RESULTS = HERE / "results"
 
 
+def process_start() -> float:
+    """This process's start as a wall-clock time: /proc/self/stat's start time (clock ticks since
+    boot) against CLOCK_BOOTTIME, exact to a tick (psutil's create_time rounds the boot time to a
+    whole second). Interpreter start-up is inside it."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - since_start
+
+
 def setup_env() -> None:
     """Keep the benchmarks' runs registry out of the user's home; make scratch space."""
     WORK.mkdir(parents=True, exist_ok=True)

@@ -9,17 +9,13 @@ cache_dir is TRL cold, the same one again is TRL warm. The end of the first step
 one JSON line; peak RSS of this process, and of the largest worker it waited for.
 """
 
-import os
 import time
 
 T_SCRIPT = time.time()  # before the imports
-# this process's start: /proc/self/stat's start time (clock ticks since boot) against CLOCK_BOOTTIME,
-# exact to a tick (psutil's create_time rounds the boot time to a whole second)
-with open("/proc/self/stat") as _f:
-    _ticks = int(_f.read().rsplit(")", 1)[1].split()[19])
-PROC_START = T_SCRIPT - (
-    time.clock_gettime(time.CLOCK_BOOTTIME) - _ticks / os.sysconf("SC_CLK_TCK")
-)
+
+import _common  # noqa: E402  (stdlib only: a few ms)
+
+PROC_START = _common.process_start()
 
 import json  # noqa: E402
 import resource  # noqa: E402
