@@ -402,6 +402,32 @@ def test_real_data_notebook_runs(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(400)
+def test_samples_notebook_runs(tmp_path, monkeypatch):
+    """notebooks/09-samples.ipynb top to bottom in a real kernel: the base model sampled on two ranks,
+    a fine-tune sampling every 20 steps (samples.jsonl, the live table), base and tuned side by side."""
+    monkeypatch.setenv("NBTRAIN_DEMO_OUT", str(tmp_path / "out"))
+    nb = nbformat.read(ROOT / "notebooks" / "09-samples.ipynb", as_version=4)
+    _execute(nb, tmp_path)
+    text = _all_text(nb)
+    assert "step 80/80 | loss" in text, text[-3000:]
+    run = tmp_path / "out" / "runs" / "tuned"
+    rows = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["index"]) for r in rows] == [
+        (s, i) for s in (0, 20, 40, 60, 80) for i in range(4)
+    ]
+    assert all(r["reference"] for r in rows)
+    # the live display's table under the plot, newest step first
+    assert "samples at step 80:" in text and "<th style='text-align:left'>step 80</th>" in text
+    by_step = {s: [r["completion"] for r in rows if r["step"] == s] for s in (0, 80)}
+    assert by_step[0] != by_step[80]  # training moved the completions
+    # side by side: one column per model, and the reference
+    side = next(c for c in nb.cells if c.source.startswith('side = cluster.pull("side"'))
+    table = side.outputs[0]["data"]["text/html"]
+    for column in ("prompt", "base", "tuned", "reference"):
+        assert f"<th>{column}</th>" in table, table
+
+
+@pytest.mark.timeout(400)
 def test_preference_notebook_runs(tmp_path, monkeypatch):
     """notebooks/10-preference-and-rl.ipynb top to bottom in a real kernel: DPO on the shipped pairs on
     two CPU ranks, TRL's reward metrics in every logged row, and the reward margin clearly grown."""

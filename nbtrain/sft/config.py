@@ -431,7 +431,11 @@ class SFTConfig:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("data", "eval_data") and value is not None and not isinstance(value, str):
+            in_memory = f.name in ("data", "eval_data") or (
+                # a list of prompts is kept as it is; a DataFrame or Dataset of them is summarised
+                f.name == "sample_prompts" and not isinstance(value, list)
+            )
+            if in_memory and value is not None and not isinstance(value, str):
                 try:
                     value = f"<{type(value).__name__} of {len(value)} rows>"
                 except TypeError:
