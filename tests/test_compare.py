@@ -352,6 +352,7 @@ def test_compare_shows_the_last_samples_side_by_side(two_lr_runs, tmp_path):
                     _sample(0, 0, "step zero"),
                     _sample(6, 1, f"run {n}: <b>bold</b>\nsecond line"),
                     _sample(6, 0, f"run {n}: 42", reference="12 + 30 = 42"),
+                    _sample(6, 2, "  \n"),  # a model that wrote only blanks
                 ]
             )
             + "\n"
@@ -367,17 +368,19 @@ def test_compare_shows_the_last_samples_side_by_side(two_lr_runs, tmp_path):
         "lr-0.001 (step 6)",
         "runs/lr-0.01 (step –)",
     ]
-    assert list(s["prompt"]) == ["prompt 0", "prompt 1"]
-    assert list(s["reference"]) == ["12 + 30 = 42", None]
-    assert list(s.iloc[:, 2]) == ["run 0: 42", "run 0: <b>bold</b>\nsecond line"]
-    assert list(s.iloc[:, 3]) == ["run 1: 42", "run 1: <b>bold</b>\nsecond line"]
-    assert list(s.iloc[:, 4]) == [None, None]
+    assert list(s["prompt"]) == ["prompt 0", "prompt 1", "prompt 2"]
+    assert list(s["reference"]) == ["12 + 30 = 42", None, None]
+    assert list(s.iloc[:, 2]) == ["run 0: 42", "run 0: <b>bold</b>\nsecond line", "  \n"]
+    assert list(s.iloc[:, 3]) == ["run 1: 42", "run 1: <b>bold</b>\nsecond line", "  \n"]
+    assert list(s.iloc[:, 4]) == [None, None, None]
 
     page = cmp._repr_html_()
     # under the curves and the table, escaped, long text kept as written
     assert page.index("Last samples") > page.index("<img")
     assert "run 1: &lt;b&gt;bold&lt;/b&gt;\nsecond line" in page
     assert "<b>bold</b>" not in page and "pre-wrap" in page
+    # blanks say so, twice (one per run that sampled); a run that did not sample has a dash
+    assert page.count("(empty)</td>") == 2
     md = cmp.markdown()
     assert "## Last samples" in md
     assert (

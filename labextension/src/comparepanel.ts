@@ -19,7 +19,7 @@ import {
   XAxis
 } from './compare';
 import { shortPath } from './model';
-import { COLOURS } from './panel';
+import { blankClass, COLOURS } from './panel';
 import { sideBySide } from './samples';
 import { IComparePage } from './tokens';
 
@@ -247,7 +247,9 @@ export class ComparePanel extends Widget {
       }
       m.completions.forEach((sample, r) => {
         const td = tr.insertCell();
-        td.className = 'nbtrain-Sample-completion';
+        td.className = sample
+          ? blankClass('nbtrain-Sample-completion', sample.completion)
+          : 'nbtrain-Sample-completion';
         td.dataset.runId = page.runs[r].id;
         td.textContent = sample ? sample.completion : '–';
       });

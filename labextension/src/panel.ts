@@ -370,6 +370,11 @@ class SamplesView {
   private _open = new Map<number, boolean>();
 }
 
+/** The class of a completion's element, marked where the model wrote only blanks (CSS says so). */
+export function blankClass(className: string, text: string): string {
+  return text.trim() ? className : `${className} nbtrain-Sample-blank`;
+}
+
 /** One prompt and its completion (and reference), long text wrapped as written. */
 export function sampleBlock(sample: ISample): HTMLElement {
   const div = document.createElement('div');
@@ -380,7 +385,10 @@ export function sampleBlock(sample: ISample): HTMLElement {
   prompt.textContent = sample.prompt;
   prompt.title = `prompt ${sample.index}`;
   const completion = document.createElement('div');
-  completion.className = 'nbtrain-Sample-completion';
+  completion.className = blankClass(
+    'nbtrain-Sample-completion',
+    sample.completion
+  );
   completion.textContent = sample.completion;
   completion.title =
     sample.tokens !== null

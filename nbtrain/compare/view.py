@@ -171,24 +171,34 @@ class Comparison:
             return ""
         cell = (
             "text-align:left;vertical-align:top;white-space:pre-wrap;overflow-wrap:anywhere;"
-            "padding:4px 8px;max-width:40em"
+            "padding:4px 8px;border-bottom:1px solid rgba(128,128,128,.3)"
         )
+        # the prompt and the reference narrow, the completions (what is compared) share the rest
+        widths = {"prompt": "24%", "reference": "12%"}
         head = "".join(
-            f'<th style="{cell}">{html.escape(str(c))}</th>' for c in self.samples.columns
+            f'<th style="{cell};width:{widths.get(str(c), "auto")}">{html.escape(str(c))}</th>'
+            for c in self.samples.columns
         )
         body = "".join(
-            "<tr>"
-            + "".join(f'<td style="{cell}">{html.escape(_text(v))}</td>' for v in row)
-            + "</tr>"
+            "<tr>" + "".join(_sample_cell(cell, v) for v in row) + "</tr>"
             for _, row in self.samples.iterrows()
         )
         return (
             '<h4 style="margin:12px 0 4px">Last samples</h4>'
-            f'<table class="nbtrain-samples"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+            '<table class="nbtrain-samples" style="width:100%;table-layout:fixed;border-collapse:collapse">'
+            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
         )
 
     def __repr__(self) -> str:
         return f"Comparison({', '.join(self.labels)}; metrics={self.metrics}, x={self.x!r})"
+
+
+def _sample_cell(style: str, value: Any) -> str:
+    """A samples table cell: the text escaped, a muted "(empty)" where the model wrote only blanks."""
+    text = _text(value)
+    if isinstance(value, str) and not value.strip():
+        return f'<td style="{style};opacity:.6;font-style:italic">(empty)</td>'
+    return f'<td style="{style}">{html.escape(text)}</td>'
 
 
 def _text(value: Any) -> str:
