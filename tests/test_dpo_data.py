@@ -132,3 +132,11 @@ def test_cut_as_trl_cuts():
     # a rank with no pair left: one stand-in pair of pad tokens, with nothing to score
     empty = collate([], 1, 0, Cut(None))
     assert empty["real"].tolist() == [False] and empty["completion_mask"].sum().item() == 0
+
+
+def test_bad_eval_rows_refused(tiny, tmp_path):
+    rows = [GOOD, {"prompt": "Say hi.", "completion": " hi"}]
+    with pytest.raises(ConfigError) as err:
+        nbtrain.finetune(_cfg(tiny, [GOOD] * 4, tmp_path / "out", eval_data=rows))
+    assert "eval_data row 1: the row is not a preference pair" in str(err.value)
+    assert not (tmp_path / "out").exists()

@@ -61,19 +61,37 @@ def _close_adapters(a, b):
         torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=1e-3)
 
 
+def _eval_rows(n=5):
+    """`n` pairs of the shipped data to evaluate on: 5 split 3 and 2 over two ranks."""
+    import json
+
+    return [json.loads(x) for x in open(preferences_path()).read().splitlines()[-n:]]
+
+
+EVAL_KEYS = ("eval_loss", *(f"eval_{k}" for k in METRICS))
+
+
 def test_two_ranks_equal_one_process_with_double_batch(cluster, tiny, tmp_path):
-    ref = nbtrain.finetune(nbtrain.DPOConfig(**_cfg(tiny, tmp_path / "one", 4)))
-    results = _on_cluster(cluster, _cfg(tiny, tmp_path / "two", 2))
+    kw = {"eval_data": _eval_rows(), "eval_steps": 4}
+    ref = nbtrain.finetune(nbtrain.DPOConfig(**_cfg(tiny, tmp_path / "one", 4, **kw)))
+    results = _on_cluster(cluster, _cfg(tiny, tmp_path / "two", 2, **kw))
     assert results[0].adapter_dir == str(tmp_path / "two" / "adapter")
     assert results[1].adapter_dir is None  # only rank 0 exports
     two, one = results[0].history, ref.history
     # every rank logs the same rows: the metrics are reduced over both ranks' pairs
-    for k in ("loss", *METRICS):
+    assert two.dropna(subset=["eval_loss"])["step"].to_list() == [4, 8]
+    for k in ("loss", *METRICS, *EVAL_KEYS):
         torch.testing.assert_close(
-            torch.tensor(two[k].to_list()), torch.tensor(one[k].to_list()), rtol=1e-4, atol=1e-5
+            torch.tensor(two[k].to_list()),
+            torch.tensor(one[k].to_list()),
+            rtol=1e-4,
+            atol=1e-5,
+            equal_nan=True,  # the eval columns hold values at steps 4 and 8 only
         )
         torch.testing.assert_close(
-            torch.tensor(results[1].history[k].to_list()), torch.tensor(two[k].to_list())
+            torch.tensor(results[1].history[k].to_list()),
+            torch.tensor(two[k].to_list()),
+            equal_nan=True,
         )
     # the policy moved away from the reference: equal rows of zeros would prove nothing
     assert float(one["rewards/margins"].abs().max()) > 1e-3
@@ -114,18 +132,20 @@ def test_fsdp_equals_ddp(cluster, tiny, tmp_path):
     rows = {}
     for shard in ("ddp", "fsdp"):
         out = tmp_path / shard
-        result = _on_cluster(cluster, _cfg(tiny, out, 2, max_steps=4, shard=shard))[0]
+        kw = {"max_steps": 4, "shard": shard, "eval_data": _eval_rows()}
+        result = _on_cluster(cluster, _cfg(tiny, out, 2, **kw))[0]
         rows[shard] = result.history
         if shard == "fsdp":
             assert "fsdp over 2 rank(s)" in result.plan["levers"]
             held, total = result.plan["base_params_held"]
             assert held < total
-    for k in ("loss", *METRICS):
+    for k in ("loss", *METRICS, *EVAL_KEYS):
         torch.testing.assert_close(
             torch.tensor(rows["fsdp"][k].to_list()),
             torch.tensor(rows["ddp"][k].to_list()),
             rtol=1e-4,
             atol=1e-5,
+            equal_nan=True,
         )
     _close_adapters(_adapter(tmp_path / "ddp"), _adapter(tmp_path / "fsdp"))
 

@@ -60,7 +60,7 @@ def _implicit(rows: list[dict]) -> list[dict]:
     ]
 
 
-def _trl_trainer(model_dir, rows, tmp_path, cfg, recorded=None):
+def _trl_trainer(model_dir, rows, tmp_path, cfg, recorded=None, eval_rows=None):
     """TRL's DPOTrainer with `cfg`'s settings; `recorded` gets each compute_loss call's loss and metrics."""
     import datasets
     from peft import LoraConfig
@@ -70,7 +70,7 @@ def _trl_trainer(model_dir, rows, tmp_path, cfg, recorded=None):
     class Recorded(DPOTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            if recorded is not None:
+            if recorded is not None and self.model.training:
                 rec = {k: self._metrics["train"][k][-1] for k in METRICS}
                 recorded.append({"loss": float(loss.detach()), **rec})
             return loss
@@ -114,6 +114,7 @@ def _trl_trainer(model_dir, rows, tmp_path, cfg, recorded=None):
         model=model_dir,
         args=args,
         train_dataset=datasets.Dataset.from_list(rows),
+        eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         peft_config=lora,
     )
@@ -150,6 +151,8 @@ def _trl_pairs(trainer):
     return [(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]) for r in ds]
 
 
+# the first two also evaluate on 6 other pairs at the end, against TRL's trainer.evaluate()
+EVAL = ("sigmoid", "ipo")
 CASES = {
     "sigmoid": {},
     "ipo": {"loss_type": "ipo", "beta": 0.5},
@@ -171,7 +174,8 @@ def test_steps_match_trl(tiny, tmp_path, case):
     from nbtrain.sft.dpo_recipe import DPORecipe
 
     rows = _conversational_rows(24) if "conversational" in case else _standard_rows()
-    cfg = _nb_cfg(tiny, rows, tmp_path, **CASES[case])
+    eval_rows = _standard_rows(30)[24:] if case in EVAL else None
+    cfg = _nb_cfg(tiny, rows, tmp_path, eval_data=eval_rows, **CASES[case])
     precompute = cfg.precompute_ref_log_probs
     recipe = DPORecipe(cfg)
     recipe.setup()
@@ -183,7 +187,7 @@ def test_steps_match_trl(tiny, tmp_path, case):
     ours = recipe.result().history
 
     recorded: list[dict] = []
-    trainer = _trl_trainer(tiny, [rows[i] for i in order], tmp_path, cfg, recorded)
+    trainer = _trl_trainer(tiny, [rows[i] for i in order], tmp_path, cfg, recorded, eval_rows)
     assert _trl_pairs(trainer) == _pairs_of(recipe, order)  # the same tokens, in the same order
     assert ("ref_chosen_logps" in trainer.train_dataset.column_names) == precompute
     if cfg.max_length <= 24:  # the standard rows' cases also check how both cut long sequences
@@ -209,6 +213,16 @@ def test_steps_match_trl(tiny, tmp_path, case):
     # the run moved: a test of ten identical zeros would prove nothing
     assert float(mine["rewards/margins"].abs().max()) > 1e-3
     assert float((mine["loss"] - mine["loss"][0]).abs().max()) > 1e-4
+    if eval_rows:
+        # the eval at the end: TRL's evaluate() after training, nbtrain's last row
+        evaluated = trainer.evaluate()
+        keys = ["eval_loss", *(f"eval_{k}" for k in METRICS)]
+        last = ours.iloc[-1]
+        worst = {k: abs(float(last[k]) - float(evaluated[k])) for k in keys}
+        print(f"{case}: eval, max |nbtrain - TRL|: {worst}")
+        for k in keys:
+            assert float(last[k]) == pytest.approx(float(evaluated[k]), rel=1e-4, abs=1e-5), k
+        assert abs(float(last["eval_rewards/margins"])) > 1e-3
 
 
 @pytest.mark.parametrize(

@@ -106,11 +106,6 @@ class DPOConfig(SFTConfig):
             "per_device_train_batch_size='auto' is not supported for DPO yet; give a number of "
             "pairs per rank (each pair is two sequences)",
         )
-        need(
-            self.eval_data is None,
-            "eval_data is not supported for DPO yet; leave it None (the reward metrics of the "
-            "training batches are logged every logging_steps)",
-        )
         return problems
 
 

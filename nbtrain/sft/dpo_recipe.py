@@ -57,6 +57,26 @@ class DPORecipe(SFTRecipe):
             source, self.tokenizer, self.d, self.data_cache, self.template_kwargs, encoder=prefs
         )
 
+    def _check(self) -> dict[str, Any]:
+        # SFT's checks without eval_data, which SFT's row formats would refuse: its pairs are read here
+        eval_data, self.eval_data = self.eval_data, None
+        try:
+            checked = super()._check()
+        finally:
+            self.eval_data = eval_data
+        if eval_data is not None:
+            pairs = prefs.load_pairs(
+                eval_data, "eval_data", checked["tokenizer"], self.template_kwargs
+            )
+            checked["eval_rows"] = [p for p in pairs if self.cut.keeps(p)]
+            if not checked["eval_rows"]:
+                msg = (
+                    f"every eval_data pair has a prompt of max_length={self.max_length} tokens "
+                    "or more, and nothing would be evaluated; raise max_length"
+                )
+                raise ConfigError(msg)
+        return checked
+
     def _batches(self, store: Any) -> None:
         d, plan = self.d, self.plan
 
@@ -74,6 +94,10 @@ class DPORecipe(SFTRecipe):
 
         self.batches = d.agree(make)
         self.evals = None
+        if self.eval_rows is not None:  # pairs r, r+N, ... of eval_data, in micro-batches
+            mine = self.eval_rows[d.rank :: d.world]
+            size = plan.micro_batch
+            self.evals = [mine[k : k + size] for k in range(0, len(mine), size)]
         if self.torch_compile:  # as SFT's set-up does it
             why_not = speed.compile_layers(self.model.get_base_model())
             if why_not is None:
@@ -197,8 +221,18 @@ class DPORecipe(SFTRecipe):
         meter.steps += 1
         meter.tokens += float(stats[:, 2 * GA].sum())
         self.hooks.call("on_step", self, step=step, grad_norm=self.grad_norm, lr=lr)
-        if step % self.logging_steps == 0 or step == self.total_steps:
-            self.log(meter.row(step, self.grad_norm, lr, None))
+        evaluated: dict[str, float] = {}
+        if self.evals is not None and (
+            (self.eval_steps is not None and step % self.eval_steps == 0)
+            or step == self.total_steps
+        ):
+            t0 = time.perf_counter()
+            evaluated = self.evaluate_pairs()
+            meter.exclude(time.perf_counter() - t0)
+            self.hooks.call("on_eval", self, step=step, eval_loss=evaluated["eval_loss"])
+        if step % self.logging_steps == 0 or step == self.total_steps or evaluated:
+            row = meter.row(step, self.grad_norm, lr, evaluated.get("eval_loss"))
+            self.log({**row, **evaluated})
         if self.save_steps is not None and (
             step % self.save_steps == 0 or step == self.total_steps
         ):
@@ -233,5 +267,35 @@ class DPORecipe(SFTRecipe):
         super().log(row)
 
     def evaluate(self) -> float:
-        msg = "DPO runs have no eval_data evaluation yet"
-        raise NotImplementedError(msg)
+        """The eval loss: the mean DPO loss over every rank's eval_data pairs."""
+        return self.evaluate_pairs()["eval_loss"]
+
+    def evaluate_pairs(self) -> dict[str, float]:
+        """eval_loss and TRL's reward metrics (`eval_rewards/chosen`, ...) over every rank's eval pairs,
+        the model in eval mode meanwhile. Each rank runs `n_eval` forwards: under FSDP each gathers
+        weights on every rank, so a rank short of batches runs a stand-in pair that counts nothing."""
+        import torch
+
+        net, b = self.peft_model, self.batches
+        totals = torch.zeros(len(dpo_loss.METRICS) + 2, dtype=torch.float64)
+        net.eval()
+        try:
+            with torch.no_grad():
+                for i in range(self.n_eval):
+                    pairs = self.evals[i] if self.evals and i < len(self.evals) else []
+                    pad = max((b.length(p) for p in pairs), default=1)
+                    batch = self._to_device(b.collate(pairs, pad))
+                    ref = self.reference_logps(batch)
+                    logps = dpo_loss.sequence_logps(net, batch, self.autocast, self.fused)
+                    losses = dpo_loss.pair_losses(logps, ref, batch, self.beta, self.loss_type)
+                    totals[0] += losses.sum().double().cpu()
+                    totals[1:] += dpo_loss.metric_sums(logps, ref, batch, self.beta)
+        finally:
+            net.train()
+        totals = self.d.sum_meta(totals)
+        pairs = max(float(totals[-1]), 1.0)
+        out = {"eval_loss": float(totals[0]) / pairs}
+        out.update(
+            {f"eval_{k}": float(totals[1 + i]) / pairs for i, k in enumerate(dpo_loss.METRICS)}
+        )
+        return out

@@ -221,6 +221,40 @@ class Pair:
     rejected: list[int]
 
 
+def load_pairs(
+    source: Any, name: str, tokenizer: Any, template_kwargs: dict | None = None
+) -> list[Pair]:
+    """Every row of a small data set (eval_data) as a Pair, held in memory; its bad rows (the first
+    20) refused together in one ConfigError naming each one's file, line and index."""
+    from nbtrain.sft.sources import Source
+
+    src = Source(source, name)
+    rows = list(src.part(0, 1))
+    results = encode_batch([r.value for r in rows], tokenizer, template_kwargs)
+    bad = [
+        row_problem(r.value, tokenizer, i, src.row_where(r), template_kwargs)
+        for i, (r, res) in enumerate(zip(rows, results, strict=True))
+        if isinstance(res, ConfigError)
+    ]
+    if bad:
+        msg = f"{src.where}: {len(bad)} of {len(rows)} rows are refused; fix or remove them:\n"
+        raise ConfigError(msg + "\n".join(bad[:20]))
+    if not rows:
+        msg = f"{src.where} has no rows; give at least one row with {ACCEPTED}"
+        raise ConfigError(msg)
+    pairs = []
+    for i, (ids, which) in enumerate(results):
+        pairs.append(
+            Pair(
+                i,
+                ids[which == PROMPT].tolist(),
+                ids[which == CHOSEN].tolist(),
+                ids[which == REJECTED].tolist(),
+            )
+        )
+    return pairs
+
+
 @dataclass
 class Cut:
     """How a pair's sequences are cut, as TRL's collator does (and the older TRL's length limits)."""
@@ -253,8 +287,21 @@ class Cut:
     def length(self, pair: Pair) -> int:
         return max(len(ids) for ids, _ in self.seqs(pair))
 
+    def keeps(self, pair: Pair) -> bool:
+        """Whether TRL keeps the pair: not where its prompt alone fills max_length (keep_start)."""
+        if self.max_length is None or self.side != "right":
+            return True
+        return int(self.prompt_length(len(pair.prompt))) < self.max_length
+
     def prompt_length(self, n: Any) -> Any:
-        return n if self.max_prompt_length is None else n.clip(max=self.max_prompt_length)
+        """A prompt of `n` tokens (an int, or an array of them) after max_prompt_length."""
+        if self.max_prompt_length is None:
+            return n
+        return (
+            n.clip(max=self.max_prompt_length)
+            if hasattr(n, "clip")
+            else min(n, self.max_prompt_length)
+        )
 
 
 def collate(pairs: Sequence[Pair], pad_to: int, pad_id: int, cut: Cut) -> dict[str, Any]:
