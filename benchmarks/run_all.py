@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-BENCHES = ("startup", "cell", "finetune")
+BENCHES = ("startup", "cell", "finetune", "generate")
 # long benchmarks, run only when asked for by their flag
 LONG = ("data",)
 

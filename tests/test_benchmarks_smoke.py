@@ -71,3 +71,30 @@ def test_bench_gpu_runs_its_three_arms_on_the_cpu(tmp_path):
     import bench_gpu
 
     assert "tiny" not in bench_gpu.gpu_table({"runs": [record]})
+
+
+BENCH_GENERATE = BENCH.parent / "bench_generate.py"
+
+
+@pytest.mark.timeout(180)
+def test_bench_generate_quick_reports_a_ratio_for_each_arm(tmp_path):
+    """bench_generate.py --quick: a 2-engine cluster, every arm timed, the same tokens generated."""
+    out = tmp_path / "generate.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_GENERATE), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["quick"] is True
+    # every prompt came back, each with exactly the new tokens asked for
+    assert report["generated_rows_and_tokens"] == [
+        report["prompts"],
+        report["prompts"] * report["new_tokens"],
+    ]
+    for arm in ("nbtrain2", "nbtrain1", "hf1", "hf2"):
+        assert report["seconds"][arm]["median"] > 0
+    for m in report["metrics"]:
+        assert m["ratio"] == pytest.approx(m["nbtrain"] / m["baseline"])
