@@ -251,6 +251,9 @@ def test_a_data_file_gives_references(models, tmp_path):
     df = nbtrain.generate(str(path), model=models["base"], max_new_tokens=3)
     assert list(df.reference) == [" 4", "Hello", "Ciao", None]
     assert df.prompt[1] == [{"role": "user", "content": "Hi"}]
+    # a prompt that ends like a file name is still a prompt
+    one = nbtrain.generate("Summarise notes.csv", model=models["base"], max_new_tokens=2)
+    assert list(one.prompt) == ["Summarise notes.csv"]
     # the same through a DataFrame
     df2 = nbtrain.generate(pd.DataFrame(rows[:1]), model=models["base"], max_new_tokens=3)
     assert df2.completion[0] == df.completion[0]

@@ -139,9 +139,13 @@ def _from_row(row: dict, where: str) -> Entry:
 
 
 def _is_file(value: Any) -> bool:
-    return isinstance(value, os.PathLike) or (
-        isinstance(value, str) and value.lower().endswith(SUFFIXES) and "\n" not in value
-    )
+    """A path, or a string that names a data file: it exists, or it has a data file's suffix and no
+    whitespace ("What is in data.csv?" stays a prompt)."""
+    if isinstance(value, os.PathLike):
+        return True
+    if not isinstance(value, str) or not value.lower().endswith(SUFFIXES):
+        return False
+    return not any(c.isspace() for c in value) or Path(value).expanduser().is_file()
 
 
 def read_prompts(prompts: Any, name: str = "prompts") -> list[Entry]:
@@ -257,7 +261,7 @@ def generate_batch(
     autocast: Callable[[], Any] = contextlib.nullcontext,
 ) -> list[dict[str, Any]]:
     """One left-padded batch through `model.generate` with the KV cache: a row per prompt
-    ({"index", "completion", "tokens", "seconds"}, seconds being the batch's)."""
+    ({"index", "completion", "tokens", "seconds", "ids"}, seconds being the batch's)."""
     import torch
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -299,6 +303,7 @@ def generate_batch(
                 "completion": tokenizer.decode(new[:cut], skip_special_tokens=True),
                 "tokens": cut,
                 "seconds": seconds,
+                "ids": new[:cut],  # the token ids themselves (GRPO trains on them)
             }
         )
     return rows
