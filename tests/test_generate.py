@@ -270,14 +270,13 @@ def test_sampling_takes_a_seed_and_leaves_the_global_rng(models):
     assert list(a.completion) != list(c.completion)
 
 
-def test_4_bit_equals_transformers_4_bit(models):
-    """bitsandbytes' CPU kernels: the same greedy tokens as transformers' own 4-bit load. Against the
-    fp32 model the 4-bit rounding changes this random model's tokens, so that is not compared."""
+@pytest.fixture(scope="module")
+def four_bit_ref(models):
+    """transformers' own 4-bit load of the base (NF4 as nbtrain's QLoRA), one prompt at a time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nbtrain.sft import quant
 
-    df = nbtrain.generate(PROMPTS, model=models["base"], load_in_4bit=True, max_new_tokens=NEW)
     cfg = type("C", (), {"load_in_8bit": False})()
     q = AutoModelForCausalLM.from_pretrained(
         models["base"],
@@ -288,7 +287,24 @@ def test_4_bit_equals_transformers_4_bit(models):
     for module in q.modules():  # the one CPU weight layout nbtrain keeps (nbtrain.sft.quant)
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-    _check(df, reference(q, AutoTokenizer.from_pretrained(models["base"]), PROMPTS))
+    return reference(q, AutoTokenizer.from_pretrained(models["base"]), PROMPTS)
+
+
+def test_4_bit_equals_transformers_4_bit(models, four_bit_ref):
+    """bitsandbytes' CPU kernels: the same greedy tokens as transformers' own 4-bit load. Against the
+    fp32 model the 4-bit rounding changes this random model's tokens, so that is not compared."""
+    df = nbtrain.generate(PROMPTS, model=models["base"], load_in_4bit=True, max_new_tokens=NEW)
+    _check(df, four_bit_ref)
+
+
+def test_4_bit_under_fsdp_on_two_ranks(two, models, four_bit_ref):
+    """QLoRA's sharded base (each rank its rows of the 4-bit words): the same tokens again."""
+    two.push({"P": PROMPTS, "M": models, "N": NEW})
+    two.execute(
+        "q = nbtrain.generate(P, model=M['base'], shard='fsdp', load_in_4bit=True, "
+        "max_new_tokens=N, batch_size=4)"
+    )
+    _check(two.pull("q", ranks=0)[0], four_bit_ref)
 
 
 @pytest.mark.parametrize(
