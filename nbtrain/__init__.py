@@ -22,6 +22,7 @@ __all__ = [
     "ConfigError",
     "DPOConfig",
     "DistributedCellError",
+    "GRPOConfig",
     "Preempted",
     "SFTConfig",
     "TrainResult",
@@ -48,6 +49,7 @@ _LAZY = {
     "ConfigError": "nbtrain.errors",
     "DPOConfig": "nbtrain.sft.dpo_config",
     "DistributedCellError": "nbtrain.errors",
+    "GRPOConfig": "nbtrain.sft.grpo_config",
     "Preempted": "nbtrain.sft.preempt",
     "check": "nbtrain.cluster.check",
     # the module itself, which is callable: nbtrain.compare([...]) draws, nbtrain.compare.load_run reads
@@ -77,6 +79,7 @@ if TYPE_CHECKING:
     from nbtrain.sft.config import SFTConfig
     from nbtrain.sft.dpo_config import DPOConfig
     from nbtrain.sft.generate import generate
+    from nbtrain.sft.grpo_config import GRPOConfig
     from nbtrain.sft.preempt import Preempted
     from nbtrain.sft.train import TrainResult, finetune
 

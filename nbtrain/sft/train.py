@@ -38,10 +38,16 @@ def finetune(
 
     `hooks` (`nbtrain.sft.hooks.Hooks`) are called in the loop: on_step, on_eval, on_log, on_save.
 
-    An `nbtrain.DPOConfig` runs DPO on preference pairs instead (`nbtrain.sft.dpo_recipe.DPORecipe`).
+    An `nbtrain.DPOConfig` runs DPO on preference pairs instead (`nbtrain.sft.dpo_recipe.DPORecipe`), an
+    `nbtrain.GRPOConfig` GRPO on prompts and reward functions (`nbtrain.sft.grpo_recipe.GRPORecipe`).
     """
     from nbtrain.sft.dpo_config import DPOConfig
+    from nbtrain.sft.grpo_config import GRPOConfig
 
+    if isinstance(cfg, GRPOConfig):
+        from nbtrain.sft.grpo_recipe import GRPORecipe
+
+        return GRPORecipe(cfg, merge=merge, group=group, hooks=hooks).run()
     if isinstance(cfg, DPOConfig):
         from nbtrain.sft.dpo_recipe import DPORecipe
 

@@ -1,0 +1,359 @@
+"""The GRPO recipe: SFT's set-up, checkpoints and export, with prompt rows, rollouts and GRPO's step.
+
+In [1]: recipe = GRPORecipe(cfg)      # cfg: nbtrain.GRPOConfig, read once
+In [2]: recipe.run()                  # set-up, the loop, checkpoints, the export
+
+`nbtrain.finetune(GRPOConfig(...))` is `GRPORecipe(cfg).run()`, on every rank, in one of two placements:
+
+- **collocated** (the default): each step every rank samples its share of the step's completions,
+  scores them, the ranks swap the rewards (advantages are relative to each prompt's group, which may
+  span ranks), and every rank trains on its share (DDP);
+- **disaggregated** (`actor=` and `rollout=` name two rank groups): the rollout group samples and scores
+  the completions of step s + 1 while the actor group trains step s on those the rollout sent before,
+  so a step's completions come from the adapter one optimizer step old at most (staleness 1). The
+  rollout sends each step's completions from its rank 0; actor rank 0 sends the adapter after each
+  step (`nbtrain.sft.grpo_link`). The completions carry the rollout's log-probabilities, the policy
+  ratio's denominator, so the clipped loss corrects for the step of lag.
+
+The reference for `beta` > 0 is the same model with its adapter off (peft's `disable_adapter()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from nbtrain.errors import ConfigError
+from nbtrain.sft import decode, grpo_loss, grpo_rollout, shard
+from nbtrain.sft.grpo_config import GRPOConfig
+from nbtrain.sft.grpo_disagg import Disaggregated
+from nbtrain.sft.grpo_rollout import PromptOrder, PromptRows, RewardFunctionError, Scored
+from nbtrain.sft.hooks import Hooks
+
+#: completions per `generate` call
+GENERATE_BATCH = 64
+
+
+class _PromptBatches:
+    """What the set-up and the saves read off a run's batches, for prompt rows: the units are
+    completions (a step's are ranks x per-device batch x accumulation steps)."""
+
+    def __init__(self, order: PromptOrder, group: int) -> None:
+        self.order, self.group = order, group
+        self.steps_per_epoch = order.steps_per_epoch
+        self.n_units = order.steps_per_epoch * order.per_step * group
+
+    def consumed(self, data_step: int) -> int:
+        return data_step * self.order.per_step * self.group
+
+    def micro_batch(self, step: int, a: int) -> list[Any]:
+        return []
+
+
+class GRPORecipe(Disaggregated):
+    """One LoRA GRPO run on this rank: `setup()`, `train()`, `result()` (or `run()`)."""
+
+    def __init__(
+        self, cfg: GRPOConfig, merge: bool = False, group: Any = None, hooks: Hooks | None = None
+    ) -> None:
+        if not isinstance(cfg, GRPOConfig):
+            msg = f"GRPORecipe needs an nbtrain.GRPOConfig, got {type(cfg).__name__}"
+            raise ConfigError(msg)
+        self.role = "collocated"
+        self.link: Any = None
+        if cfg.actor is not None:
+            if group is not None:
+                msg = "finetune(group=...) and GRPOConfig(actor=..., rollout=...) both pick ranks; give one"
+                raise ConfigError(msg)
+            if cfg.shard != "ddp":
+                msg = f"disaggregated GRPO needs shard='ddp' (got {cfg.shard!r})"
+                raise ConfigError(msg)
+            import torch.distributed as dist
+
+            from nbtrain.sft import grpo_link
+
+            actor, rollout, actor_pg, rollout_pg = grpo_link.resolve(cfg.actor, str(cfg.rollout))
+            self.role = "actor" if dist.get_rank() in actor else "rollout"
+            self.actor_ranks, self.rollout_ranks = actor, rollout
+            group = actor_pg if self.role == "actor" else rollout_pg
+        super().__init__(cfg, merge=merge, group=group, hooks=hooks)
+        self.funcs = list(cfg.reward_funcs)
+        self.func_names = cfg.func_names()
+        self.weights = cfg.weights()
+        self.G = cfg.num_generations
+        self.scale = str(cfg.scale_rewards)
+        self.mask_truncated = cfg.mask_truncated_completions
+        self.disable_dropout = cfg.disable_dropout
+        self.loss_settings = grpo_loss.LossSettings(
+            cfg.loss_type,
+            float(cfg.epsilon),
+            float(cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high),
+            float(cfg.beta),
+            cfg.max_completion_length,
+            float(cfg.temperature),
+        )
+        self.decoding = decode.Decoding(
+            max_new_tokens=cfg.max_completion_length,
+            do_sample=True,
+            temperature=float(cfg.temperature),
+            top_p=float(cfg.top_p),
+            top_k=cfg.top_k,
+            seed=cfg.seed,
+            batch_size=GENERATE_BATCH,
+        )
+        #: the logged row's figures of the steps since the last row
+        self._window: list[dict[str, float]] = []
+        self._sums: Any = None
+        self._halt = False
+        #: the rollout group failed and raised (so it waits for nothing more from the actor)
+        self._rollout_failed = False
+
+    # ---- set-up: prompt rows instead of tokenized rows
+
+    def prepare_rows(self, source: Any) -> Any:
+        d = self.d
+        return d.agree(lambda: PromptRows.read(source, self.tokenizer, self.template_kwargs))
+
+    def _batches(self, store: Any) -> None:
+        d, plan = self.d, self.plan
+        completions = d.world * plan.micro_batch * plan.grad_accum
+        if completions % self.G:
+            msg = (
+                f"a step's completions, {d.world} rank(s) x per_device_train_batch_size="
+                f"{plan.micro_batch} x gradient_accumulation_steps={plan.grad_accum} = {completions}, "
+                f"must be a multiple of num_generations={self.G}"
+            )
+            raise ConfigError(msg)
+        self.rows: PromptRows = store
+        self.order = PromptOrder(len(store), completions // self.G, self.seed)
+        self.batches = _PromptBatches(self.order, self.G)
+        self.evals = None
+        self.spe = self.batches.steps_per_epoch
+
+    def setup(self) -> None:
+        import torch
+
+        if self.role == "rollout":
+            self._setup_rollout()
+        else:
+            err: BaseException | None = None
+            try:
+                super().setup()
+            except BaseException as e:  # told to the rollout group below, then raised
+                err = e
+            if self.role == "actor":
+                self._handshake(err)
+            if err is not None:
+                raise err
+        if self.disable_dropout:
+            for m in self.peft_model.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = 0.0
+        self._sums = torch.zeros(len(grpo_loss.LOSS_METRICS) + 1, dtype=torch.float64)
+
+    def train(self) -> None:
+        if self.role == "rollout":
+            self.serve()
+            return
+        if self.role == "collocated":
+            super().train()
+            return
+        try:
+            super().train()
+        finally:
+            # the rollout ranks return with the run's history (unless they failed, and raised)
+            if not self._rollout_failed:
+                self.link.object(self.history, src=self.link.actor0)
+
+    def train_step(self) -> bool:
+        """One GRPO step: the completions (sampled here, or received from the rollout group), the
+        loss over this rank's share, the optimizer step, the log row and checkpoint; False where the
+        run stops before the step (a stop request, or a preemption)."""
+        if self._halt or (self.role == "collocated" and self._stop_now()):
+            return False
+        t0 = time.perf_counter()
+        figures: dict[str, float] = {}
+        if self.role == "collocated":
+            scored = self.rollout(self.step + self.span.shift)
+            figures["gen_s"] = max(p.seconds for p in scored.parts)
+        else:
+            message = self.link.object(None, src=self.link.rollout0)
+            figures["actor_wait_s"] = time.perf_counter() - t0
+            if message["error"]:
+                self._rollout_failed = True
+                raise RewardFunctionError(message["error"])
+            scored = message["scored"]
+            figures["gen_s"] = message["gen_s"]
+            if message.get("rollout_wait_s") is not None:
+                figures["rollout_wait_s"] = message["rollout_wait_s"]
+        t1 = time.perf_counter()
+        tokens = self.learn(scored)
+        self.grad_norm = shard.clip_grad_norm(self.trainable, self.clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        step = self.step
+        figures["train_s"] = time.perf_counter() - t1
+        if self.role == "actor":
+            # the stop check for the next step, then the adapter (and whether to go on) to the rollout
+            self._halt = self._stop_now()
+            more = step < self.total_steps and not self._halt
+            self._weights(more)
+        self._window.append({**scored.metrics, **figures})
+        self.meter.steps += 1
+        self.meter.tokens += tokens
+        self.hooks.call("on_step", self, step=step, grad_norm=self.grad_norm, lr=lr)
+        if step % self.logging_steps == 0 or step == self.total_steps:
+            self.log(self.meter.row(step, self.grad_norm, lr, None))
+        if self.save_steps is not None and (
+            step % self.save_steps == 0 or step == self.total_steps
+        ):
+            t0 = time.perf_counter()
+            self.save_checkpoint(step)
+            self.meter.exclude(time.perf_counter() - t0)
+        return True
+
+    def _stop_now(self) -> bool:
+        """The step's small collective: a stop request (rank 0) or a preemption (any rank)."""
+        import torch
+
+        d = self.d
+        flags = torch.zeros(d.world + 1, dtype=torch.float64)
+        if self.runlog is not None:
+            flags[0] = float(self.runlog.stop_requested())
+        flags[1 + d.rank] = float(self.preemption.signum)
+        flags = d.sum_meta(flags)
+        signalled = [r for r in range(d.world) if flags[1 + r] > 0]
+        if signalled:
+            self.preempted = (signalled[0], int(flags[1 + signalled[0]]))
+        return bool(flags[0] > 0) or bool(self.preempted)
+
+    def rollout(self, data_step: int) -> Scored:
+        """Collocated: this rank samples and scores its share of the step's completions; the ranks
+        swap them (every rank raises if a reward function failed on one)."""
+        d = self.d
+        prompts = self.order.step(data_step)
+        n = len(prompts) * self.G
+        part, report = None, None
+        try:
+            part = self._part(prompts, data_step, grpo_rollout.share(n, d.rank, d.world))
+        except Exception as e:
+            report = f"{type(e).__name__}: {e}"
+            err = e
+        got = d.gather_objects((part, report))
+        if report is not None:
+            raise err
+        failed = [(r, rep) for r, (_, rep) in enumerate(got) if rep is not None]
+        if failed:
+            raise RewardFunctionError(failed[0][1])
+        return grpo_rollout.finish(
+            [p for p, _ in got], self.func_names, self.weights, self.G, self.scale
+        )
+
+    def _part(self, prompts: list[int], data_step: int, span: tuple[int, int]) -> grpo_rollout.Part:
+        from dataclasses import replace
+
+        # the step's draws: its own seed, whatever rank draws a completion
+        decoding = replace(self.decoding, seed=hash((self.seed, data_step)) % (2**31))
+        part = grpo_rollout.generate_part(
+            self.peft_model,
+            self.tokenizer,
+            self.rows,
+            prompts,
+            self.G,
+            span,
+            decoding,
+            self.d.device,
+            self.autocast,
+        )
+        grpo_rollout.score_part(
+            self.funcs, self.func_names, self.rows, part, self.d.rank, self.d.host
+        )
+        return part
+
+    def learn(self, scored: Scored) -> float:
+        """Forward and backward over this rank's share of the step's completions, in micro-batches;
+        returns the step's tokens (prompt and completion, every rank's)."""
+        import torch
+
+        d, plan = self.d, self.plan
+        flat = [
+            (pi, ci, tr, old)
+            for p in scored.parts
+            for pi, ci, tr, old in zip(
+                p.prompt_ids,
+                p.completion_ids,
+                p.truncated,
+                p.old_logps or [[]] * len(p.texts),
+                strict=True,
+            )
+        ]
+        adv = scored.advantages
+        start, end = grpo_rollout.share(len(flat), d.rank, d.world)
+        step_tokens = float(sum(len(c) for _, c, t, _ in flat if not (self.mask_truncated and t)))
+        B, GA = plan.micro_batch, plan.grad_accum
+        pad = self.tokenizer.pad_token_id
+        model = self.model
+        for a in range(GA):
+            lo, hi = start + a * B, min(start + (a + 1) * B, end)
+            rows = flat[lo:hi]
+            batch = grpo_rollout.collate(
+                [r[0] for r in rows],
+                [r[1] for r in rows],
+                adv[lo:hi],
+                [r[2] for r in rows],
+                pad,
+                self.mask_truncated,
+            )
+            old = None
+            if rows and rows[0][3]:
+                width = batch["completion_ids"].shape[1]
+                old = torch.tensor([list(r[3]) + [0.0] * (width - len(r[3])) for r in rows])
+            batch = {k: v.to(d.device) for k, v in batch.items()}
+            ref = None
+            if self.loss_settings.beta != 0.0:
+                with torch.no_grad(), self.peft_model.disable_adapter():
+                    ref = grpo_loss.token_logps(
+                        self.peft_model, batch, self.autocast, self.loss_settings.temperature
+                    )
+            sync = a == GA - 1 or not d.active
+            with contextlib.nullcontext() if sync else model.no_sync():
+                logps = grpo_loss.token_logps(
+                    model, batch, self.autocast, self.loss_settings.temperature
+                )
+                loss, sums = grpo_loss.policy_loss(
+                    logps,
+                    None if old is None else old.to(d.device),
+                    ref,
+                    batch,
+                    self.loss_settings,
+                    GA,
+                    step_tokens,
+                    d.world,
+                )
+                loss.backward()
+            self.meter.loss += loss.detach().double() / d.world
+            self._sums += sums
+        return float(sum(len(p) + len(c) for p, c, _, _ in flat))
+
+    def log(self, row: dict[str, Any]) -> None:
+        """The row with the rollout's metrics (the mean over the steps since the last row) and the
+        loss metrics (over every rank's tokens), then SFT's logging."""
+        sums = self.d.sum_meta(self._sums.clone())
+        tokens = float(sums[len(grpo_loss.LOSS_METRICS)])
+        extra: dict[str, float] = {}
+        if self._window:
+            for key in self._window[-1]:
+                values = [w[key] for w in self._window if key in w]
+                extra[key] = sum(values) / len(values)
+        if tokens > 0:
+            for i, key in enumerate(grpo_loss.LOSS_METRICS):
+                if key == "kl" and self.loss_settings.beta == 0.0:
+                    continue
+                extra[key] = float(sums[i]) / tokens
+        self._sums.zero_()
+        self._window = []
+        super().log({**row, **extra})
