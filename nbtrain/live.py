@@ -33,6 +33,8 @@ TABLE_KEYS = (
 # the samples table: this many of the newest sampled steps, each completion cut to this many characters
 SAMPLE_STEPS_SHOWN = 4
 SAMPLE_CHARS = 240
+# and the first this many prompts (the rest are in samples.jsonl)
+SAMPLE_PROMPTS_SHOWN = 16
 
 
 def _fmt(value: Any) -> str:
@@ -245,7 +247,7 @@ class LiveDisplay:
         if has_ref:
             head += "<th style='text-align:left'>reference</th>"
         body = []
-        for index in sorted(prompts):
+        for index in sorted(prompts)[:SAMPLE_PROMPTS_SHOWN]:
             by_step = {
                 s: next((r for r in self.samples[s] if r.get("index", 0) == index), None)
                 for s in steps
@@ -256,9 +258,11 @@ class LiveDisplay:
             if has_ref:
                 cells += cell(prompts[index].get("reference"))
             body.append(f"<tr>{cells}</tr>")
+        more = len(prompts) - SAMPLE_PROMPTS_SHOWN
+        note = f"<br><i>{more} more prompt(s) in samples.jsonl</i>" if more > 0 else ""
         return (
             "<details open><summary>samples</summary>"
-            f"<table class='nbtrain-samples'><tr>{head}</tr>{''.join(body)}</table></details>"
+            f"<table class='nbtrain-samples'><tr>{head}</tr>{''.join(body)}</table>{note}</details>"
         )
 
     def _samples_text(self) -> str:
