@@ -430,7 +430,7 @@ export class LineChart {
       yTicks = values.map(Math.log10);
       yLabels = logAxisLabels(values);
     } else {
-      yTicks = niceTicks(box.y0, box.y1, 4);
+      yTicks = niceTicks(box.y0, box.y1, 5);
       yLabels = axisLabels(yTicks);
     }
     const left = leftMargin(yLabels);
