@@ -16,6 +16,7 @@ from typing import Any
 
 from nbtrain.errors import ConfigError
 from nbtrain.sft import tracking
+from nbtrain.sft.decode import sampling_problems
 
 SCHEDULERS = (
     "linear",
@@ -413,7 +414,7 @@ class SFTConfig:
             elif self.overwrite:
                 problems.append("resume and overwrite=True contradict each other; drop one of them")
 
-        problems.extend(_sampling_problems(self))
+        problems.extend(sampling_problems(self))
         problems.extend(_sharding_problems(self))
         problems.extend(self._own_problems())
         if problems:
@@ -474,34 +475,6 @@ def known_keywords_only(init: Any) -> Any:
 
 
 SFTConfig.__init__ = known_keywords_only(SFTConfig.__init__)  # type: ignore[method-assign]
-
-
-def _sampling_problems(cfg: SFTConfig) -> list[str]:
-    """What is wrong with sample_prompts / sample_steps / sample_max_new_tokens; a prompts file is read
-    here, so a bad row stops the run before any engine loads a model."""
-    from nbtrain.sft.decode import read_prompts
-
-    problems = []
-    for name in ("sample_steps", "sample_max_new_tokens"):
-        value = getattr(cfg, name)
-        if value is None and name == "sample_steps":
-            continue
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            problems.append(f"{name}={value!r} must be an integer >= 1")
-    if cfg.sample_prompts is None:
-        if cfg.sample_steps is not None:
-            problems.append(
-                f"sample_steps={cfg.sample_steps!r} needs sample_prompts, which is None; pass the prompts "
-                "to sample (a list of strings or a .jsonl file) or drop sample_steps"
-            )
-        return problems
-    if isinstance(cfg.sample_prompts, os.PathLike):
-        cfg.sample_prompts = os.fspath(cfg.sample_prompts)
-    try:
-        read_prompts(cfg.sample_prompts, "sample_prompts")
-    except ConfigError as e:
-        problems.append(str(e))
-    return problems
 
 
 SHARDS = ("ddp", "fsdp", "hsdp")

@@ -190,6 +190,32 @@ def read_prompts(prompts: Any, name: str = "prompts") -> list[Entry]:
     return out
 
 
+def sampling_problems(cfg: Any) -> list[str]:
+    """What is wrong with sample_prompts / sample_steps / sample_max_new_tokens; a prompts file is read
+    here, so a bad row stops the run before any engine loads a model."""
+    problems: list[str] = []
+    for name in ("sample_steps", "sample_max_new_tokens"):
+        value = getattr(cfg, name)
+        if value is None and name == "sample_steps":
+            continue
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            problems.append(f"{name}={value!r} must be an integer >= 1")
+    if cfg.sample_prompts is None:
+        if cfg.sample_steps is not None:
+            problems.append(
+                f"sample_steps={cfg.sample_steps!r} needs sample_prompts, which is None; pass the prompts "
+                "to sample (a list of strings or a .jsonl file) or drop sample_steps"
+            )
+        return problems
+    if isinstance(cfg.sample_prompts, os.PathLike):
+        cfg.sample_prompts = os.fspath(cfg.sample_prompts)
+    try:
+        read_prompts(cfg.sample_prompts, "sample_prompts")
+    except ConfigError as e:
+        problems.append(str(e))
+    return problems
+
+
 def shown(prompt: Any) -> str:
     """A prompt as one string for a table or samples.jsonl: a message list as 'role: content' lines."""
     if isinstance(prompt, str):
