@@ -77,6 +77,12 @@ class GRPOConfig(SFTConfig):
     epsilon_high: float | None = field(
         default=None, metadata={"help": "The upper clip, 1 + epsilon_high; None: epsilon."}
     )
+    use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={
+            "help": "Multiply the KL term by the policy ratio, as TRL does by default (the unbiased reverse-KL gradient)."
+        },
+    )
     loss_type: str = field(
         default="dapo",
         metadata={
@@ -176,7 +182,7 @@ class GRPOConfig(SFTConfig):
             self.scale_rewards in SCALE_REWARDS,
             f"scale_rewards={self.scale_rewards!r} must be one of {', '.join(SCALE_REWARDS)}",
         )
-        for name in ("mask_truncated_completions", "disable_dropout"):
+        for name in ("mask_truncated_completions", "disable_dropout", "use_bias_correction_kl"):
             need(
                 isinstance(getattr(self, name), bool),
                 f"{name}={getattr(self, name)!r} must be True or False",

@@ -26,6 +26,7 @@ class LossSettings:
     beta: float
     max_completion_length: int
     temperature: float
+    use_bias_correction_kl: bool = True
 
 
 def nanstd(x: Any, dim: int | None = None) -> Any:
@@ -110,6 +111,10 @@ def policy_loss(
     if s.beta != 0.0:
         diff = ref_logps - logps
         kl = torch.exp(diff) - diff - 1
+        if s.use_bias_correction_kl:
+            # TRL's default: the ratio (1 on-policy, but differentiable) makes the KL's gradient the
+            # unbiased reverse-KL gradient
+            kl = kl * ratio
         per_token = per_token + s.beta * kl
     rows = logps.shape[0]
     if s.loss_type == "grpo":

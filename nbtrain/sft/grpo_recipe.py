@@ -92,6 +92,7 @@ class GRPORecipe(Disaggregated):
             float(cfg.beta),
             cfg.max_completion_length,
             float(cfg.temperature),
+            cfg.use_bias_correction_kl,
         )
         self.decoding = decode.Decoding(
             max_new_tokens=cfg.max_completion_length,
