@@ -207,6 +207,23 @@ test('the cluster picker renders, starts 2 local engines, probes and stops them'
     await expect(field).toHaveCount(1);
     await expect(field).toBeHidden();
   }
+  // the Slurm page's fields are wide enough for their placeholders and sbatch lines (they were
+  // cut at 148 px); then back to this machine
+  await launcher.getByRole('button', { name: 'Slurm' }).click();
+  for (const name of ['Time limit', 'Partition', 'Extra sbatch lines']) {
+    const field = form.getByRole('textbox', { name, exact: true });
+    await expect(field).toBeVisible();
+    const box = await field.boundingBox();
+    expect(box!.width, `${name} is ${box!.width} px wide`).toBeGreaterThan(300);
+    const text = await field.evaluate(
+      (e: HTMLInputElement) => e.scrollWidth <= e.clientWidth + 1
+    );
+    expect(text, `${name}'s placeholder is cut`).toBe(true);
+  }
+  await page.screenshot({ path: path.join(shots, 'picker-slurm.png') });
+  await launcher.getByRole('button', { name: 'this machine' }).click();
+  await expect(engines).toBeVisible();
+
   const start = form.getByRole('button', { name: 'Start' });
   const probe = form.getByRole('button', { name: 'Probe' });
   const stop = form.getByRole('button', { name: 'Stop' });

@@ -58,6 +58,25 @@ class Page(Protocol):
     def nodes_key(self) -> tuple[str, ...]: ...
 
 
+# a field's width, its label included: ipywidgets' default (300 px, less the 150 px label) cut
+# placeholders and sbatch lines to 148 px
+FIELD_WIDTH = "560px"
+
+
+def fit_fields(box: Any) -> None:
+    """Give every text field, number box and dropdown under `box` the room its text needs (up to
+    the output's width); toggles, checkboxes and buttons keep their own size."""
+    import ipywidgets as w
+
+    fields = (w.Text, w.Textarea, w.IntText, w.BoundedIntText, w.BoundedFloatText, w.Dropdown)
+    for child in getattr(box, "children", ()):
+        if isinstance(child, fields):
+            child.layout.width = "100%"
+            child.layout.max_width = FIELD_WIDTH
+        else:
+            fit_fields(child)
+
+
 class ClusterPicker:
     """A widget to pick a launcher and hosts, start the cluster, see its topology, probe and stop it.
 
@@ -192,6 +211,7 @@ class ClusterPicker:
                 *self.results.children(),
             ]
         )
+        fit_fields(self.widget)
         self.launcher.observe(self._on_launcher, names="value")
         self.hosts.observe(self._on_hosts, names="value")
         # the nodes' interfaces belong to these hosts (or this existing cluster): refill on change
