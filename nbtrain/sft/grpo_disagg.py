@@ -136,7 +136,7 @@ class Disaggregated(SFTRecipe):
             part = self._part(prompts, step + self.shift, grpo_rollout.share(n, d.rank, d.world))
             self._old_logps(part)
         except Exception as e:
-            report = f"{type(e).__name__}: {e}"
+            report = str(e) if isinstance(e, RewardFunctionError) else f"{type(e).__name__}: {e}"
         got = d.gather_objects((part, report))
         failed = [rep for _, rep in got if rep is not None]
         if failed:

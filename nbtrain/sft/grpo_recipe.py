@@ -24,6 +24,7 @@ import contextlib
 import time
 from typing import Any
 
+from nbtrain.engine.rank import get_rank
 from nbtrain.errors import ConfigError
 from nbtrain.sft import decode, grpo_loss, grpo_rollout, shard
 from nbtrain.sft.grpo_config import GRPOConfig
@@ -242,7 +243,7 @@ class GRPORecipe(Disaggregated):
         try:
             part = self._part(prompts, data_step, grpo_rollout.share(n, d.rank, d.world))
         except Exception as e:
-            report = f"{type(e).__name__}: {e}"
+            report = str(e) if isinstance(e, RewardFunctionError) else f"{type(e).__name__}: {e}"
             err = e
         got = d.gather_objects((part, report))
         if report is not None:
@@ -270,9 +271,9 @@ class GRPORecipe(Disaggregated):
             self.d.device,
             self.autocast,
         )
-        grpo_rollout.score_part(
-            self.funcs, self.func_names, self.rows, part, self.d.rank, self.d.host
-        )
+        # the rank as the cluster numbers it (a rollout rank's rank in its group is not)
+        rank = get_rank()
+        grpo_rollout.score_part(self.funcs, self.func_names, self.rows, part, rank, self.d.host)
         return part
 
     def learn(self, scored: Scored) -> float:

@@ -229,14 +229,18 @@ def score_part(
             try:
                 table[i][j] = float(v)
             except (TypeError, ValueError):
-                row = part.prompt_index[i]
                 msg = (
-                    f"reward function {name!r} returned {v!r} for data row {row} ({rows.where[row]}) on rank "
-                    f"{rank} ({host}); return a number or None per completion"
+                    f"reward function {name!r} returned {v!r} for {_row(rows, part.prompt_index[i])} on "
+                    f"rank {rank} ({host}); return a number or None per completion"
                 )
                 raise RewardFunctionError(msg) from None
     part.rewards = table
     part.seconds += time.perf_counter() - t0
+
+
+def _row(rows: PromptRows, row: int) -> str:
+    at = rows.where[row]
+    return f"data row {row}" + (f" ({at})" if at != "data" else "")
 
 
 def _failed(
@@ -251,8 +255,7 @@ def _failed(
             break
     where = "its batch (no single row fails alone)"
     if bad is not None:
-        row = part.prompt_index[bad]
-        where = f"data row {row} ({rows.where[row]}), completion {part.texts[bad][:80]!r}"
+        where = f"{_row(rows, part.prompt_index[bad])}, completion {part.texts[bad][:80]!r}"
     msg = f"reward function {name!r} raised {type(err).__name__}: {err} on rank {rank} ({host}), for {where}"
     return RewardFunctionError(msg)
 
