@@ -310,3 +310,26 @@ def populate(session: Session, launched: Launched) -> None:
     session.preflight = launched.preflight
     session.preflight_reports = launched.preflight_reports
     session.engine_pids = launched.engine_pids
+
+
+def new_engines(
+    session: Session, before: set[int], count: int, remaining: Callable[[], float]
+) -> list[tuple[int, dict[str, Any]]]:
+    """A replace's new engines: wait until `count` engines beyond `before` have registered, then say
+    hello to them; (engine id, hello) for each, by engine id."""
+    from nbtrain.engine import setup
+
+    session.client.wait_for_engines(len(before) + count, timeout=remaining(), interactive=False)
+    new_ids = sorted(set(session.client.ids) - before)
+    hellos = (
+        session.client.direct_view(targets=new_ids)
+        .apply_async(setup.hello)
+        .get(timeout=remaining())
+    )
+    return list(zip(new_ids, hellos))
+
+
+def adopt(info: RankInfo, engine_id: int, hello: dict[str, Any]) -> None:
+    """Rank `info` is now the engine `engine_id` that answered `hello`."""
+    info.engine_id, info.pid, info.host = engine_id, int(hello["pid"]), hello["host"]
+    info.log, info.gpus = hello.get("log"), int(hello.get("gpus", 0))

@@ -27,7 +27,7 @@ from nbtrain.cluster.options import (
     idle_timeout,
     local_gpu_count,
 )
-from nbtrain.cluster.session import Launched, Session, close_client
+from nbtrain.cluster.session import Launched, Session, adopt, close_client, new_engines
 from nbtrain.cluster.topology import assign_ranks, compact
 from nbtrain.engine import setup
 from nbtrain.errors import ClusterError
@@ -228,18 +228,7 @@ def replace(session: Session, ranks: Sequence[int], timeout: float) -> None:
     procs.kill_tree(orphans, grace=1.0)
     before = set(session.client.ids)
     session.ipp_cluster.start_engines_sync(len(ranks))
-    session.client.wait_for_engines(
-        len(before) + len(ranks), timeout=remaining(), interactive=False
-    )
-    new_ids = sorted(set(session.client.ids) - before)
-    hellos = (
-        session.client.direct_view(targets=new_ids)
-        .apply_async(setup.hello)
-        .get(timeout=remaining())
-    )
-    for r, eid, h in zip(sorted(ranks), new_ids, hellos):
-        info = session.ranks[r]
-        info.engine_id, info.pid, info.host = eid, int(h["pid"]), h["host"]
-        info.log, info.gpus = h.get("log"), int(h.get("gpus", 0))
-        session.pids.extend([info.pid, *h.get("children", [])])
+    for r, (eid, h) in zip(sorted(ranks), new_engines(session, before, len(ranks), remaining)):
+        adopt(session.ranks[r], eid, h)
+        session.pids.extend([int(h["pid"]), *h.get("children", [])])
     reinit(session, timeout=remaining())

@@ -53,9 +53,8 @@ from nbtrain.cluster.launch.ray_placement import (  # noqa: F401
     validate,
 )
 from nbtrain.cluster.options import PROFILE, StartOptions
-from nbtrain.cluster.session import Launched, Session, close_client
+from nbtrain.cluster.session import Launched, Session, adopt, close_client, new_engines
 from nbtrain.cluster.topology import describe_ranks
-from nbtrain.engine import setup
 from nbtrain.engine.setup import PINNED_ENV
 from nbtrain.errors import ClusterError, ConfigError
 
@@ -363,21 +362,13 @@ class RayLaunch(EngineLaunch):
         infos = es.replace([int(t) for t in tasks if t is not None], remaining())
         while dead_ids & set(session.client.ids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        session.client.wait_for_engines(
-            len(before) + len(ranks), timeout=remaining(), interactive=False
-        )
-        new_ids = sorted(set(session.client.ids) - before)
-        hellos = (
-            session.client.direct_view(targets=new_ids)
-            .apply_async(setup.hello)
-            .get(timeout=remaining())
-        )
-        by_pid = {int(h["pid"]): (eid, h) for eid, h in zip(new_ids, hellos)}
+        # each new actor's engine is found by its pid: actors may register in any order
+        by_pid = {
+            int(h["pid"]): (eid, h)
+            for eid, h in new_engines(session, before, len(ranks), remaining)
+        }
         for r, info in zip(ranks, infos):
-            eid, h = by_pid[int(info["pid"])]
-            rank = session.ranks[r]
-            rank.engine_id, rank.pid, rank.host = eid, int(h["pid"]), h["host"]
-            rank.log, rank.gpus = h.get("log"), int(h.get("gpus", 0))
+            adopt(session.ranks[r], *by_pid[int(info["pid"])])
         reinit(session, timeout=remaining())
 
 
