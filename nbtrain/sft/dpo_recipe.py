@@ -18,12 +18,11 @@ row holds TRL's means, under TRL's names (`dpo_loss.METRICS`).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
 from nbtrain.errors import ConfigError
-from nbtrain.sft import dpo_loss, prefs, shard, speed, tokens
+from nbtrain.sft import dpo_loss, prefs, speed, tokens
 from nbtrain.sft.dpo_config import DPOConfig
 from nbtrain.sft.hooks import Hooks
 from nbtrain.sft.recipe import SFTRecipe
@@ -168,78 +167,37 @@ class DPORecipe(SFTRecipe):
 
     # ---- train: DPO's step
 
-    def train_step(self) -> bool:
-        """One optimizer step over the global batch of pairs, its log row and checkpoint; False where
-        the run stops before the step instead (a stop request, or a preemption)."""
-        import torch
-
-        d, plan, batches = self.d, self.plan, self.batches
-        GA = plan.grad_accum
-        meter = self.meter
-        # one small collective per step: pairs and lengths per micro-batch, and the stop flags
-        micro = [self.micro_batch(self.step, a) for a in range(GA)]
-        stats = torch.zeros((d.world, 2 * GA + 3), dtype=torch.float64)
-        for a, pairs in enumerate(micro):
-            stats[d.rank, a] = len(pairs)
-            stats[d.rank, GA + a] = max((batches.length(p) for p in pairs), default=1)
-        stats[d.rank, 2 * GA] = sum(
-            len(ids) for pairs in micro for p in pairs for ids, _ in self.cut.seqs(p)
+    def micro_stats(self, exs: list[Any]) -> tuple[float, int, int]:
+        """(pairs, the longest sequence, tokens) of one micro-batch of pairs on this rank: the loss
+        is the mean over every rank's pairs."""
+        b = self.batches
+        return (
+            len(exs),
+            max((b.length(p) for p in exs), default=1),
+            sum(len(ids) for p in exs for ids, _ in self.cut.seqs(p)),
         )
-        if self.runlog is not None:
-            stats[0, 2 * GA + 1] = float(self.runlog.stop_requested())
-        stats[d.rank, 2 * GA + 2] = float(self.preemption.signum)
-        stats = d.sum_meta(stats)
-        signalled = [r for r in range(d.world) if stats[r, 2 * GA + 2] > 0]
-        if signalled:
-            self.preempted = (signalled[0], int(stats[signalled[0], 2 * GA + 2]))
-        if stats[0, 2 * GA + 1] > 0 or self.preempted:
-            return False
+
+    def accumulate(self, micro: list[list[Any]], stats: Any) -> None:
+        """DPO's forward and backward over the step's micro-batches of pairs: the policy's log-probs
+        against the reference's, the loss the mean over the global batch's pairs."""
+        d, GA = self.d, self.plan.grad_accum
         n_pairs = max(float(stats[:, :GA].sum()), 1.0)
-        model = self.model
         for a, pairs in enumerate(micro):
             # pad to the longest sequence across ranks: the shapes one rank with the whole batch has
-            batch = self._to_device(batches.collate(pairs, int(stats[:, GA + a].max())))
+            batch = self._to_device(self.batches.collate(pairs, int(stats[:, GA + a].max())))
             ref = self._reference(batch)
-            sync = a == GA - 1 or not d.active
-            if self.sharded:
-                shard.set_gradient_sync(model, sync)
-            with contextlib.nullcontext() if sync or self.sharded else model.no_sync():
-                logps = dpo_loss.sequence_logps(model, batch, self.autocast, self.fused)
+            with self.synced(a):
+                logps = dpo_loss.sequence_logps(self.model, batch, self.autocast, self.fused)
                 losses = dpo_loss.pair_losses(logps, ref, batch, self.beta, self.loss_type)
                 batch_loss = losses.sum()
                 # DDP averages gradients over ranks; scaling by world makes it the mean over all pairs
                 (batch_loss * (d.world / n_pairs)).backward()
-            meter.loss += batch_loss.detach().double() / n_pairs
+            self.meter.loss += batch_loss.detach().double() / n_pairs
             self._sums += dpo_loss.metric_sums(logps, ref, batch, self.beta)
-        self.grad_norm = shard.clip_grad_norm(self.trainable, self.clip)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        step = self.step
-        meter.steps += 1
-        meter.tokens += float(stats[:, 2 * GA].sum())
-        self.hooks.call("on_step", self, step=step, grad_norm=self.grad_norm, lr=lr)
-        evaluated: dict[str, float] = {}
-        if self.evals is not None and (
-            (self.eval_steps is not None and step % self.eval_steps == 0)
-            or step == self.total_steps
-        ):
-            t0 = time.perf_counter()
-            evaluated = self.evaluate_pairs()
-            meter.exclude(time.perf_counter() - t0)
-            self.hooks.call("on_eval", self, step=step, eval_loss=evaluated["eval_loss"])
-        if step % self.logging_steps == 0 or step == self.total_steps or evaluated:
-            row = meter.row(step, self.grad_norm, lr, evaluated.get("eval_loss"))
-            self.log({**row, **evaluated})
-        if self.save_steps is not None and (
-            step % self.save_steps == 0 or step == self.total_steps
-        ):
-            t0 = time.perf_counter()
-            self.save_checkpoint(step)
-            meter.exclude(time.perf_counter() - t0)
-        return True
+
+    def eval_metrics(self) -> dict[str, float]:
+        """eval_loss and TRL's eval reward metrics, for the log row."""
+        return self.evaluate_pairs()
 
     def _reference(self, batch: dict[str, Any]) -> Any:
         """The batch's reference log-probs: looked up where precomputed, else a forward without LoRA."""

@@ -132,19 +132,43 @@ class SFTRecipe(RunSetup):
 
     def train_step(self) -> bool:
         """One optimizer step, its eval, log row and checkpoint; False where the run stops before the
-        step instead (a stop request, or a preemption: then `preempted` is (rank, signal))."""
+        step instead (a stop request, or a preemption: then `preempted` is (rank, signal)).
+
+        The phases a preference recipe shares: `step_stats` (the step's one small collective, with the
+        stop and preemption flags), `accumulate` (the micro-batches' forward and backward: what a
+        recipe's own step changes), `optimizer_step`, then `after_step` (hooks, eval, log, save)."""
+        micro = [self.micro_batch(self.step, a) for a in range(self.plan.grad_accum)]
+        stats = self.step_stats(micro)
+        if stats is None:
+            return False
+        self.accumulate(micro, stats)
+        lr = self.optimizer_step()
+        self.meter.tokens += float(stats[:, 2 * self.plan.grad_accum].sum())
+        self.after_step(lr)
+        return True
+
+    def micro_stats(self, exs: list[Any]) -> tuple[float, int, int]:
+        """(what the loss is normalised by, the longest row, tokens) of one micro-batch on this rank:
+        SFT's target tokens."""
+        return (
+            sum(e.n_targets for e in exs),
+            max((len(e.input_ids) for e in exs), default=1),
+            sum(len(e.input_ids) for e in exs),
+        )
+
+    def step_stats(self, micro: list[list[Any]]) -> Any:
+        """Every rank's `micro_stats` and the stop and preemption flags, summed in one collective:
+        [world, 2*GA+3] (normaliser per micro-batch, longest row per micro-batch, tokens, stop,
+        signal); None where the run stops before this step."""
         import torch
 
-        d, plan, batches = self.d, self.plan, self.batches
-        GA = plan.grad_accum
-        meter = self.meter
-        # one small collective per step: target tokens and lengths per micro-batch, and the stop flag
-        micro = [self.micro_batch(self.step, a) for a in range(GA)]
+        d, GA = self.d, self.plan.grad_accum
         stats = torch.zeros((d.world, 2 * GA + 3), dtype=torch.float64)
         for a, exs in enumerate(micro):
-            stats[d.rank, a] = sum(e.n_targets for e in exs)
-            stats[d.rank, GA + a] = max((len(e.input_ids) for e in exs), default=1)
-        stats[d.rank, 2 * GA] = sum(len(e.input_ids) for exs in micro for e in exs)
+            norm, longest, n_tokens = self.micro_stats(exs)
+            stats[d.rank, a] = norm
+            stats[d.rank, GA + a] = longest
+            stats[d.rank, 2 * GA] += n_tokens
         if self.runlog is not None:
             stats[0, 2 * GA + 1] = float(self.runlog.stop_requested())
         stats[d.rank, 2 * GA + 2] = float(self.preemption.signum)
@@ -153,44 +177,59 @@ class SFTRecipe(RunSetup):
         if signalled:
             self.preempted = (signalled[0], int(stats[signalled[0], 2 * GA + 2]))
         if stats[0, 2 * GA + 1] > 0 or self.preempted:
-            return False
+            return None
+        return stats
+
+    def synced(self, a: int) -> Any:
+        """The context micro-batch `a`'s backward runs in: gradients are all-reduced once per step,
+        on the last micro-batch (DDP's no_sync before it; FSDP's own switch)."""
+        sync = a == self.plan.grad_accum - 1 or not self.d.active
+        if self.sharded:
+            shard.set_gradient_sync(self.model, sync)
+        return contextlib.nullcontext() if sync or self.sharded else self.model.no_sync()
+
+    def accumulate(self, micro: list[list[Any]], stats: Any) -> None:
+        """SFT's forward and backward over the step's micro-batches: the token loss, normalised by the
+        target tokens of the whole global batch."""
+        d, GA = self.d, self.plan.grad_accum
         n_targets = max(float(stats[:, :GA].sum()), 1.0)
-        model = self.model
         for a, exs in enumerate(micro):
             # pad to the longest row across ranks: the same shapes as one rank with the whole batch
-            batch = batches.collate(exs, int(stats[:, GA + a].max()))
+            batch = self.batches.collate(exs, int(stats[:, GA + a].max()))
             batch = one_step.to_device(batch, d.device)
-            # gradients are all-reduced once per step, on the last micro-batch
-            sync = a == GA - 1 or not d.active
-            if self.sharded:
-                shard.set_gradient_sync(model, sync)
-            with contextlib.nullcontext() if sync or self.sharded else model.no_sync():
-                batch_loss = self.loss_sum(model, batch)
+            with self.synced(a):
+                batch_loss = self.loss_sum(self.model, batch)
                 # DDP averages gradients over ranks; scaling by world turns that into the global sum
                 (batch_loss * (d.world / n_targets)).backward()
-            meter.loss += batch_loss.detach().double() / n_targets
+            self.meter.loss += batch_loss.detach().double() / n_targets
+
+    def optimizer_step(self) -> float:
+        """Clip, step the optimizer and the schedule; returns the learning rate the step used."""
         self.grad_norm = shard.clip_grad_norm(self.trainable, self.clip)
-        lr = self.scheduler.get_last_lr()[0]
+        lr: float = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        step = self.step
-        meter.steps += 1
-        meter.tokens += float(stats[:, 2 * GA].sum())
-        self.hooks.call("on_step", self, step=step, grad_norm=self.grad_norm, lr=lr)
+        self.meter.steps += 1
+        return lr
 
-        eval_loss = None
+    def after_step(self, lr: float) -> None:
+        """The on_step hooks, then the eval, the log row and the checkpoint the step is due."""
+        step, meter = self.step, self.meter
+        self.hooks.call("on_step", self, step=step, grad_norm=self.grad_norm, lr=lr)
+        evaluated: dict[str, float] = {}
         if self.evals is not None and (
             (self.eval_steps is not None and step % self.eval_steps == 0)
             or step == self.total_steps
         ):
             t0 = time.perf_counter()
-            eval_loss = self.evaluate()
+            evaluated = self.eval_metrics()
             meter.exclude(time.perf_counter() - t0)
-            self.hooks.call("on_eval", self, step=step, eval_loss=eval_loss)
-        if step % self.logging_steps == 0 or step == self.total_steps or eval_loss is not None:
-            self.log(meter.row(step, self.grad_norm, lr, eval_loss))
+            self.hooks.call("on_eval", self, step=step, eval_loss=evaluated["eval_loss"])
+        if step % self.logging_steps == 0 or step == self.total_steps or evaluated:
+            row = meter.row(step, self.grad_norm, lr, evaluated.get("eval_loss"))
+            self.log({**row, **evaluated})
         # and at the last step, as HF's Trainer does, so resume='latest' always has the run's end
         if self.save_steps is not None and (
             step % self.save_steps == 0 or step == self.total_steps
@@ -198,7 +237,10 @@ class SFTRecipe(RunSetup):
             t0 = time.perf_counter()
             self.save_checkpoint(step)
             meter.exclude(time.perf_counter() - t0)
-        return True
+
+    def eval_metrics(self) -> dict[str, float]:
+        """What an evaluation adds to the log row: SFT's `eval_loss`."""
+        return {"eval_loss": self.evaluate()}
 
     def micro_batch(self, step: int, a: int) -> list[Any]:
         """This rank's examples of micro-batch `a` of optimizer step `step`."""
