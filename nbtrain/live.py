@@ -18,6 +18,8 @@ from typing import Any
 PLOTS = (("loss", "loss"), ("tokens_per_s", "tokens/s"))
 # a third curve where the rows have it: DPO's reward margin (nbtrain.sft.dpo_recipe)
 REWARD_PLOT = ("rewards/margins", "reward margin")
+# or GRPO's mean reward (nbtrain.sft.grpo_recipe)
+GRPO_PLOT = ("reward", "reward")
 TABLE_KEYS = (
     "step",
     "epoch",
@@ -200,9 +202,12 @@ class LiveDisplay:
         return f"<svg xmlns='http://www.w3.org/2000/svg' width='{330 * len(plots)}' height='190' font-family='sans-serif' font-size='10'>{''.join(panels)}</svg>"
 
     def _plots(self) -> tuple[tuple[str, str], ...]:
-        """The curves to draw: PLOTS, and the reward margin once a row has it (a DPO run)."""
+        """The curves to draw: PLOTS, and the reward margin (a DPO run) or the mean reward (GRPO)
+        once a row has it."""
         if any(REWARD_PLOT[0] in r for r in self.rows):
             return (*PLOTS, REWARD_PLOT)
+        if any(GRPO_PLOT[0] in r for r in self.rows):
+            return (*PLOTS, GRPO_PLOT)
         return PLOTS
 
     def _table_html(self) -> str:

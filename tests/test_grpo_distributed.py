@@ -178,3 +178,32 @@ def test_a_raising_reward_function_is_named_and_stops_the_run(cluster, tiny, tmp
     assert not list(out.glob(".tmp-*"))
     for ck in out.glob("checkpoint-*"):
         assert (ck / "trainer_state.json").is_file()
+
+
+DIES = """
+import os
+calls = {"n": 0}
+
+def dying(completions, **kw):
+    calls["n"] += 1
+    if calls["n"] == 3 and rank == 1:  # the rollout rank, while the actor waits for step 3
+        os._exit(3)
+    return [0.0] * len(completions)
+kw = dict(grpo_kw, data=rows, reward_funcs=[digits, dying])
+r = nbtrain.finetune(nbtrain.GRPOConfig(**kw))
+"""
+
+
+def test_a_dead_rollout_rank_is_a_dead_rank(cluster, tiny, tmp_path):
+    """The last test of the module: it leaves the cluster with a dead rank."""
+    cluster.push({"grpo_kw": _kw(tiny, tmp_path / "dead", actor="actor", rollout="rollout")})
+    cluster.groups(actor="0", rollout="1")
+    with pytest.raises(nbtrain.DistributedCellError) as err:
+        cluster.execute(DIES, output="none", live=False)
+    text = str(err.value)
+    print(text[:400])
+    # what the cluster says of any rank that dies in a cell: which one, how, and the actor not left
+    # blocked in its collective
+    assert type(err.value).__name__ == "RankDiedError"
+    assert "rank 1 on" in text and "exited with code 3" in text
+    assert [d.rank for d in err.value.deaths] == [1]

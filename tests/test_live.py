@@ -32,3 +32,14 @@ def test_dpo_rows_add_the_reward_margin():
     png = live._png()
     assert png is not None and png[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(live._axes) == 3
+
+
+def test_grpo_rows_add_the_mean_reward():
+    rows = [
+        {"step": s, "loss": 0.0, "tokens_per_s": 100.0, "reward": 0.1 * s, "gen_s": 0.1}
+        for s in (1, 2, 3)
+    ]
+    live = _fed(rows)
+    svg = live._svg()
+    assert "width='990'" in svg and ">reward<" in svg and "reward margin" not in svg
+    assert svg.count("<polyline") == 3

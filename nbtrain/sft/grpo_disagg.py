@@ -108,15 +108,19 @@ class Disaggregated(SFTRecipe):
         is_src = self.d.is_zero
         scored, gen_s, error = self._remote(step)
         while True:
+            # the rollout's wait: in handing over the completions and in taking the adapter (each
+            # blocks until the actor takes part), reported with the next step's completions
             message = {"error": error, "scored": scored, "gen_s": gen_s, "rollout_wait_s": wait}
+            t0 = time.perf_counter()
             self.link.object(message if is_src else None, src=self.link.rollout0)
+            sent = time.perf_counter() - t0
             if error:
                 raise RewardFunctionError(error)
             step += 1
             later = self._remote(step) if step < self.total_steps else (None, 0.0, None)
             t0 = time.perf_counter()
             more = self._weights(False)
-            wait = time.perf_counter() - t0
+            wait = sent + time.perf_counter() - t0
             if not more:
                 break
             scored, gen_s, error = later

@@ -203,7 +203,9 @@ class GRPORecipe(Disaggregated):
             # the stop check for the next step, then the adapter (and whether to go on) to the rollout
             self._halt = self._stop_now()
             more = step < self.total_steps and not self._halt
-            self._weights(more)
+            t2 = time.perf_counter()
+            self._weights(more)  # waits until the rollout has sampled the next step's completions
+            figures["actor_wait_s"] += time.perf_counter() - t2
         self._window.append({**scored.metrics, **figures})
         self.meter.steps += 1
         self.meter.tokens += tokens
