@@ -39,14 +39,30 @@ SAMPLE_CHARS = 240
 SAMPLE_PROMPTS_SHOWN = 16
 
 
+# each curve's y axis title, with its unit, as the Lab run panel writes them
+Y_TITLES = {"loss": "nats/token", "tokens_per_s": "tokens/s"}
+
+
 def _fmt(value: Any) -> str:
+    """A metric in the final table: in full (six significant digits), so a learning rate of 1.5e-05
+    reads 1.5e-05, not 0.0000."""
     if value is None:
         return "–"
     if isinstance(value, float):
-        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
-            return f"{value:.3e}"
-        return f"{value:.4g}"
+        return f"{value:.6g}"
     return str(value)
+
+
+def _tick(value: float, _pos: Any = None) -> str:
+    """An axis label as the Lab panel writes it: three significant digits, k and M from a thousand."""
+    if value == 0:
+        return "0"
+    for div, suffix in ((1e6, "M"), (1e3, "k")):
+        if abs(value) >= div:
+            return f"{value / div:.3g}{suffix}"
+    if abs(value) < 1e-2:
+        return f"{value:.2g}"
+    return f"{value:.3g}"
 
 
 def _fmt_rate(value: float | None) -> str:
@@ -145,10 +161,12 @@ class LiveDisplay:
             return None
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter, MaxNLocator
 
         plots = self._plots()
         if self._fig is None or len(self._axes) != len(plots):
-            self._fig = Figure(figsize=(4.0 * len(plots), 2.6), dpi=80)
+            # 100 dpi and 9-11 pt text: the panel's sizes, readable where the notebook shows it
+            self._fig = Figure(figsize=(4.4 * len(plots), 3.0), dpi=100)
             FigureCanvasAgg(self._fig)
             self._axes = self._fig.subplots(1, len(plots))
         fig, axes = self._fig, self._axes
@@ -176,11 +194,18 @@ class LiveDisplay:
                         color="#ff7f0e",
                     )
                 if pts or ev:
-                    ax.legend(loc="upper right", fontsize=8)
-            ax.set_title(title, fontsize=9)
-            ax.set_xlabel("step", fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.grid(alpha=0.3)
+                    ax.legend(loc="upper right", fontsize=9, frameon=False)
+            ax.set_title(title, fontsize=11, loc="left")
+            ax.set_xlabel("step", fontsize=10)
+            ax.set_ylabel(Y_TITLES.get(key, title), fontsize=10)
+            ax.tick_params(labelsize=9, colors="#555555")
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
+            ax.yaxis.set_major_locator(MaxNLocator(nbins=5))
+            ax.yaxis.set_major_formatter(FuncFormatter(_tick))
+            ax.xaxis.set_major_formatter(FuncFormatter(_tick))
+            for side in ("top", "right"):
+                ax.spines[side].set_visible(False)
+            ax.grid(alpha=0.25)
         fig.tight_layout()
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
@@ -359,9 +384,9 @@ def _svg_panel(
                 out.append(
                     f"<polyline points='{path}' fill='none' stroke='{colour}' stroke-width='1.5'/>"
                 )
-        out.append(f"<text x='{left - 3}' y='{top + 8}' text-anchor='end'>{_fmt(ymax)}</text>")
+        out.append(f"<text x='{left - 3}' y='{top + 8}' text-anchor='end'>{_tick(ymax)}</text>")
         out.append(
-            f"<text x='{left - 3}' y='{top + h - bottom}' text-anchor='end'>{_fmt(ymin)}</text>"
+            f"<text x='{left - 3}' y='{top + h - bottom}' text-anchor='end'>{_tick(ymin)}</text>"
         )
         out.append(f"<text x='{left}' y='{h + 10}'>{xmin}</text>")
         out.append(f"<text x='{w}' y='{h + 10}' text-anchor='end'>step {xmax}</text>")

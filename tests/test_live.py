@@ -43,3 +43,35 @@ def test_grpo_rows_add_the_mean_reward():
     svg = live._svg()
     assert "width='990'" in svg and ">reward<" in svg and "reward margin" not in svg
     assert svg.count("<polyline") == 3
+
+
+def test_final_plot_and_table_read_like_the_lab_panel():
+    # issue 28, 8: axis titles with units, the panel's number format on the axes, readable sizes,
+    # and the final table's numbers in full (a learning rate of 1.5e-05 is not 0.0000)
+    from nbtrain import live as live_mod
+
+    live = LiveDisplay()
+    live.feed({"kind": "begin", "total_steps": 3, "name": "run"})
+    for step, lr in ((1, 1.5e-05), (2, 2e-4), (3, 1.25e-4)):
+        live.feed(
+            {
+                "kind": "row",
+                "row": {"step": step, "loss": 4.7, "tokens_per_s": 12_345.0, "learning_rate": lr},
+            }
+        )
+    assert live._png() is not None
+    loss_ax, tps_ax = live._axes
+    assert (loss_ax.get_xlabel(), loss_ax.get_ylabel()) == ("step", "nats/token")
+    assert tps_ax.get_ylabel() == "tokens/s"
+    assert min(t.get_fontsize() for t in loss_ax.get_yticklabels()) >= 9
+    labels = [t.get_text() for t in tps_ax.get_yticklabels() if t.get_text()]
+    assert any(lbl.endswith("k") for lbl in labels), labels
+    assert live_mod._fmt(1.5e-05) == "1.5e-05" and live_mod._fmt(0.0002) == "0.0002"
+    assert live_mod._fmt(0.000123456789) == "0.000123457"
+    assert (live_mod._tick(12_345.0), live_mod._tick(4.7), live_mod._tick(0.0)) == (
+        "12.3k",
+        "4.7",
+        "0",
+    )
+    table = live._table_html()
+    assert "0.000125" in table and "12345" in table
