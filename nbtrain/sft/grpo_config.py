@@ -209,6 +209,11 @@ class GRPOConfig(SFTConfig):
         )
         need(self.global_batch_size is None, "global_batch_size is not supported for GRPO")
         need(
+            self.shard == "ddp",
+            f"shard={self.shard!r} is not supported for GRPO yet (sampling from a sharded model is not "
+            "implemented); use shard='ddp' (load_in_4bit works)",
+        )
+        need(
             self.eval_data is None,
             "eval_data is not supported for GRPO yet (the reward curves are the run's measure)",
         )

@@ -20,13 +20,12 @@ The reference for `beta` > 0 is the same model with its adapter off (peft's `dis
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
 from nbtrain.engine.rank import get_rank
 from nbtrain.errors import ConfigError
-from nbtrain.sft import decode, grpo_loss, grpo_rollout, shard
+from nbtrain.sft import decode, grpo_loss, grpo_rollout
 from nbtrain.sft.grpo_config import GRPOConfig
 from nbtrain.sft.grpo_disagg import Disaggregated
 from nbtrain.sft.grpo_rollout import PromptOrder, PromptRows, RewardFunctionError, Scored
@@ -66,9 +65,6 @@ class GRPORecipe(Disaggregated):
         if cfg.actor is not None:
             if group is not None:
                 msg = "finetune(group=...) and GRPOConfig(actor=..., rollout=...) both pick ranks; give one"
-                raise ConfigError(msg)
-            if cfg.shard != "ddp":
-                msg = f"disaggregated GRPO needs shard='ddp' (got {cfg.shard!r})"
                 raise ConfigError(msg)
             import torch.distributed as dist
 
@@ -191,33 +187,18 @@ class GRPORecipe(Disaggregated):
                 figures["rollout_wait_s"] = message["rollout_wait_s"]
         t1 = time.perf_counter()
         tokens = self.learn(scored)
-        self.grad_norm = shard.clip_grad_norm(self.trainable, self.clip)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        step = self.step
+        lr = self.optimizer_step()
         figures["train_s"] = time.perf_counter() - t1
         if self.role == "actor":
             # the stop check for the next step, then the adapter (and whether to go on) to the rollout
             self._halt = self._stop_now()
-            more = step < self.total_steps and not self._halt
+            more = self.step < self.total_steps and not self._halt
             t2 = time.perf_counter()
             self._weights(more)  # waits until the rollout has sampled the next step's completions
             figures["actor_wait_s"] += time.perf_counter() - t2
         self._window.append({**scored.metrics, **figures})
-        self.meter.steps += 1
         self.meter.tokens += tokens
-        self.hooks.call("on_step", self, step=step, grad_norm=self.grad_norm, lr=lr)
-        if step % self.logging_steps == 0 or step == self.total_steps:
-            self.log(self.meter.row(step, self.grad_norm, lr, None))
-        if self.save_steps is not None and (
-            step % self.save_steps == 0 or step == self.total_steps
-        ):
-            t0 = time.perf_counter()
-            self.save_checkpoint(step)
-            self.meter.exclude(time.perf_counter() - t0)
+        self.after_step(lr)
         return True
 
     def _stop_now(self) -> bool:
@@ -323,8 +304,7 @@ class GRPORecipe(Disaggregated):
                     ref = grpo_loss.token_logps(
                         self.peft_model, batch, self.autocast, self.loss_settings.temperature
                     )
-            sync = a == GA - 1 or not d.active
-            with contextlib.nullcontext() if sync else model.no_sync():
+            with self.synced(a):
                 logps = grpo_loss.token_logps(
                     model, batch, self.autocast, self.loss_settings.temperature
                 )
