@@ -1,0 +1,84 @@
+"""GRPOConfig's checks, and a GRPO run in one process: resumed from its step-2 checkpoint, it ends as the
+uninterrupted run does (the same rewards at steps 3-4 and the same adapter: each step's sampling is
+seeded by the run's seed and the step, not by the RNG the checkpoint restores)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import nbtrain
+from nbtrain.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ROWS = [
+    {"prompt": f"What is {a} plus {b}?\nAnswer: ", "answer": str(a + b)}
+    for a in range(5)
+    for b in range(5)
+]
+
+
+def digits(completions, **kw):
+    return [sum(ch.isdigit() for ch in c) / max(len(c.replace(" ", "")), 1) for c in completions]
+
+
+def _cfg(tiny, out, **kw):
+    base = dict(
+        model=tiny,
+        data=ROWS,
+        reward_funcs=digits,
+        num_generations=4,
+        max_completion_length=5,
+        per_device_train_batch_size=8,
+        output_dir=str(out),
+        max_steps=4,
+        learning_rate=2e-2,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_steps=2,
+        lora_dropout=0.0,
+        data_cache="off",
+        seed=5,
+    )
+    base.update(kw)
+    return nbtrain.GRPOConfig(**base)
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        ({"reward_funcs": None}, "reward_funcs=None must be a function"),
+        ({"num_generations": 1}, "num_generations=1 must be an integer >= 2"),
+        ({"loss_type": "cispo"}, "loss_type='cispo' is not supported"),
+        ({"shard": "fsdp"}, "shard='fsdp' is not supported for GRPO"),
+        ({"actor": "actor"}, "give both group names"),
+        ({"reward_weights": [1.0, 2.0]}, "must be a list of 1 numbers"),
+        ({"scale_rewards": "sometimes"}, "scale_rewards='sometimes' must be one of"),
+    ],
+)
+def test_bad_settings_are_refused(tiny, tmp_path, kw, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace("[", r"\[")):
+        _cfg(tiny, tmp_path, **kw)
+
+
+def test_a_step_must_hold_whole_groups(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="must be a multiple of num_generations=4"):
+        nbtrain.finetune(_cfg(tiny, tmp_path, per_device_train_batch_size=6))
+
+
+def test_resumed_run_ends_as_the_uninterrupted_one(tiny, tmp_path):
+    whole = nbtrain.finetune(_cfg(tiny, tmp_path / "whole"))
+    resumed = nbtrain.finetune(
+        _cfg(tiny, tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
+    )
+    assert list(resumed.history["step"]) == [3, 4]
+    assert list(resumed.history["reward"]) == list(whole.history["reward"][2:])
+    a = load_file(str(tmp_path / "whole" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k])
+    # and the run trained: the adapter moved from its start
+    assert any(float(whole.history["grad_norm"][i]) > 0 for i in range(4))
