@@ -49,7 +49,7 @@ test-lab: $(STAMP)
 # the Python suite: real engines, real gloo groups, simulated nodes (needs root for namespaces)
 test-python: $(STAMP)
 	sh scripts/testbed-deps.sh
-	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/test_server.py tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=40 -rfE --ignore=tests/test_server.py tests
 
 test: lint docs test-lab test-python
 
