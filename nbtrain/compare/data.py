@@ -20,7 +20,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,10 +66,9 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def parse_rows(lines: Iterable[str | bytes]) -> list[dict[str, Any]]:
-    """Metric rows from metrics.jsonl lines, as the server reads them: a line cut short by a crash or
-    without a numeric ``step`` is skipped, NaN and infinities become None."""
-    rows = []
+def json_rows(lines: Iterable[str | bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file's lines; blank lines, a line cut short by a crash and
+    anything not an object are skipped."""
     for line in lines:
         line = line.strip()
         if not line:
@@ -78,8 +77,15 @@ def parse_rows(lines: Iterable[str | bytes]) -> list[dict[str, Any]]:
             row = json.loads(line)
         except ValueError:
             continue
-        if not isinstance(row, dict):
-            continue
+        if isinstance(row, dict):
+            yield row
+
+
+def parse_rows(lines: Iterable[str | bytes]) -> list[dict[str, Any]]:
+    """Metric rows from metrics.jsonl lines, as the server reads them: a line cut short by a crash or
+    without a numeric ``step`` is skipped, NaN and infinities become None."""
+    rows = []
+    for row in json_rows(lines):
         step = row.get("step")
         if isinstance(step, bool) or not isinstance(step, int | float):
             continue
@@ -92,16 +98,7 @@ def parse_samples(lines: Iterable[str | bytes]) -> list[dict[str, Any]]:
     ``step`` and ``index`` and a string ``prompt`` and ``completion``; others (a line cut short by a
     crash) are skipped. ``reference`` is a string or None, ``tokens`` and ``seconds`` numbers or None."""
     rows = []
-    for line in lines:
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(row, dict):
-            continue
+    for row in json_rows(lines):
         step, index = row.get("step"), row.get("index")
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (step, index)):
             continue
