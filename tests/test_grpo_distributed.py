@@ -180,6 +180,37 @@ def test_a_raising_reward_function_is_named_and_stops_the_run(cluster, tiny, tmp
         assert (ck / "trainer_state.json").is_file()
 
 
+ACTOR_FAILS = """
+from nbtrain.sft.hooks import Hooks
+
+hooks = Hooks()
+
+@hooks.on_step
+def boom(recipe, step, **kw):
+    if step == 2:
+        raise RuntimeError("the actor's own failure")
+
+kw = dict(grpo_kw, data=rows, reward_funcs=[digits, correct])
+r = nbtrain.finetune(nbtrain.GRPOConfig(**kw), hooks=hooks)
+"""
+
+
+def test_an_actor_failure_stops_the_rollout_too(cluster, tiny, tmp_path):
+    """An error on the actor's side mid-run (a hook raising after step 2): the actor takes the
+    completions the rollout was sampling, tells it no step follows, and the rollout raises too."""
+    cluster.push({"grpo_kw": _kw(tiny, tmp_path / "actor", actor="actor", rollout="rollout")})
+    cluster.groups(actor="0", rollout="1")
+    try:
+        with pytest.raises(nbtrain.DistributedCellError) as err:
+            cluster.execute(ACTOR_FAILS, output="none", live=False)
+    finally:
+        cluster.clear_groups()
+    text = str(err.value)
+    assert {r for f in err.value.failures for r in f["ranks"]} == {0, 1}
+    assert "the actor's own failure" in text
+    assert "the actor group (rank 0 first) stopped the run" in text
+
+
 DIES = """
 import os
 calls = {"n": 0}

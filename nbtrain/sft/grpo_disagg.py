@@ -24,6 +24,7 @@ class Disaggregated(SFTRecipe):
     # set by GRPORecipe
     role: str
     link: Any
+    link_state: str
     actor_ranks: list[int]
     rollout_ranks: list[int]
     rows: PromptRows
@@ -88,6 +89,22 @@ class Disaggregated(SFTRecipe):
             self.order = PromptOrder(len(self.rows), plan["per_step"], self.seed)
             self.shift = plan["shift"]
         self._weights(more=True)
+        #: the actor's place in the exchange: "await_batch" (the rollout is sampling the next step),
+        #: "owe_weights" (it waits for the adapter), "done" (it was told the run is over)
+        self.link_state = "await_batch"
+
+    def _release(self, failure: str | None) -> None:
+        """The actor's end of the exchange, however its loop ended: take the completions the rollout
+        is sampling, tell it no step follows, then send the history (and the failure, if any)."""
+        if self.link_state == "await_batch":
+            taken = self.link.object(None, src=self.link.rollout0)
+            if taken["error"]:  # the rollout raised after sending it, and waits for nothing more
+                return
+            self.link_state = "owe_weights"
+        if self.link_state == "owe_weights":
+            self._weights(False)
+            self.link_state = "done"
+        self.link.object({"history": self.history, "failure": failure}, src=self.link.actor0)
 
     def _weights(self, more: bool) -> bool:
         import torch.distributed as dist
@@ -125,7 +142,13 @@ class Disaggregated(SFTRecipe):
                 break
             scored, gen_s, error = later
         self.step = step
-        self.history = self.link.object(None, src=self.link.actor0)
+        end = self.link.object(None, src=self.link.actor0)
+        self.history = end["history"]
+        if end["failure"]:
+            msg = (
+                f"the actor group (rank {self.link.actor0} first) stopped the run: {end['failure']}"
+            )
+            raise RuntimeError(msg)
         done = bool(self.history) and self.history[-1].get("step") == self.total_steps
         self.state = "done" if done else "stopped"
 

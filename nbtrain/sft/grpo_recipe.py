@@ -157,12 +157,17 @@ class GRPORecipe(Disaggregated):
         if self.role == "collocated":
             super().train()
             return
+        failure: str | None = None
         try:
             super().train()
+        except BaseException as e:
+            failure = f"{type(e).__name__}: {e}"
+            raise
         finally:
-            # the rollout ranks return with the run's history (unless they failed, and raised)
+            # the rollout ranks return with the run's history, or raise with the actor's failure
+            # (unless they failed first, and raised)
             if not self._rollout_failed:
-                self.link.object(self.history, src=self.link.actor0)
+                self._release(failure)
 
     def train_step(self) -> bool:
         """One GRPO step: the completions (sampled here, or received from the rollout group), the
@@ -177,6 +182,7 @@ class GRPORecipe(Disaggregated):
             figures["gen_s"] = max(p.seconds for p in scored.parts)
         else:
             message = self.link.object(None, src=self.link.rollout0)
+            self.link_state = "owe_weights"
             figures["actor_wait_s"] = time.perf_counter() - t0
             if message["error"]:
                 self._rollout_failed = True
@@ -195,6 +201,7 @@ class GRPORecipe(Disaggregated):
             more = self.step < self.total_steps and not self._halt
             t2 = time.perf_counter()
             self._weights(more)  # waits until the rollout has sampled the next step's completions
+            self.link_state = "await_batch" if more else "done"
             figures["actor_wait_s"] += time.perf_counter() - t2
         self._window.append({**scored.metrics, **figures})
         self.meter.tokens += tokens
