@@ -79,7 +79,8 @@ def _kw(tiny, out, **kw):
 RUN = """
 kw = dict(grpo_kw, data=rows, reward_funcs=[digits, correct])
 r = nbtrain.finetune(nbtrain.GRPOConfig(**kw))
-res = {"history": r.history.to_dict(orient="records"), "adapter": r.adapter_dir, "state": r.state}
+res = {"history": r.history.to_dict(orient="records"), "adapter": r.adapter_dir, "state": r.state,
+       "notes": r.plan.get("notes", [])}
 """
 
 
@@ -131,6 +132,7 @@ def test_disaggregated_learns(cluster, tiny, tmp_path):
         (r["step"], r["loss"], r["reward"]) for r in h0
     ]
     assert got[0]["state"] == got[1]["state"] == "done"
+    assert any("staleness 1" in n for n in got[0]["notes"])  # stated in the run's notes
     assert got[0]["adapter"] == str(tmp_path / "dis" / "adapter") and got[1]["adapter"] is None
     # each group's wait is measured (the rollout's from step 2: it reports the previous wait)
     assert all(r["actor_wait_s"] >= 0 for r in h0)

@@ -124,6 +124,12 @@ class GRPORecipe(Disaggregated):
             )
             raise ConfigError(msg)
         self.rows: PromptRows = store
+        if self.role == "actor":
+            self.notes.append(
+                f"disaggregated GRPO: actor ranks {self.actor_ranks} train while rollout ranks "
+                f"{self.rollout_ranks} sample; each step trains on completions sampled with the adapter "
+                "of the step before it at most (staleness 1), their log-probabilities the ratio's old policy"
+            )
         self.order = PromptOrder(len(store), completions // self.G, self.seed)
         self.batches = _PromptBatches(self.order, self.G)
         self.evals = None
