@@ -430,7 +430,8 @@ def test_samples_notebook_runs(tmp_path, monkeypatch):
 @pytest.mark.timeout(400)
 def test_preference_notebook_runs(tmp_path, monkeypatch):
     """notebooks/10-preference-and-rl.ipynb top to bottom in a real kernel: DPO on the shipped pairs on
-    two CPU ranks, TRL's reward metrics in every logged row, and the reward margin clearly grown."""
+    two CPU ranks, TRL's reward metrics in every logged row, and the reward margin clearly grown; then
+    GRPO collocated and disaggregated, the mean reward clearly grown in both."""
     monkeypatch.setenv("NBTRAIN_DEMO_OUT", str(tmp_path / "out"))
     nb = nbformat.read(ROOT / "notebooks" / "10-preference-and-rl.ipynb", as_version=4)
     _execute(nb, tmp_path)
@@ -444,3 +445,10 @@ def test_preference_notebook_runs(tmp_path, monkeypatch):
     assert (run / "adapter" / "adapter_config.json").is_file()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 20 and all("rewards/accuracies" in r and "logps/chosen" in r for r in rows)
+    # then GRPO, collocated and disaggregated (actor=0 rollout=1): both learn the digits format
+    for name, folder in (("collocated", "grpo"), ("disaggregated", "grpo-split")):
+        got = re.search(
+            rf"GRPO {name}: reward ([\d.]+) \(step 1\) -> ([\d.]+) \(last 3 steps\)", text
+        )
+        assert got and float(got[2]) > float(got[1]) + 0.3, text[-3000:]
+        assert (tmp_path / "out" / "runs" / folder / "adapter" / "adapter_config.json").is_file()
