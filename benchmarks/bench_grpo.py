@@ -93,6 +93,82 @@ def _measure(history: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     }
 
 
+BEGIN, END = "<!-- grpo-table:begin -->", "<!-- grpo-table:end -->"
+SECTION = "## GRPO: collocated vs disaggregated (benchmarks/bench_grpo.py)"
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def table(data: dict[str, Any]) -> str:
+    """Steps/s per round and their median for each placement, with the median time shares."""
+    med = data["medians"]
+    rows = [
+        "| placement | steps/s per round | median | time shares (medians) |",
+        "|---|---|---|---|",
+    ]
+    for arm, shares in (
+        (
+            "collocated",
+            f"sampling and scoring {_pct(med['collocated']['gen_share'])}, training "
+            f"{_pct(med['collocated']['train_share'])} of a step",
+        ),
+        (
+            "disaggregated",
+            f"the actor waits {_pct(med['disaggregated']['actor_wait_share'])} of a step "
+            f"for completions, the rollout {_pct(med['disaggregated']['rollout_wait_share'])} for the "
+            f"adapter; sampling takes {_pct(med['disaggregated']['gen_share'])} of a step",
+        ),
+    ):
+        per = ", ".join(f"{r['steps_per_s']:.2f}" for r in data["runs"][arm])
+        rows.append(f"| {arm} | {per} | {med[arm]['steps_per_s']:.2f} | {shares} |")
+    ratios = [
+        d["steps_per_s"] / c["steps_per_s"]
+        for c, d in zip(data["runs"]["collocated"], data["runs"]["disaggregated"], strict=False)
+    ]
+    rows += [
+        "",
+        "Disaggregated / collocated, round by round: "
+        + ", ".join(f"{r:.2f}" for r in ratios)
+        + f" (median {C.median(ratios):.2f}).",
+    ]
+    return "\n".join(rows)
+
+
+def render_results(data: dict[str, Any], results_md: Path) -> None:
+    """Put the table (between markers) into RESULTS.md's GRPO section, adding the section if missing."""
+    text = results_md.read_text() if results_md.is_file() else ""
+    code = data.get("code", {})
+    commit = code.get("commit", "?") + (
+        f" + {len(code['nbtrain_dirty_files'])} uncommitted nbtrain file(s)"
+        if code.get("nbtrain_dirty_files")
+        else ""
+    )
+    st = data.get("settings", {})
+    block = (
+        f"{BEGIN}\n"
+        f"Measured {data['started']} on `{data['machine']['host']}` ({data['machine']['cpus']} CPUs), "
+        f"commit {commit}, {st.get('reps')} rounds of {st.get('steps')} steps (the first "
+        f"{st.get('warmup')} left out); load average {data['loadavg_start']} at the start, "
+        f"{data['loadavg_end']} at the end; {data['wall_s']:.0f} s in all.\n\n{table(data)}\n{END}"
+    )
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = (
+            text.rstrip("\n") + f"\n\n{SECTION}\n\n"
+            "GRPO steps/s on the same 2 local ranks (gloo, CPU, one thread a rank), collocated (both "
+            "ranks sample 16 completions, swap rewards, then both train) against disaggregated "
+            "(`actor=0 rollout=1`: rank 1 samples step s + 1's 32 completions while rank 0 trains step s "
+            "on 32, staleness 1); otherwise the same run: a tiny Llama (hidden 128, 4 layers), 32 "
+            "completions a step (4 prompts x 8), 16 new tokens each, the placements alternating. Raw "
+            "numbers in `results/grpo.json`.\n\n" + block + "\n"
+        )
+    results_md.write_text(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

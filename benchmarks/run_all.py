@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-BENCHES = ("startup", "cell", "finetune", "generate")
+BENCHES = ("startup", "cell", "finetune", "generate", "grpo")
 # long benchmarks, run only when asked for by their flag
 LONG = ("data",)
 
@@ -212,12 +212,17 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def write_markdown(results: dict[str, Any], path: Path) -> None:
-    """RESULTS.md: the table above, and bench_data's section where the results hold it."""
+    """RESULTS.md: the table above, and bench_data's and bench_grpo's sections where the results hold
+    them."""
     path.write_text(render_markdown(results))
     if "data" in results["benchmarks"]:
         import bench_data
 
         bench_data.render_results(results["benchmarks"]["data"], path)
+    if "grpo" in results["benchmarks"]:
+        import bench_grpo
+
+        bench_grpo.render_results(results["benchmarks"]["grpo"], path)
 
 
 def main() -> None:

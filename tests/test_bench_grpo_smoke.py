@@ -41,3 +41,16 @@ def test_bench_grpo_quick_reports_both_placements(tmp_path):
     for key in ("actor_wait_share", "rollout_wait_share"):
         assert isinstance(med["disaggregated"][key], float) and med["disaggregated"][key] >= 0
     assert report["metrics"][0]["unit"] == "steps/s"
+    # the section run_all.py puts into RESULTS.md, added once and then replaced in place
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_grpo
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# results\n")
+    bench_grpo.render_results(report, md)
+    bench_grpo.render_results(report, md)
+    text = md.read_text()
+    assert text.count(bench_grpo.SECTION) == 1 and text.count(bench_grpo.BEGIN) == 1
+    assert "| disaggregated |" in text and "round by round" in text
