@@ -135,7 +135,7 @@ def _classify(m: _Model) -> None:
         return
     msg = (
         f"adapter {m.path!r} holds neither adapter_config.json (a PEFT adapter) nor config.json (a model "
-        "such as finetune(merge=True) writes); give the adapter folder finetune exported "
+        "such as finetune(cfg, merge=True) writes); give the adapter folder finetune exported "
         "(result.adapter_dir, output_dir/adapter) or a merged model folder"
     )
     raise ConfigError(msg)
