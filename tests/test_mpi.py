@@ -12,8 +12,7 @@ import pytest
 
 import nbtrain
 from nbtrain.cluster import facade as core
-from nbtrain.cluster.launch import mpi
-from nbtrain.cluster.launch import LaunchOptions
+from nbtrain.cluster.launch import LaunchOptions, mpi
 from nbtrain.errors import ClusterError, ConfigError
 
 needs_mpiexec = pytest.mark.skipif(

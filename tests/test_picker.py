@@ -176,8 +176,7 @@ def test_slurm_page_builds_the_start_call(home):
     assert kw["allow_version_mismatch"] is True and kw["force"] is True
     assert "iface" not in kw and "ip" not in kw and "hosts" not in kw
     # the call is one nbtrain.start takes: LaunchOptions reads the sbatch lines as the magic does
-    from nbtrain.cluster.launch import slurm
-    from nbtrain.cluster.launch import parse_launch
+    from nbtrain.cluster.launch import parse_launch, slurm
 
     launch = {k: v for k, v in kw.items() if k not in ("launcher", "backend", "timeout", "force")}
     script = slurm.batch_script(parse_launch("slurm", launch))

@@ -24,8 +24,8 @@ import pytest
 
 import nbtrain
 from nbtrain.cluster import procs
-from nbtrain.cluster.launch.ray_placement import RayNode, bundles, explain_pending, rank_order
 from nbtrain.cluster.launch import LaunchOptions
+from nbtrain.cluster.launch.ray_placement import RayNode, bundles, explain_pending, rank_order
 from nbtrain.cluster.plan import Slot, plan_devices
 from nbtrain.errors import ClusterError, ConfigError, RankDiedError
 from tests import ray_testing as rt

@@ -22,8 +22,7 @@ import pytest
 import nbtrain
 from nbtrain.cluster import facade as core
 from nbtrain.cluster import options
-from nbtrain.cluster.launch import slurm
-from nbtrain.cluster.launch import LaunchOptions, parse_launch
+from nbtrain.cluster.launch import LaunchOptions, parse_launch, slurm
 from nbtrain.errors import ClusterError, ConfigError
 from tests.conftest import cluster_processes, wait_gone
 
