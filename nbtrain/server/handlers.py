@@ -24,10 +24,8 @@ from nbtrain.server.metrics import (
     RefusedPath,
     finite_json,
     folder_file,
-    metrics_path,
     parse_sample,
     rows_after,
-    samples_path,
     samples_since,
 )
 
@@ -51,6 +49,14 @@ class _Base(APIHandler):
 
     def _run_or_404(self, run_id: str) -> dict[str, Any]:
         return _run_or_404(run_id)
+
+    def _run_file(self, record: dict[str, Any], name: str) -> Path:
+        """File `name` of the run's folder; 403 (and a log line) when it escapes the folder."""
+        try:
+            return folder_file(record["output_dir"], name)
+        except RefusedPath as e:
+            self.log.warning("nbtrain: refused %s", e)
+            raise tornado.web.HTTPError(403, f"{name} is outside its run folder") from e
 
 
 def _run_or_404(run_id: str) -> dict[str, Any]:
@@ -94,11 +100,7 @@ class MetricsHandler(_Base):
         except ValueError as e:
             raise tornado.web.HTTPError(400, "after and limit must be numbers") from e
         limit = max(1, min(limit, MAX_ROWS))
-        try:
-            path = metrics_path(record["output_dir"])
-        except RefusedPath as e:
-            self.log.warning("nbtrain: refused %s", e)
-            raise tornado.web.HTTPError(403, "metrics file is outside its run folder") from e
+        path = self._run_file(record, runs.METRICS_FILE)
         picked, more = rows_after(self.metrics_reader.rows(path), after, limit)
         last = picked[-1]["step"] if picked else after
         self.finish({"run": record, "rows": picked, "last_step": last, "more": more})
@@ -114,11 +116,7 @@ class SamplesHandler(_Base):
             since = float(self.get_query_argument("since", "-1"))
         except ValueError as e:
             raise tornado.web.HTTPError(400, "since must be a number") from e
-        try:
-            path = samples_path(record["output_dir"])
-        except RefusedPath as e:
-            self.log.warning("nbtrain: refused %s", e)
-            raise tornado.web.HTTPError(403, "samples file is outside its run folder") from e
+        path = self._run_file(record, runs.SAMPLES_FILE)
         picked, more = samples_since(self.samples_reader.rows(path), since, MAX_SAMPLE_STEPS)
         last = picked[-1]["step"] if picked else None
         self.finish({"run": record, "rows": picked, "last_step": last, "more": more})

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbtrain.runs import METRICS_FILE, SAMPLES_FILE
-
 
 class RefusedPath(Exception):
     """A metrics path that resolves outside its registered run folder."""
@@ -34,16 +32,6 @@ def folder_file(folder: str, name: str) -> Path:
         msg = f"{base / name} resolves to {path}, outside its run folder"
         raise RefusedPath(msg)
     return path
-
-
-def metrics_path(output_dir: str) -> Path:
-    """The metrics file of a registered run folder (see `folder_file`)."""
-    return folder_file(output_dir, METRICS_FILE)
-
-
-def samples_path(output_dir: str) -> Path:
-    """The samples file of a registered run folder (see `folder_file`)."""
-    return folder_file(output_dir, SAMPLES_FILE)
 
 
 def _finite(value: Any) -> Any:
