@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from nbtrain.errors import ConfigError
-from nbtrain.sft import dpo_loss, prefs, speed, tokens
+from nbtrain.sft import dpo_loss, prefs, tokens
 from nbtrain.sft.dpo_config import DPOConfig
 from nbtrain.sft.hooks import Hooks
 from nbtrain.sft.recipe import SFTRecipe
@@ -97,12 +97,6 @@ class DPORecipe(SFTRecipe):
             mine = self.eval_rows[d.rank :: d.world]
             size = plan.micro_batch
             self.evals = [mine[k : k + size] for k in range(0, len(mine), size)]
-        if self.torch_compile:  # as SFT's set-up does it
-            why_not = speed.compile_layers(self.model.get_base_model())
-            if why_not is None:
-                self.levers.append("torch.compile")
-            else:
-                self.notes.append(why_not)
         self.spe = self.batches.steps_per_epoch
 
     def setup(self) -> None:

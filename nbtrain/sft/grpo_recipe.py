@@ -135,6 +135,10 @@ class GRPORecipe(Disaggregated):
         self.evals = None
         self.spe = self.batches.steps_per_epoch
 
+    def _compile(self) -> None:
+        # GRPO samples with the same model it trains: its blocks are left uncompiled, as before
+        return
+
     def setup(self) -> None:
         import torch
 

@@ -90,6 +90,7 @@ class RunSetup:
         self.use_cache = getattr(checked["base_config"], "use_cache", None)
         self._plan(len(store))
         self._batches(store)
+        self._compile()
         if d.is_zero:
             for note in self.notes:
                 print(f"nbtrain: {note}", flush=True)
@@ -237,13 +238,16 @@ class RunSetup:
                     f"{self.truncation_side}; the eval loss covers only what is left (raise "
                     "max_length to keep them whole)"
                 )
+        self.spe = self.batches.steps_per_epoch
+
+    def _compile(self) -> None:
+        """torch_compile=True: compile each block of the base model (a lever, or a note why not)."""
         if self.torch_compile:
             why_not = speed.compile_layers(self.model.get_base_model())
             if why_not is None:
                 self.levers.append("torch.compile")
             else:
                 self.notes.append(why_not)
-        self.spe = self.batches.steps_per_epoch
 
     def _resume_point(self, resume_from: str | None) -> None:
         """Rank 0 reads the checkpoint and hands it to the others (they may not see its disk); every tensor
