@@ -106,6 +106,55 @@ def test_a_rank_pinned_to_its_gpu_uses_cuda0():
     assert plan_devices([Slot("h", 0, 1), Slot("h", 1, 1)]).backend == "gloo"
 
 
+@needs_ray
+def test_a_ray_client_server_that_fails_to_start_is_tried_again_within_timeout(monkeypatch):
+    # Ray Client's head starts one server per connection, and under load that start can fail
+    # once (seen on the simulated nodes); connect tries again while --timeout lasts. The failure
+    # itself cannot be made on demand, so ray.init stands in for the head here.
+    import ray as ray_mod
+
+    from nbtrain.cluster.launch import ray as ray_launch
+
+    failure = ConnectionAbortedError(
+        "Initialization failure from server:\nRuntimeError: Starting Ray client server failed. "
+        "See ray_client_server_23001.err for detailed logs."
+    )
+    calls: list[str] = []
+
+    def init(address, **kwargs):
+        calls.append(address)
+        if len(calls) < 3:
+            raise failure
+
+    monkeypatch.setattr(ray_launch, "unreachable", lambda target, seconds: "")
+    monkeypatch.setattr(ray_mod, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_mod, "shutdown", lambda: None)
+    monkeypatch.setattr(ray_mod, "init", init)
+    launch = ray_launch.RayLaunch(LaunchOptions(launcher="ray", address="ray://head:10001"))
+    launch.timeout = 30
+    assert launch.connect() is ray_mod
+    assert calls == ["ray://head:10001"] * 3
+    # another failure, or one without the time left to try again, is the start's error at once
+    calls.clear()
+    monkeypatch.setattr(ray_mod, "init", lambda address, **kw: calls.append(address) or 1 / 0)
+    launch = ray_launch.RayLaunch(LaunchOptions(launcher="ray", address="ray://head:10001"))
+    with pytest.raises(ClusterError, match="ZeroDivisionError"):
+        launch.connect()
+    assert len(calls) == 1
+
+    def always(address, **kwargs):
+        calls.append(address)
+        raise failure
+
+    calls.clear()
+    monkeypatch.setattr(ray_mod, "init", always)
+    launch = ray_launch.RayLaunch(LaunchOptions(launcher="ray", address="ray://head:10001"))
+    launch.timeout = 4
+    with pytest.raises(ClusterError, match="Starting Ray client server failed"):
+        launch.connect()
+    assert len(calls) == 1
+
+
 # -- a real Ray ---------------------------------------------------------------------------------
 # Each test Ray has its own temp dir and ports and is stopped by its own processes: a user's own
 # Ray on this machine (and other test runs beside this one) must survive the module.
@@ -211,6 +260,7 @@ def _state(dashboard: str) -> tuple[list, list]:
     return actors, groups
 
 
+@pytest.mark.timed
 @needs_ray
 def test_an_unreachable_ray_client_fails_fast_then_local_starts_and_stops_its_own_ray():
     children = _children()
@@ -247,6 +297,7 @@ def test_an_unreachable_ray_client_fails_fast_then_local_starts_and_stops_its_ow
     assert not any(procs.alive(p) for p in engines)
 
 
+@pytest.mark.timed
 @needs_ray
 def test_a_raylet_killed_during_a_local_start_leaves_nothing():
     children = _children()
@@ -283,6 +334,7 @@ def test_a_raylet_killed_during_a_local_start_leaves_nothing():
     _assert_clean(children)
 
 
+@pytest.mark.timed
 @needs_ray
 def test_a_gcs_address_that_does_not_answer_fails_within_timeout(head):
     children = _children()
@@ -312,6 +364,7 @@ def test_a_gcs_address_that_does_not_answer_fails_within_timeout(head):
         c.stop()
 
 
+@pytest.mark.timed
 @needs_ray
 def test_a_host_that_does_not_resolve_fails_at_once_naming_it():
     children = _children()
@@ -357,6 +410,7 @@ def test_auto_joins_the_running_cluster_with_4_ranks(head):
     assert not [p for p in engines if psutil.pid_exists(p)], "stop left engine processes"
 
 
+@pytest.mark.timed
 @needs_ray
 def test_each_rank_sees_the_gpu_ray_gave_it_and_a_dead_actor_is_a_dead_rank(head):
     import ray as ray_mod
@@ -403,6 +457,7 @@ def _group_name(dashboard: str) -> str:
     return names[0]
 
 
+@pytest.mark.timed
 @needs_ray
 def test_an_unsatisfiable_group_fails_within_timeout_naming_what_is_missing(head):
     children = _children()

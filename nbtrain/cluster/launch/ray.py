@@ -64,6 +64,12 @@ NAMESPACE = "nbtrain"
 INSTALL_HINT = 'pip install "ray[default]" (the same Ray version as the cluster\'s)'
 
 
+def _client_server_hiccup(address: str, e: BaseException) -> bool:
+    """Ray Client's head could not start this connection's own server (Ray says "Starting Ray
+    client server failed"): a failure of that one start, which the next connection may not have."""
+    return address.startswith("ray://") and "Starting Ray client server failed" in str(e)
+
+
 class RayLaunch(EngineLaunch):
     """Engines as actors in a placement group of the Ray cluster at `--address`."""
 
@@ -121,17 +127,25 @@ class RayLaunch(EngineLaunch):
         self.log_path = os.path.join(self.temp_dir, "connect.log")
         if self.private:
             kwargs["_temp_dir"] = self.temp_dir
-        # set before ray.init: a failure inside it (a SystemExit included) must still be undone
-        self.started_ray = True
-        try:
-            with output_to(self.log_path):
-                ray.init(address=address, **kwargs)
-        except BaseException as e:
-            self._abandon()
-            cause = f"{type(e).__name__}: {e}".strip().rstrip(":")
-            if isinstance(e, KeyboardInterrupt):
-                raise
-            raise self._connect_failed(address, timeout, cause) from None
+        while True:
+            # set before ray.init: a failure inside it (a SystemExit included) must still be undone
+            self.started_ray = True
+            try:
+                with output_to(self.log_path):
+                    ray.init(address=address, **kwargs)
+                break
+            except BaseException as e:
+                self._abandon()
+                cause = f"{type(e).__name__}: {e}".strip().rstrip(":")
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                if _client_server_hiccup(address, e) and deadline - time.monotonic() > 5:
+                    # Ray Client starts one server per connection; on a busy head that start can
+                    # fail once and work the next time: try again while --timeout lasts
+                    log.info("Ray Client's server did not start (%s); connecting again", e)
+                    time.sleep(2)
+                    continue
+                raise self._connect_failed(address, timeout, cause) from None
         if time.monotonic() > deadline + 1.0:
             self._abandon()
             raise self._connect_failed(address, timeout, "Ray took longer than --timeout")
