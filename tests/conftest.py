@@ -13,6 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+SESSION_MARK = "NBTRAIN_TEST_SESSION"
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `gpu` skip themselves where torch sees no CUDA GPU, and say so."""
@@ -34,7 +36,11 @@ def _nbtrain_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("nbtrain-home")
     old = os.environ.get("NBTRAIN_HOME")
     os.environ["NBTRAIN_HOME"] = str(home)
+    # every process this session starts inherits the mark, so that `cluster_processes` can tell
+    # them from another test session's running beside this one (make test runs two at once)
+    os.environ[SESSION_MARK] = str(home)
     yield home
+    os.environ.pop(SESSION_MARK, None)
     if old is None:
         os.environ.pop("NBTRAIN_HOME", None)
     else:
@@ -52,21 +58,23 @@ def ip():
 
 
 def cluster_processes(cluster_id: str | None = None) -> list[psutil.Process]:
-    """Controller, engine and nanny processes still alive (of one cluster, or any nbtrain cluster)."""
+    """Controller, engine and nanny processes still alive: of one cluster, or of any cluster this
+    test session started (not another session's beside it)."""
     found = []
+    mark = os.environ.get(SESSION_MARK)
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if "ipyparallel" not in cmd:
             continue
-        if cluster_id is None:
-            found.append(p)
-            continue
         # ipyparallel passes the cluster id to its processes in the environment, not the command line
         try:
-            env_id = p.environ().get("IPP_CLUSTER_ID")
+            env = p.environ()
         except psutil.Error:
-            continue
-        if env_id == cluster_id or cluster_id in cmd:
+            env = {}  # gone meanwhile, or not ours to read
+        if cluster_id is None:
+            if mark is None or env.get(SESSION_MARK) == mark:
+                found.append(p)
+        elif env.get("IPP_CLUSTER_ID") == cluster_id or cluster_id in cmd:
             found.append(p)
     return found
 
