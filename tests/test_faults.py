@@ -69,6 +69,7 @@ def _sigkill_rank1(c):
     os.kill(c.ranks[1].pid, signal.SIGKILL)
 
 
+@pytest.mark.timed
 @pytest.mark.parametrize(
     "name, code, kill, how",
     [
@@ -138,6 +139,7 @@ def _all_reduce_one():
     return t.item()
 
 
+@pytest.mark.timed
 def test_engine_and_nanny_killed_is_noticed(cluster):
     # the node-loss shape on one machine: engine and its nanny die together, only the heartbeat can tell
     def kill_both(c):
@@ -165,6 +167,7 @@ SKIP = (
 )
 
 
+@pytest.mark.timed
 def test_diagnose_while_cell_hangs_names_waiting_rank(cluster, ip):
     result = {}
 
@@ -261,6 +264,7 @@ def test_collective_left_pending_after_the_cell_shows_as_waiting(cluster):
     assert after.waiting == {} and "not completed" not in after.text
 
 
+@pytest.mark.timed
 def test_stacks_stay_fast_with_a_full_flight_recorder(cluster):
     # a long run fills the recorder's ring (2000 entries); a stack request must still answer well
     # within the 2 s after which the client calls a rank silent and ends it

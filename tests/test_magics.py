@@ -197,6 +197,7 @@ def test_ranks_subset(ip, started):
         run_cell(ip, "pass", "--ranks 0,5")
 
 
+@pytest.mark.timed
 def test_timeout_shows_stacks_and_cluster_survives(ip, started):
     code = (
         "import torch, torch.distributed as dist, time\n"
@@ -228,6 +229,7 @@ def test_timeout_shows_stacks_and_cluster_survives(ip, started):
     assert "after 2.0" in out
 
 
+@pytest.mark.timed
 def test_failed_rank_does_not_leave_others_blocked(ip, started):
     code = (
         "import torch, torch.distributed as dist\n"
@@ -249,6 +251,7 @@ def test_failed_rank_does_not_leave_others_blocked(ip, started):
     assert "ok 2.0" in out
 
 
+@pytest.mark.timed
 def test_interrupt_reaches_every_rank_and_keeps_state(ip, started):
     run_cell(ip, "kept2 = rank + 100")
     threading.Timer(1.0, _thread.interrupt_main).start()
