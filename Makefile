@@ -12,7 +12,7 @@ STAMP := $(VENV)/.nbtrain-installed
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: dev demo test test-python test-lab lint docs docs-table clean
+.PHONY: dev demo test test-python test-nodes test-runs test-main test-timed test-lab lint docs docs-table clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,14 +44,47 @@ docs-table: $(STAMP)
 
 # the JupyterLab extension: build, prettier + eslint, vitest, REST handlers, UI tests in Chromium
 test-lab: $(STAMP)
-	PYTHON=$(abspath $(PY)) bash labextension/run-tests.sh
+	PYTHON=$(abspath $(PY)) LAB_BUILT=$(LAB_BUILT) bash labextension/run-tests.sh
 
 # the Python suite: real engines, real gloo groups, simulated nodes (needs root for namespaces)
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -rfE
 test-python: $(STAMP)
 	sh scripts/testbed-deps.sh
-	$(PY) -m pytest -q -p no:cacheprovider --durations=40 -rfE --ignore=tests/test_server.py tests
+	$(PYTEST) --durations=40 --ignore=tests/test_server.py tests
 
-test: lint docs test-lab test-python
+# `make test` runs the suite in parts (together they are test-python, each test once):
+# - test-nodes: the simulated nodes (tests/multinode), which mostly wait on SSH and engine starts;
+# - test-runs: whole programs in processes of their own (the notebooks, the benchmarks' smoke runs);
+# - test-main: the rest;
+# - test-timed: the tests marked `timed`, which assert how soon something happens (a dead rank named
+#   within 5 s, a start failing within its --timeout), alone after the others on a quiet machine.
+RUNS := tests/test_notebooks.py tests/test_bench_data_smoke.py tests/test_benchmarks_smoke.py \
+	tests/test_bench_grpo_smoke.py
+test-nodes: $(STAMP)
+	sh scripts/testbed-deps.sh
+	$(PYTEST) --durations=15 --basetemp=/tmp/nbtrain-pytest-nodes -m "not timed" tests/multinode
+
+test-runs: $(STAMP)
+	$(PYTEST) --durations=10 --basetemp=/tmp/nbtrain-pytest-runs -m "not timed" $(RUNS)
+
+test-main: $(STAMP)
+	sh scripts/testbed-deps.sh
+	$(PYTEST) --durations=25 --basetemp=/tmp/nbtrain-pytest-main -m "not timed" \
+		--ignore=tests/test_server.py --ignore=tests/multinode $(addprefix --ignore=,$(RUNS)) tests
+
+test-timed: $(STAMP)
+	sh scripts/testbed-deps.sh
+	$(PYTEST) --durations=15 -m timed --ignore=tests/test_server.py tests
+
+# two lanes at once on the 2-core machine, about equally long (scripts/lanes.sh prints each lane's
+# output whole when it ends), then the timed tests alone
+test: $(STAMP)
+	sh scripts/testbed-deps.sh
+	PYTHON=$(abspath $(PY)) bash labextension/build.sh
+	bash scripts/lanes.sh \
+		checks-nodes-runs '$(MAKE) --no-print-directory LAB_BUILT=1 lint docs test-lab test-nodes test-runs' \
+		main '$(MAKE) --no-print-directory test-main'
+	$(MAKE) --no-print-directory test-timed
 
 clean:
 	rm -rf $(VENV) nbtrain-demo labextension/node_modules labextension/prebuilt labextension/lib
