@@ -10,6 +10,15 @@ set -uo pipefail
 [ $# -ge 2 ] && [ $(($# % 2)) -eq 0 ] || { echo "usage: $0 NAME 'COMMAND' [NAME 'COMMAND' ...]" >&2; exit 2; }
 
 logs=$(mktemp -d)
+# job control: without it, bash starts background commands with SIGINT ignored, and a Python that
+# starts with SIGINT ignored has no KeyboardInterrupt (the tests that interrupt a cell need one)
+set -m
+# ... and each lane is then a process group of its own, which a Ctrl-C here must end too
+stop_lanes() {
+    for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done
+}
+trap 'stop_lanes; exit 130' INT
+trap 'stop_lanes; exit 143' TERM
 names=()
 pids=()
 declare -A started

@@ -4,7 +4,9 @@ other has ended."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,3 +49,27 @@ def test_a_failed_lane_fails_the_whole_after_the_other_ends():
 def test_usage_is_refused():
     out = _lanes("only-a-name")
     assert out.returncode == 2 and "usage" in out.stderr
+
+
+def test_a_lane_can_be_interrupted():
+    # a background command of a plain script starts with SIGINT ignored; a lane must not, or the
+    # tests that interrupt a cell (_thread.interrupt_main) find no KeyboardInterrupt to raise
+    code = "import signal; print('SIGINT', signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    out = _lanes("py", f'{sys.executable} -c "{code}"', "other", "true")
+    assert out.returncode == 0, out.stderr
+    assert "SIGINT True" in out.stdout, out.stdout
+
+
+def test_stopping_the_lanes_stops_every_lane(tmp_path):
+    marker = tmp_path / "left"
+    proc = subprocess.Popen(
+        ["bash", str(LANES), "a", f"sleep 30; touch {marker}", "b", f"sleep 30; touch {marker}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=10) == 130
+    # the lanes' own processes went with it: nothing runs on to the touch
+    left = subprocess.run(["pgrep", "-f", f"touch {marker}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
