@@ -56,8 +56,8 @@ test-python: $(STAMP)
 # - test-nodes: the simulated nodes (tests/multinode), which mostly wait on SSH and engine starts;
 # - test-runs: whole programs in processes of their own (the notebooks, the benchmarks' smoke runs);
 # - test-main: the rest;
-# - test-timed: the tests marked `timed`, which assert how soon something happens (a dead rank named
-#   within 5 s, a start failing within its --timeout), alone after the others on a quiet machine.
+# - test-timed: the tests marked `timed`, whose bound on how soon something happens is tight (a dead
+#   rank named within 5 s, stacks within 1 s), alone after the others on a quiet machine.
 RUNS := tests/test_notebooks.py tests/test_bench_data_smoke.py tests/test_benchmarks_smoke.py \
 	tests/test_bench_grpo_smoke.py
 test-nodes: $(STAMP)

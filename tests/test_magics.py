@@ -197,7 +197,6 @@ def test_ranks_subset(ip, started):
         run_cell(ip, "pass", "--ranks 0,5")
 
 
-@pytest.mark.timed
 def test_timeout_shows_stacks_and_cluster_survives(ip, started):
     code = (
         "import torch, torch.distributed as dist, time\n"
@@ -229,7 +228,6 @@ def test_timeout_shows_stacks_and_cluster_survives(ip, started):
     assert "after 2.0" in out
 
 
-@pytest.mark.timed
 def test_failed_rank_does_not_leave_others_blocked(ip, started):
     code = (
         "import torch, torch.distributed as dist\n"
@@ -251,7 +249,6 @@ def test_failed_rank_does_not_leave_others_blocked(ip, started):
     assert "ok 2.0" in out
 
 
-@pytest.mark.timed
 def test_interrupt_reaches_every_rank_and_keeps_state(ip, started):
     run_cell(ip, "kept2 = rank + 100")
     threading.Timer(1.0, _thread.interrupt_main).start()
@@ -396,10 +393,14 @@ def test_force_replaces_and_stop_leaves_nothing(ip):
     # the hub's engine-state file, which ipyparallel itself never removes
     state = Path(second.ipp_cluster.profile_dir) / "log" / f"engines{cid}.json"
     assert state.is_file()
+    # the FileStore the ranks met through (a local cluster's rendezvous, in the security folder)
+    [store] = {Path(p) for p in second.run(lambda: __import__("os").environ["NBTRAIN_STORE_FILE"])}
+    assert store.parent.name == "security" and store.is_file()
     ip.run_line_magic("nbtrain", "stop")
     assert wait_gone(pids) == []
     assert cluster_processes(cid) == []
     assert not state.exists()
+    assert not store.exists(), "stop left the group's store file"
 
 
 def test_a_comment_after_the_options_is_ignored(ip, capsys):

@@ -143,7 +143,6 @@ def test_mpi_cluster_all_reduce_and_stop(ip, allow_root, capsys):
     assert _left(before) == []
 
 
-@pytest.mark.timed
 @pytest.mark.mpi
 @needs_mpiexec
 @pytest.mark.skipif(os.geteuid() != 0, reason="Open MPI's refusal of root needs root")

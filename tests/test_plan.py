@@ -134,7 +134,6 @@ def _rank_view():
     }
 
 
-@pytest.mark.timed
 def test_one_gpu_two_ranks_starts_at_once_with_gloo_on_cpu(capsys):
     """The issue's layout: 1 GPU, 2 ranks. Before the plan, rank 0 took NCCL, rank 1 gloo, and the
     start hung for --timeout. Now the client plans gloo on CPU for both and says why."""
@@ -165,7 +164,6 @@ def test_one_gpu_two_ranks_starts_at_once_with_gloo_on_cpu(capsys):
         cluster.stop()
 
 
-@pytest.mark.timed
 def test_engines_use_the_planned_device_and_a_failed_rank_fails_the_start_fast():
     """Engines report more GPUs than torch can use: the plan says NCCL on cuda:i, and the ranks
     whose GPU torch does not see say so at once, naming rank and host, instead of the others waiting
@@ -273,7 +271,6 @@ def test_gpu_nccl_group_with_one_rank_per_gpu():
         cluster.stop()
 
 
-@pytest.mark.timed
 @pytest.mark.gpu
 def test_gpu_more_ranks_than_gpus_start_fast_with_gloo_and_say_why(capsys):
     gpus = _gpus()

@@ -260,7 +260,6 @@ def _state(dashboard: str) -> tuple[list, list]:
     return actors, groups
 
 
-@pytest.mark.timed
 @needs_ray
 def test_an_unreachable_ray_client_fails_fast_then_local_starts_and_stops_its_own_ray():
     children = _children()
@@ -334,7 +333,6 @@ def test_a_raylet_killed_during_a_local_start_leaves_nothing():
     _assert_clean(children)
 
 
-@pytest.mark.timed
 @needs_ray
 def test_a_gcs_address_that_does_not_answer_fails_within_timeout(head):
     children = _children()
@@ -364,7 +362,6 @@ def test_a_gcs_address_that_does_not_answer_fails_within_timeout(head):
         c.stop()
 
 
-@pytest.mark.timed
 @needs_ray
 def test_a_host_that_does_not_resolve_fails_at_once_naming_it():
     children = _children()
@@ -457,7 +454,6 @@ def _group_name(dashboard: str) -> str:
     return names[0]
 
 
-@pytest.mark.timed
 @needs_ray
 def test_an_unsatisfiable_group_fails_within_timeout_naming_what_is_missing(head):
     children = _children()

@@ -20,7 +20,6 @@ def _fresh_probe(monkeypatch):
     monkeypatch.setattr(model, "_REACHABLE", {})
 
 
-@pytest.mark.timed
 @pytest.mark.parametrize("load", [model.check_causal_lm, model.load_tokenizer])
 def test_offline_fails_at_once(monkeypatch, load):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -33,7 +32,6 @@ def test_offline_fails_at_once(monkeypatch, load):
     assert time.monotonic() - t0 < 2.0
 
 
-@pytest.mark.timed
 def test_an_unreachable_hub_fails_after_one_short_probe(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)

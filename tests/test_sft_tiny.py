@@ -10,7 +10,6 @@ import time
 import pytest
 
 
-@pytest.mark.timed
 def test_tiny_model_loads_through_from_pretrained(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

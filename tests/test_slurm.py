@@ -340,7 +340,6 @@ def test_slurm_cluster_all_reduce_ranks_and_stop(ip, slurm_bed, capsys):
     )
 
 
-@pytest.mark.timed
 @pytest.mark.slurm
 def test_pending_job_fails_after_timeout_naming_job_and_reason_and_is_cancelled(slurm_bed, capsys):
     # two nodes on a one-node cluster: Slurm keeps the job pending (PartitionNodeLimit)
@@ -394,7 +393,6 @@ def test_sbatch_refusal_and_unknown_partition_start_nothing(slurm_bed):
     assert wait_gone({p.pid for p in cluster_processes()} - before) == []
 
 
-@pytest.mark.timed
 @pytest.mark.slurm
 def test_job_that_fails_shows_its_output(slurm_bed):
     # the engines cannot start on the node: the job ends, and the start says so at once

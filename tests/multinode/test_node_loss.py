@@ -59,7 +59,6 @@ def _fail_after(cluster, fault, after: float = 2.0):
     return info.value, time.monotonic() - fired["t"]
 
 
-@pytest.mark.timed
 def test_engine_and_nanny_killed_on_a_node(testbed: Testbed) -> None:
     n2 = testbed.nodes[1]
     cluster = _start(testbed)
@@ -82,7 +81,6 @@ def test_engine_and_nanny_killed_on_a_node(testbed: Testbed) -> None:
         cluster.stop()
 
 
-@pytest.mark.timed
 def test_network_cut_to_a_node(testbed: Testbed) -> None:
     n2 = testbed.nodes[1]
     cluster = _start(testbed)

@@ -57,7 +57,6 @@ def _view():
     )
 
 
-@pytest.mark.timed
 def test_a_short_node_puts_every_rank_on_gloo_cpu_and_says_why(testbed: Testbed, capsys) -> None:
     n1, n2 = testbed.nodes[0].name, testbed.nodes[1].name
     t0 = time.monotonic()

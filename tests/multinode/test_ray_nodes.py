@@ -238,7 +238,6 @@ def test_two_node_finetune_equals_local_engines(ray_cluster, tiny, tmp_path) -> 
     assert max(v.abs().max().item() for k, v in a_ray.items() if "lora_B" in k) > 1e-3
 
 
-@pytest.mark.timed
 def test_a_lost_worker_node_is_named_within_15_s(ray_cluster) -> None:
     """Node 2's raylet killed while a cell runs: the rank there is named dead, with its host."""
     n2 = ray_cluster["hosts"][1]

@@ -348,7 +348,6 @@ def test_version_mismatch_is_refused_with_the_table(testbed: Testbed) -> None:
     _assert_nothing_left(testbed, before)
 
 
-@pytest.mark.timed
 def test_unreachable_host_fails_within_the_timeout(testbed: Testbed) -> None:
     n1, n2 = testbed.nodes[0], testbed.nodes[1]
     before = _local_ipp_pids()
