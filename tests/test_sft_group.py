@@ -1,5 +1,6 @@
 """finetune on a sub-group of a running 4-rank gloo cluster (`finetune(cfg, group=...)`): ranks 0-1
-train exactly as a 2-rank cluster would, ranks 2-3 take no part, and a rank outside is refused."""
+train exactly as a 2-rank cluster would, ranks 2-3 take no part, and a rank outside is refused.
+`generate` on a sub-group under FSDP gives the whole model's tokens, with ranks 2-3 idle."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from nbtrain.sft.config import SFTConfig
 from nbtrain.sft.train import finetune
+from tests.test_generate import NEW, PROMPTS, models, refs  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = str(REPO / "nbtrain" / "data" / "instructions.jsonl")
@@ -107,3 +109,66 @@ def test_a_rank_outside_the_group_is_refused(ip, cluster, tiny, tmp_path):
     refused = cluster.pull("refused", ranks=[2, 3])
     assert all("not a member" in r for r in refused), refused
     assert not (tmp_path / "never").exists()
+
+
+def _stopping_model(base_dir: str, out: Path) -> tuple[str, list[str], list[int]]:
+    """The test base with a second end-of-sequence token, the one its greedy completions produce
+    most, so that several stop early; with transformers' own completions and token counts."""
+    from collections import Counter
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.test_generate import _reference_ids
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    ids = [_reference_ids(tok, p) for p in PROMPTS]
+
+    def greedy(i):
+        out = model.generate(
+            ids[i], attention_mask=torch.ones_like(ids[i]), max_new_tokens=NEW, do_sample=False
+        )
+        return out[0, ids[i].shape[1] :].tolist()
+
+    seen = Counter(t for i in range(len(PROMPTS)) for t in greedy(i)[: NEW - 1])
+    stop = seen.most_common(1)[0][0]
+    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    texts, counts = [], []
+    for i in range(len(PROMPTS)):
+        gen = greedy(i)
+        n = next((k + 1 for k, t in enumerate(gen) if t in (tok.eos_token_id, stop)), len(gen))
+        texts.append(tok.decode(gen[:n], skip_special_tokens=True))
+        counts.append(n)
+    return str(out), texts, counts
+
+
+def test_fsdp_generate_on_a_sub_group_gives_the_whole_models_tokens(ip, cluster, request, tmp_path):
+    # test_generate's models and references (its fixtures, imported above)
+    paths, ref = request.getfixturevalue("models"), request.getfixturevalue("refs")
+    stops, texts, counts = _stopping_model(paths["base"], tmp_path / "stops")
+    # the test can tell: completions that end at an eos before N tokens, beside ones that run to N
+    assert any(n < NEW for n in counts) and any(n == NEW for n in counts), counts
+    # transformers' synced decoding all-reduces over every rank, which would wait for ranks 2-3
+    # forever: on a sub-group each rank decodes the full length and cuts at the eos itself
+    cluster.groups(pair="0-1")
+    cluster.push({"P": PROMPTS, "M": paths, "S": stops, "N": NEW, "fs": None, "st": None})
+    cluster.execute(
+        "import nbtrain\n"
+        "fs = nbtrain.generate(P, model=M['base'], adapter=['base', M['adapter']], shard='fsdp',\n"
+        "                      max_new_tokens=N, batch_size=3, group=group)\n"
+        "st = nbtrain.generate(P, model=S, shard='fsdp', max_new_tokens=N, batch_size=3,\n"
+        "                      group=group)\n",
+        group="pair",
+        output="none",
+        timeout=300,
+    )
+    fs, st = cluster.pull("fs"), cluster.pull("st")
+    assert fs[1:] == [None] * 3 and st[1:] == [None] * 3
+    assert list(fs[0]["base"]) == ref["base"][0]
+    assert list(fs[0]["tokens_base"]) == ref["base"][1]
+    assert list(fs[0]["run"]) == ref["adapter"][0]
+    assert list(fs[0]["tokens_run"]) == ref["adapter"][1]
+    assert list(st[0]["completion"]) == texts
+    assert list(st[0]["tokens"]) == counts

@@ -9,7 +9,10 @@ completion (or last assistant turn) becomes the reference.
 Prompts are sorted by length and dealt to the ranks in turn, so a batch holds prompts of about the same
 length (little padding) and every rank gets about the same work. Under FSDP every rank must run the same
 forward passes: each runs the same number of batches (a rank short of prompts repeats one and drops the
-result) and `generate(synced_gpus=True)` keeps decoding until every rank is done.
+result) and `generate(synced_gpus=True)` keeps decoding until every rank is done. That flag all-reduces
+over the default group, so on a sub-group (`group=`) every rank decodes `max_new_tokens` steps instead,
+never stopping at the end-of-sequence token, and each completion is cut at its first one afterwards:
+the same tokens, the same forward passes on every rank of the group, and none outside it waited for.
 """
 
 from __future__ import annotations
@@ -285,9 +288,12 @@ def generate_batch(
     device: Any,
     synced: bool = False,
     autocast: Callable[[], Any] = contextlib.nullcontext,
+    full_length: bool = False,
 ) -> list[dict[str, Any]]:
     """One left-padded batch through `model.generate` with the KV cache: a row per prompt
-    ({"index", "completion", "tokens", "seconds", "ids"}, seconds being the batch's)."""
+    ({"index", "completion", "tokens", "seconds", "ids"}, seconds being the batch's).
+    `full_length`: decode all `max_new_tokens` steps (no stop at the end-of-sequence token; each
+    completion is still cut at its first one), the same forward passes whatever the prompts."""
     import torch
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -304,7 +310,11 @@ def generate_batch(
         "pad_token_id": pad,
         "use_cache": True,
     }
-    if eos:
+    if full_length:
+        kwargs["eos_token_id"] = None  # the model's generation_config would stop a row at its eos
+        # and not synced: transformers would turn it on by itself for an FSDP model
+        kwargs["synced_gpus"] = False
+    elif eos:
         kwargs["eos_token_id"] = eos
     if decoding.do_sample:
         kwargs.update(temperature=decoding.temperature, top_p=decoding.top_p, top_k=decoding.top_k)
@@ -351,11 +361,22 @@ def generate_across(
     n_batches = len(batches)
     if synced:
         n_batches = -d.min_int(-n_batches)
+    # transformers' synced_gpus all-reduces over the default group: on a sub-group, full length
+    full_length = synced and d.world < d.dist.get_world_size()
     rows: list[dict[str, Any]] = []
     for b in range(n_batches):
         # a rank short of batches repeats one prompt, so its forward passes match the others'
         batch = batches[b] if b < len(batches) else [prompts[0]]
-        got = generate_batch(model, tokenizer, batch, decoding, d.device, synced, autocast)
+        got = generate_batch(
+            model,
+            tokenizer,
+            batch,
+            decoding,
+            d.device,
+            synced and not full_length,
+            autocast,
+            full_length=full_length,
+        )
         if b < len(batches):
             rows += got
     every = d.gather_objects(rows)

@@ -218,6 +218,17 @@ def _fill(param: Any, full_or_slice: Any, via: Any = None) -> None:
         local.copy_(src.to(local.dtype))
 
 
+def _own_generation_config(base: Any, source: str) -> None:
+    """The model's generation_config.json where it has one, as from_pretrained reads it (from_config
+    makes one from config.json alone, which misses e.g. a chat model's extra end-of-turn tokens)."""
+    from transformers import GenerationConfig
+
+    try:
+        base.generation_config = GenerationConfig.from_pretrained(source)
+    except (OSError, ValueError):
+        pass  # none: the one made from config.json stands
+
+
 def build_sharded(
     cfg: Any, d: Dist, mesh: Any, weights_dtype: Any, compute_dtype: Any, prepare: Any
 ) -> Any:
@@ -235,6 +246,7 @@ def build_sharded(
     dtype = quant.load_dtype(compute_dtype, d.device) if quantized else weights_dtype
     with _params_on_meta():
         base = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _own_generation_config(base, source)
     base.config.use_cache = False
     base.config.name_or_path = source  # peft writes it into the adapter's base_model_name_or_path
     base.name_or_path = source
