@@ -82,3 +82,15 @@ def test_resumed_run_ends_as_the_uninterrupted_one(tiny, tmp_path):
         torch.testing.assert_close(a[k], b[k])
     # and the run trained: the adapter moved from its start
     assert any(float(whole.history["grad_norm"][i]) > 0 for i in range(4))
+
+
+def test_torch_compile_is_off_and_said_so(tiny, tmp_path, capsys):
+    result = nbtrain.finetune(
+        _cfg(tiny, tmp_path, torch_compile=True, max_steps=1, save_steps=None)
+    )
+    notes = result.plan["notes"]
+    assert any(
+        n.startswith("torch_compile off: GRPO samples with the model it trains") for n in notes
+    )
+    assert "torch.compile" not in result.plan["levers"]
+    assert "nbtrain: torch_compile off: GRPO" in capsys.readouterr().out

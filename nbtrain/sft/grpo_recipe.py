@@ -136,8 +136,12 @@ class GRPORecipe(Disaggregated):
         self.spe = self.batches.steps_per_epoch
 
     def _compile(self) -> None:
-        # GRPO samples with the same model it trains: its blocks are left uncompiled, as before
-        return
+        # GRPO samples with the same model it trains: its blocks are left uncompiled, and said so
+        if self.torch_compile:
+            self.notes.append(
+                "torch_compile off: GRPO samples with the model it trains, and compiled blocks would "
+                "be compiled again for every length a completion reaches"
+            )
 
     def setup(self) -> None:
         import torch
