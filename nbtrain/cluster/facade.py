@@ -136,6 +136,7 @@ class Cluster(Session):
         if _current is self:
             _current = None
         super().stop()
+        group.remove_store_files(self.cluster_id)
 
 
 def current_cluster() -> Cluster | None:

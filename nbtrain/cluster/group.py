@@ -56,6 +56,22 @@ def loopback_env(
     return {"NBTRAIN_STORE_FILE": store, "GLOO_SOCKET_IFNAME": "lo"}
 
 
+# the FileStore files (loopback_env) this kernel's clusters meet through, by cluster id: ranks
+# killed at a stop never remove theirs, so the kernel does (remove_store_files)
+_STORE_FILES: dict[str, set[str]] = {}
+
+
+def remove_store_files(cluster_id: str | None) -> None:
+    """Remove the FileStore files of a stopped cluster (the group's rendezvous, nothing else)."""
+    for path in _STORE_FILES.pop(cluster_id or "nbtrain", set()):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.debug("could not remove %s: %s", path, e)
+
+
 def init_group(
     client: Any,
     ranks: list[RankInfo],
@@ -84,10 +100,13 @@ def init_group(
         log.info("nbtrain: %s", plan.why)
         print(f"nbtrain: {plan.why}", flush=True)
     pending = []
+    loopback = loopback_env(ranks, master_addr, port, options)
+    if loopback:
+        _STORE_FILES.setdefault(run_id or "nbtrain", set()).add(loopback["NBTRAIN_STORE_FILE"])
     for r in ranks:
         env = {
             **torchrun_env(ranks, r, master_addr, port, run_id or "nbtrain", restart_count),
-            **loopback_env(ranks, master_addr, port, options),
+            **loopback,
             **options.extra_env,
         }
         r.address = master_addr if r.rank == 0 else r.address
