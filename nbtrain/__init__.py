@@ -27,6 +27,7 @@ __all__ = [
     "SFTConfig",
     "TrainResult",
     "__version__",
+    "attach",
     "check",
     "compare",
     "connect",
@@ -51,6 +52,7 @@ _LAZY = {
     "DistributedCellError": "nbtrain.errors",
     "GRPOConfig": "nbtrain.sft.grpo_config",
     "Preempted": "nbtrain.sft.preempt",
+    "attach": "nbtrain.cluster.api",
     "check": "nbtrain.cluster.check",
     # the module itself, which is callable: nbtrain.compare([...]) draws, nbtrain.compare.load_run reads
     "compare": "nbtrain.compare",
@@ -68,7 +70,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from nbtrain.cluster.api import connect, scaling, start
+    from nbtrain.cluster.api import attach, connect, scaling, start
     from nbtrain.cluster.check import check
     from nbtrain.cluster.facade import Cluster, current_cluster
     from nbtrain.compare import compare

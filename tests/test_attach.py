@@ -114,9 +114,8 @@ def test_kernel_death_job_goes_on_and_attach_follows_it(tmp_path, ip):
     ip.run_line_magic("nbtrain", f"attach {cluster_id} --no-live")
     cluster = nbtrain.current_cluster()
     assert cluster is not None and cluster.cluster_id == cluster_id and cluster.world_size == 2
-    from nbtrain.cluster.api import attach
-
-    attached = attach(cluster_id, follow=False)
+    # and by its Python twin, at the top of the package
+    attached = nbtrain.attach(cluster_id, follow=False)
     assert attached.run is not None and attached.run["output_dir"] == str(out)
     rows = attached.follow(timeout=120, live=False)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -163,3 +162,26 @@ def test_orphaned_idle_cluster_stops_itself(tmp_path):
     while any(f.exists() for f in files) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [f for f in files if f.exists()] == []
+
+
+def test_follow_shows_the_samples_beside_the_metrics(tmp_path, capsys):
+    # a finished run's folder, as sampling while training leaves it: its rows and samples replayed
+    from nbtrain.cluster.attach import follow_run
+
+    rows = [{"step": s, "loss": 2.0 / s} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = [
+        {"step": 0, "index": 0, "prompt": "2+2=", "completion": "22"},
+        {"step": 0, "index": 1, "prompt": "3+3=", "completion": "33"},
+        {"step": 2, "index": 0, "prompt": "2+2=", "completion": "4"},
+    ]
+    # the last line half written, as a run being sampled leaves it: not shown yet
+    text = "".join(json.dumps(r) + "\n" for r in samples) + '{"step": 2, "ind'
+    (tmp_path / "samples.jsonl").write_text(text)
+    run = {"id": "not-registered", "output_dir": str(tmp_path), "total_steps": 2}
+    assert follow_run(run, live=False, poll=0.01) == rows
+    out = capsys.readouterr().out
+    assert "step 2/2 | loss 1.0000" in out
+    assert "sample at step 0 [1]: '3+3=' -> '33'" in out
+    assert "sample at step 2 [0]: '2+2=' -> '4'" in out
+    assert out.count("sample at step") == 3

@@ -146,7 +146,7 @@ def attach(
 ) -> attaching.Attached:
     """Make a running cluster this kernel's current cluster again; follow its running job.
 
-    In [1]: a = nbtrain.cluster.api.attach()     # %nbtrain attach
+    In [1]: a = nbtrain.attach()     # %nbtrain attach
     """
     current = current_cluster()
     side = attaching.find_one(cluster_id, profile, current)

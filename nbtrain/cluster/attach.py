@@ -1,7 +1,7 @@
 """Reconnect a new kernel to a cluster that outlived its kernel, and to the job it runs.
 
 In [1]: %load_ext nbtrain
-In [2]: %nbtrain attach              # twin of nbtrain.cluster.api.attach(): rank table, then the running job's live plot
+In [2]: %nbtrain attach              # twin of nbtrain.attach(): rank table, then the running job's live plot
 
 Engines and the controller run in their own sessions, so a dying kernel leaves them (and a `finetune`
 in progress, which keeps appending to ``output_dir/metrics.jsonl``) running. The cluster's side file
@@ -180,13 +180,44 @@ def show(cluster: Any, live: bool = True, follow: bool = True) -> Attached:
     return result
 
 
+class _Tail:
+    """The complete JSON lines a growing file gained since the last read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pos = 0
+        self.buf = ""
+
+    def read(self) -> tuple[list[dict[str, Any]], bool]:
+        """(new rows, whether the file grew at all)."""
+        try:
+            with open(self.path) as f:
+                f.seek(self.pos)
+                chunk = f.read()
+                self.pos = f.tell()
+        except FileNotFoundError:
+            chunk = ""
+        self.buf += chunk
+        *lines, self.buf = self.buf.split("\n")
+        rows = []
+        for line in lines:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows, bool(chunk)
+
+
 def follow_run(
     run: dict[str, Any], timeout: float | None = None, live: bool = True, poll: float = 0.5
 ) -> list[dict[str, Any]]:
-    """Rows of a run's metrics.jsonl as they come, until the run is no longer running (or `timeout`)."""
-    from nbtrain.runs import get_run
+    """Rows of a run's metrics.jsonl as they come, until the run is no longer running (or `timeout`).
+    Its samples (samples.jsonl, where the run samples while training) are shown beside them, those
+    taken before the attach included."""
+    from nbtrain.runs import METRICS_FILE, SAMPLES_FILE, get_run
 
-    path = Path(run["output_dir"]) / "metrics.jsonl"
+    folder = Path(run["output_dir"])
+    metrics, samples = _Tail(folder / METRICS_FILE), _Tail(folder / SAMPLES_FILE)
     display = None
     if live:
         from nbtrain.cluster.cell import in_kernel
@@ -199,26 +230,13 @@ def follow_run(
                 {"kind": "begin", "total_steps": run.get("total_steps"), "name": run.get("name")}
             )
     rows: list[dict[str, Any]] = []
-    pos = 0
-    buf = ""
+    by_step: dict[int, list[dict[str, Any]]] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
             state = (get_run(run["id"]) or {}).get("state")
-            try:
-                with open(path) as f:
-                    f.seek(pos)
-                    chunk = f.read()
-                    pos = f.tell()
-            except FileNotFoundError:
-                chunk = ""
-            buf += chunk
-            *lines, buf = buf.split("\n")
-            for line in lines:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
+            new, grew = metrics.read()
+            for row in new:
                 rows.append(row)
                 if display is not None:
                     display.feed({"kind": "row", "row": row})
@@ -227,9 +245,21 @@ def follow_run(
                         f"step {row.get('step')}/{run.get('total_steps')} | loss {row.get('loss', float('nan')):.4f}",
                         flush=True,
                     )
+            new_samples, _ = samples.read()
+            for step in _add_samples(by_step, new_samples):
+                if display is not None:
+                    shown = [{k: v for k, v in r.items() if k != "step"} for r in by_step[step]]
+                    display.feed({"kind": "samples", "step": step, "rows": shown})
+            if display is None:
+                for r in new_samples:
+                    print(
+                        f"sample at step {r.get('step')} [{r.get('index')}]: {r.get('prompt')!r} -> "
+                        f"{r.get('completion')!r}",
+                        flush=True,
+                    )
             if display is not None:
                 display.maybe_render()
-            if state != "running" and not chunk:
+            if state != "running" and not grew:
                 break
             if deadline is not None and time.monotonic() > deadline:
                 break
@@ -239,6 +269,17 @@ def follow_run(
             display.feed({"kind": "end"})
             display.close()
     return rows
+
+
+def _add_samples(by_step: dict[int, list[dict[str, Any]]], rows: list[dict[str, Any]]) -> list[int]:
+    """File sample rows under their step; the steps that gained rows, in order."""
+    steps = []
+    for r in rows:
+        step = int(r.get("step", 0))
+        by_step.setdefault(step, []).append(r)
+        if step not in steps:
+            steps.append(step)
+    return steps
 
 
 __all__ = [
