@@ -56,8 +56,8 @@ test-python: $(STAMP)
 # - test-nodes: the simulated nodes (tests/multinode), which mostly wait on SSH and engine starts;
 # - test-runs: whole programs in processes of their own (the notebooks, the benchmarks' smoke runs);
 # - test-main: the rest;
-# - test-timed: the tests marked `timed`, whose bound on how soon something happens is tight (a dead
-#   rank named within 5 s, stacks within 1 s), alone after the others on a quiet machine.
+# - test-timed: the tests marked `timed`, whose bound on time or speed is tight (a dead rank named
+#   within 5 s, stacks within 1 s, a link 4x faster unshaped), alone after the others on a quiet machine.
 RUNS := tests/test_notebooks.py tests/test_bench_data_smoke.py tests/test_benchmarks_smoke.py \
 	tests/test_bench_grpo_smoke.py
 test-nodes: $(STAMP)
@@ -77,13 +77,13 @@ test-timed: $(STAMP)
 	$(PYTEST) --durations=15 -m timed --ignore=tests/test_server.py tests
 
 # two lanes at once on the 2-core machine, about equally long (scripts/lanes.sh prints each lane's
-# output whole when it ends), then the timed tests alone
+# output whole when it ends; -k: a lane's later parts run after one failed), then the timed tests alone
 test: $(STAMP)
 	sh scripts/testbed-deps.sh
 	PYTHON=$(abspath $(PY)) bash labextension/build.sh
 	bash scripts/lanes.sh \
-		checks-nodes-runs '$(MAKE) --no-print-directory LAB_BUILT=1 lint docs test-lab test-nodes test-runs' \
-		main '$(MAKE) --no-print-directory test-main'
+		checks-nodes-runs '$(MAKE) -k --no-print-directory LAB_BUILT=1 lint docs test-lab test-nodes test-runs' \
+		main '$(MAKE) -k --no-print-directory test-main'
 	$(MAKE) --no-print-directory test-timed
 
 clean:

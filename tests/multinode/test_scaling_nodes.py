@@ -123,6 +123,7 @@ def test_report_on_1_2_4_nodes(cluster4, testbed4: Testbed, model, tmp_path) -> 
     print(report.markdown())
 
 
+@pytest.mark.timed  # speeds compared, unshaped against shaped: a busy machine blurs them
 def test_shaped_bridge_is_bandwidth_bound_and_the_model_agrees(
     cluster4, testbed4: Testbed, model, tmp_path
 ) -> None:
