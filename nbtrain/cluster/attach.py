@@ -25,6 +25,7 @@ from nbtrain.cluster.launch import local
 from nbtrain.cluster.options import StartOptions
 from nbtrain.cluster.session import Launched, Session
 from nbtrain.cluster.topology import RankInfo
+from nbtrain.compare.data import json_rows
 from nbtrain.errors import ClusterError
 
 
@@ -199,13 +200,7 @@ class _Tail:
             chunk = ""
         self.buf += chunk
         *lines, self.buf = self.buf.split("\n")
-        rows = []
-        for line in lines:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return rows, bool(chunk)
+        return list(json_rows(lines)), bool(chunk)
 
 
 def follow_run(

@@ -293,7 +293,8 @@ def generate_batch(
     """One left-padded batch through `model.generate` with the KV cache: a row per prompt
     ({"index", "completion", "tokens", "seconds", "ids"}, seconds being the batch's).
     `full_length`: decode all `max_new_tokens` steps (no stop at the end-of-sequence token; each
-    completion is still cut at its first one), the same forward passes whatever the prompts."""
+    completion is still cut at its first one), the same forward passes whatever the prompts, with
+    no synced decoding (`synced` is then moot)."""
     import torch
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -311,17 +312,18 @@ def generate_batch(
         "use_cache": True,
     }
     if full_length:
-        kwargs["eos_token_id"] = None  # the model's generation_config would stop a row at its eos
-        # and not synced: transformers would turn it on by itself for an FSDP model
-        kwargs["synced_gpus"] = False
-    elif eos:
-        kwargs["eos_token_id"] = eos
+        # no eos (the model's generation_config would stop a row at its own), and not synced:
+        # transformers would turn that on by itself for an FSDP model
+        kwargs.update(eos_token_id=None, synced_gpus=False)
+    else:
+        if eos:
+            kwargs["eos_token_id"] = eos
+        if synced:
+            kwargs["synced_gpus"] = True
     if decoding.do_sample:
         kwargs.update(temperature=decoding.temperature, top_p=decoding.top_p, top_k=decoding.top_k)
     else:  # whatever sampling settings the model's generation_config carries do not apply
         kwargs.update(temperature=None, top_p=None, top_k=None)
-    if synced:
-        kwargs["synced_gpus"] = True
     # a batch's draws depend only on the seed and which prompts it holds, not on the rank
     seed = hash((decoding.seed, tuple(p.index for p in batch))) % (2**63)
     t0 = time.perf_counter()
@@ -368,14 +370,7 @@ def generate_across(
         # a rank short of batches repeats one prompt, so its forward passes match the others'
         batch = batches[b] if b < len(batches) else [prompts[0]]
         got = generate_batch(
-            model,
-            tokenizer,
-            batch,
-            decoding,
-            d.device,
-            synced and not full_length,
-            autocast,
-            full_length=full_length,
+            model, tokenizer, batch, decoding, d.device, synced, autocast, full_length=full_length
         )
         if b < len(batches):
             rows += got
