@@ -412,6 +412,9 @@ def test_job_that_fails_shows_its_output(slurm_bed):
     assert _squeue() == ""
 
 
+# timed: right after the check returns, its job must be out of the queue (no grace); under the other
+# lane's load slurmd's clean-up kept it COMPLETING a moment longer
+@pytest.mark.timed
 @pytest.mark.slurm
 def test_check_runs_the_probe_on_each_node_through_srun(ip, slurm_bed, capsys):
     """`%nbtrain check --partition`: one srun task per node, no job left; a partition that never
