@@ -43,6 +43,18 @@ def test_loss_type_list_form(tiny, tmp_path):
     assert _cfg(tiny, [GOOD], tmp_path / "out", loss_type=["ipo"]).loss_type == "ipo"
 
 
+def test_a_finished_run_is_not_overwritten(tiny, tmp_path):
+    out = tmp_path / "done"
+    nbtrain.finetune(_cfg(tiny, [GOOD] * 4, out, save_steps=None))
+    before = (out / "adapter" / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(
+        ConfigError, match=r"holds another run \(adapter, metrics.jsonl, .*overwrite=True"
+    ):
+        nbtrain.finetune(_cfg(tiny, [GOOD] * 4, out, save_steps=None, learning_rate=1e-3))
+    assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == before
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
 def test_bad_rows_refused_with_file_line_and_index(tiny, tmp_path):
     """Every bad row is named with its file, line and index, and nothing is trained or written."""
     rows = [

@@ -68,6 +68,18 @@ def test_a_step_must_hold_whole_groups(tiny, tmp_path):
         nbtrain.finetune(_cfg(tiny, tmp_path, per_device_train_batch_size=6))
 
 
+def test_a_finished_run_is_not_overwritten(tiny, tmp_path):
+    out = tmp_path / "done"
+    nbtrain.finetune(_cfg(tiny, out, max_steps=1, save_steps=None))
+    before = (out / "adapter" / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(
+        ConfigError, match=r"holds another run \(adapter, metrics.jsonl, .*overwrite=True"
+    ):
+        nbtrain.finetune(_cfg(tiny, out, max_steps=2, save_steps=None))
+    assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == before
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
 def test_resumed_run_ends_as_the_uninterrupted_one(tiny, tmp_path):
     whole = nbtrain.finetune(_cfg(tiny, tmp_path / "whole"))
     resumed = nbtrain.finetune(

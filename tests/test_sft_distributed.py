@@ -55,11 +55,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(tmp: Path, world: int, local_world: int | None = None, **kw) -> list[dict]:
+def run_ranks(
+    tmp: Path, world: int, local_world: int | None = None, check: bool = True, **kw
+) -> list[dict]:
     """Run finetune(SFTConfig(**kw)) on `world` processes with the torchrun environment, as nodes of
     `local_world` ranks each (default: one node of all); `merge=True` in `kw` is passed to finetune.
     Return each rank's result: rank, adapter_dir, merged_dir, state, plan and history (a list of rows).
-    A rank that fails fails the call with an AssertionError holding the tail of its output."""
+    A rank that fails fails the call with an AssertionError holding the tail of its output; with
+    `check=False` each rank's exit code and output are returned instead, as {"rc", "output"}."""
     script = tmp / "worker.py"
     script.write_text(WORKER)
     results = tmp / f"result-{os.urandom(4).hex()}"
@@ -95,6 +98,8 @@ def run_ranks(tmp: Path, world: int, local_world: int | None = None, **kw) -> li
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    if not check:
+        return [{"rc": p.returncode, "output": out} for p, out in zip(procs, outputs, strict=True)]
     for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"rank {rank} failed:\n{out[-4000:]}"
     return [json.loads(Path(f"{results}.{r}").read_text()) for r in range(world)]
@@ -215,6 +220,17 @@ def test_config_error_on_two_ranks_is_raised_everywhere(tiny, tmp_path):
         e.value
     )
     assert not (tmp_path / "bad-out").exists()
+
+
+def test_a_finished_run_is_refused_on_every_rank_before_any_write(tiny, tmp_path):
+    out = tmp_path / "done"
+    run_ranks(tmp_path, 2, **_kw(tiny, out, max_steps=2))
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    ranks = run_ranks(tmp_path, 2, check=False, **_kw(tiny, out, max_steps=3))
+    for r in ranks:
+        assert r["rc"] != 0
+        assert f"output_dir {str(out)!r} holds another run (adapter, metrics.jsonl" in r["output"]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
 
 def test_resume_on_more_ranks_ends_after_its_epochs_on_the_same_schedule(tiny, tmp_path):

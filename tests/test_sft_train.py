@@ -454,6 +454,58 @@ def test_output_dir_with_another_runs_checkpoints(tiny, tmp_path):
     assert json.loads((out / "sft_config.json").read_text())["max_steps"] == 2
 
 
+def test_a_finished_run_without_checkpoints_is_not_overwritten(tiny, tmp_path):
+    # save_steps=None leaves no checkpoint, only the adapter, the metrics, the config and a record
+    out = tmp_path / "done"
+    first = finetune(make_cfg(tiny, out, max_steps=2), merge=True)
+    assert not ckpt.list_checkpoints(out)
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files}
+    with pytest.raises(ConfigError) as e:
+        finetune(make_cfg(tiny, out, max_steps=3))
+    text = str(e.value)
+    for words in (
+        "adapter",
+        "merged",
+        "metrics.jsonl",
+        "sft_config.json",
+        "a done run in the runs registry",
+        "overwrite=True",
+        "new output_dir",
+    ):
+        assert words in text, (words, text)
+    assert "resume='latest'" not in text  # there is nothing to resume from
+    # nothing was written: every file is as the first run left it, and its record still says done
+    assert sorted(p for p in out.rglob("*") if p.is_file()) == files
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files} == before
+    assert runs.get_run(runs.run_id_for(out))["state"] == "done"
+    assert first.global_step == 2
+
+    # each thing a run leaves is enough on its own, the registry's record included
+    for left in ("adapter", "merged", "metrics.jsonl", "sft_config.json", "samples.jsonl", None):
+        one = tmp_path / f"only-{left}"
+        one.mkdir()
+        if left is None:
+            runs.register_run(one)
+            left = "a running run in the runs registry"
+        elif "." in left:
+            (one / left).write_text("{}\n")
+        else:
+            (one / left).mkdir()
+        with pytest.raises(ConfigError, match=re.escape(f"holds another run ({left})")):
+            finetune(make_cfg(tiny, one))
+
+    # overwrite=True starts over
+    again = finetune(make_cfg(tiny, out, max_steps=3, overwrite=True))
+    assert again.global_step == 3
+    assert not (out / "merged").exists()
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+    ]
+
+
 def test_finetune_needs_an_sftconfig():
     with pytest.raises(ConfigError, match="nbtrain.SFTConfig"):
         finetune({"model": "x"})  # type: ignore[arg-type]

@@ -18,10 +18,13 @@ from nbtrain.errors import ConfigError
 
 # CONFIG_FILE: the run's settings, in each checkpoint and in output_dir itself (what a run comparison
 # reads); the names of a run folder's files are nbtrain.runs'
-from nbtrain.runs import CONFIG_FILE, METRICS_FILE
+from nbtrain.runs import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
+#: what a run leaves in its output_dir besides checkpoints (mlflow_run.json: nbtrain.sft.tracking's
+#: RUN_FILE, the MLflow run a resume continues)
+RUN_LEFTOVERS = ("adapter", "merged", METRICS_FILE, CONFIG_FILE, SAMPLES_FILE, "mlflow_run.json")
 
 
 def _fsync_tree(path: Path) -> None:
@@ -355,15 +358,40 @@ def check_output_dir(cfg: Any) -> str | None:
             )
             raise ConfigError(msg)
         return str(path)
+    if cfg.overwrite:
+        return None
     existing = any_checkpoint_dirs(out)
-    if existing and not cfg.overwrite:
+    if existing:
         shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
         msg = (
             f"output_dir {cfg.output_dir!r} holds another run's checkpoints ({shown}); pass "
             "resume='latest' to continue that run, overwrite=True to start over, or a new output_dir"
         )
         raise ConfigError(msg)
+    left = run_files(out)
+    if left:
+        # a run without checkpoints (save_steps=None) has nothing to resume: only starting over is left
+        msg = (
+            f"output_dir {cfg.output_dir!r} holds another run ({', '.join(left)}) and no checkpoint "
+            "to resume from; pass overwrite=True to start over (it deletes that run's files), or a "
+            "new output_dir"
+        )
+        raise ConfigError(msg)
     return None
+
+
+def run_files(out: Path) -> list[str]:
+    """What an earlier run left in `out` besides checkpoints (the files `clear_output_dir` removes),
+    and its record in the runs registry; empty when `out` holds no run."""
+    from nbtrain.runs import get_run, run_id_for
+
+    if not out.is_dir():
+        return []
+    left = sorted(p.name for p in out.iterdir() if p.name in RUN_LEFTOVERS)
+    record = get_run(run_id_for(out))
+    if record is not None:
+        left.append(f"a {record.get('state', 'running')} run in the runs registry")
+    return left
 
 
 def clear_output_dir(out: Path) -> None:
@@ -375,5 +403,5 @@ def clear_output_dir(out: Path) -> None:
             or p.name.startswith(".tmp-")
         ):
             shutil.rmtree(p, ignore_errors=True)
-        elif p.name in (METRICS_FILE, CONFIG_FILE):
+        elif p.name in RUN_LEFTOVERS:
             p.unlink()

@@ -192,7 +192,9 @@ class SFTConfig:
     )
     overwrite: bool = field(
         default=False,
-        metadata={"help": "Start over in an output_dir that holds another run's checkpoints."},
+        metadata={
+            "help": "Start over in an output_dir that holds another run (its checkpoints, adapter, metrics)."
+        },
     )
     max_grad_norm: float = field(
         default=1.0,
