@@ -39,8 +39,12 @@ SAMPLE_CHARS = 240
 SAMPLE_PROMPTS_SHOWN = 16
 
 
-# each curve's y axis title, with its unit, as the Lab run panel writes them
+# each curve's y axis title, with its unit, as the Lab run panel writes them; a run's `begin` may
+# title its loss otherwise (DPO's and GRPO's losses are not nats/token: `nbtrain.runs.loss_unit`)
 Y_TITLES = {"loss": "nats/token", "tokens_per_s": "tokens/s"}
+# what the final output says of a run that ended so (the run's state, as its record and the Lab say
+# it); "finished" for a run of `log` rows that no recipe ended with a state
+ENDED = {"done": "finished", "stopped": "stopped", "preempted": "preempted", "failed": "failed"}
 
 
 def _fmt(value: Any) -> str:
@@ -92,6 +96,9 @@ class LiveDisplay:
         self.samples: dict[int, list[dict[str, Any]]] = {}
         self.total: int | None = None
         self.name: str | None = None
+        #: the loss axis' title (the run's `loss_unit`) and how the run ended (its state)
+        self.loss_unit: str | None = None
+        self.ended: str | None = None
         self.t0 = time.monotonic()
         self.closed = False
         self._handle: Any = None
@@ -106,6 +113,8 @@ class LiveDisplay:
         if kind == "begin":
             self.total = payload.get("total_steps")
             self.name = payload.get("name")
+            self.loss_unit = payload.get("loss_unit")
+            self.ended = None
             self.t0 = time.monotonic()
             self.rows = []
             self.samples = {}
@@ -117,6 +126,7 @@ class LiveDisplay:
             self.rows.append(dict(payload.get("row", {})))
             self._dirty = True
         elif kind == "end":
+            self.ended = payload.get("state") or self.ended
             self.close()
             return
         self.maybe_render()
@@ -148,6 +158,8 @@ class LiveDisplay:
             parts.append(f"step {step}/{self.total}" if self.total else f"step {step}")
         if last.get("loss") is not None:
             parts.append(f"loss {last['loss']:.4f}")
+        if last.get("reward") is not None:  # GRPO's mean reward
+            parts.append(f"reward {last['reward']:.3f}")
         if last.get("eval_loss") is not None:
             parts.append(f"eval {last['eval_loss']:.4f}")
         if last.get("tokens_per_s") is not None:
@@ -197,7 +209,7 @@ class LiveDisplay:
                     ax.legend(loc="upper right", fontsize=9, frameon=False)
             ax.set_title(title, fontsize=11, loc="left")
             ax.set_xlabel("step", fontsize=10)
-            ax.set_ylabel(Y_TITLES.get(key, title), fontsize=10)
+            ax.set_ylabel(self._y_title(key, title), fontsize=10)
             ax.tick_params(labelsize=9, colors="#555555")
             ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
             ax.yaxis.set_major_locator(MaxNLocator(nbins=5))
@@ -225,6 +237,11 @@ class LiveDisplay:
                 series.append(("eval_loss", "#ff7f0e"))
             panels.append(_svg_panel(self.rows, series, title, x0=i * 330))
         return f"<svg xmlns='http://www.w3.org/2000/svg' width='{330 * len(plots)}' height='190' font-family='sans-serif' font-size='10'>{''.join(panels)}</svg>"
+
+    def _y_title(self, key: str, title: str) -> str:
+        if key == "loss" and self.loss_unit:
+            return self.loss_unit
+        return Y_TITLES.get(key, title)
 
     def _plots(self) -> tuple[tuple[str, str], ...]:
         """The curves to draw: PLOTS, and the reward margin (a DPO run) or the mean reward (GRPO)
@@ -316,7 +333,7 @@ class LiveDisplay:
         elif self.rows:
             img = "<br>" + self._svg()
         table = self._table_html() if final else ""
-        state = "finished" if final else "running"
+        state = ENDED.get(self.ended or "done", self.ended or "finished") if final else "running"
         samples = self._samples_html()
         doc = f"<div class='nbtrain-live'><b>{title}</b> ({state}) {bar}<code>{html.escape(line)}</code>{img}{table}{samples}</div>"
         text = f"{self.name or 'training'} ({state}): {line}"

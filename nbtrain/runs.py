@@ -20,7 +20,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-STATES = ("running", "done", "failed", "stopped")
+#: how a run ends: "stopped" on a stop request, "preempted" by SIGTERM/SIGUSR1 (with a checkpoint)
+STATES = ("running", "done", "failed", "stopped", "preempted")
+
+#: what a training run's record says it trained ("finetune" in records written before kinds)
+RUN_KINDS = ("sft", "dpo", "grpo")
+#: the unit of each kind's `loss`, as the run panel, compare and the notebook plot title its axis:
+#: SFT's is the mean token cross-entropy, DPO's the mean over pairs, GRPO's a policy loss per token
+LOSS_UNITS = {"sft": "nats/token", "dpo": "DPO loss/pair", "grpo": "GRPO loss/token"}
+
+
+def loss_unit(kind: str | None) -> str:
+    """The y axis title of a run's loss: "nats/token" for SFT (and records from before kinds)."""
+    return LOSS_UNITS.get(kind or "sft", LOSS_UNITS["sft"])
+
 
 # the files of a run folder (a finetune's output_dir) that more than one side reads
 #: the run's settings, the SFTConfig as a dict (written at the start and into every checkpoint)
@@ -92,9 +105,11 @@ def register_run(
     total_steps: int | None = None,
     cluster_id: str | None = None,
     world_size: int = 1,
-    kind: str = "finetune",
+    kind: str = "sft",
 ) -> str:
-    """Record a run as running and return its id; clears any stale stop request."""
+    """Record a run as running and return its id; clears any stale stop request.
+
+    `kind` is what it trains: one of `RUN_KINDS` (its loss's unit is `loss_unit(kind)`)."""
     out = Path(output_dir).expanduser().resolve()
     record = _new_record(
         out,
@@ -146,12 +161,13 @@ def update_run(run_id: str, **fields: Any) -> None:
     _write_json(registry_dir() / f"{run_id}.json", record)
 
 
-def finish_run(run_id: str, state: str) -> None:
-    """Mark a run done, failed or stopped, with its end time."""
+def finish_run(run_id: str, state: str, **fields: Any) -> None:
+    """Mark a run done, failed, stopped or preempted, with its end time and `fields` (a preempted
+    run's `step` and `checkpoint`)."""
     if state not in STATES:
         msg = f"unknown run state {state!r}; expected one of {', '.join(STATES)}"
         raise ValueError(msg)
-    update_run(run_id, state=state, ended=time.time())
+    update_run(run_id, **fields, state=state, ended=time.time())
     clear_stop(run_id)
 
 

@@ -73,3 +73,44 @@ def test_logits_path_and_checkpointing_agree(tiny, tmp_path):
             rtol=1e-5,
             atol=1e-6,
         )
+
+
+def test_preemption_records_the_run_and_names_dpoconfig(tiny, tmp_path):
+    """SIGUSR1 during a DPO run: Preempted (not a ValueError from the run record), whose resume hint
+    names DPOConfig; the record says preempted, at which step, and the checkpoint it wrote."""
+    import os
+    import signal
+
+    from nbtrain import runs
+    from nbtrain.sft.hooks import Hooks
+
+    hooks = Hooks()
+
+    @hooks.on_step
+    def signal_at_step_2(recipe, step, **kw):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    out = tmp_path / "dpo"
+    cfg = nbtrain.DPOConfig(
+        model=tiny,
+        data=preferences_path(),
+        output_dir=str(out),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_steps=None,
+        max_length=64,
+        data_cache="off",
+    )
+    with pytest.raises(nbtrain.Preempted) as info:
+        nbtrain.finetune(cfg, hooks=hooks)
+    msg = str(info.value)
+    assert "preempted at step 2/6 on rank 0" in msg and "SIGUSR1" in msg
+    assert "this run's DPOConfig (or the same DPOConfig(...) with resume='latest')" in msg
+    assert "SFTConfig" not in msg
+    record = runs.get_run(runs.run_id_for(out))
+    assert record["state"] == "preempted" and record["ended"] is not None
+    assert (record["step"], record["checkpoint"]) == (2, str(out / "checkpoint-2"))
+    assert record["kind"] == "dpo"
+    assert (out / "checkpoint-2").is_dir()

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 import nbtrain
 from nbtrain.data import instructions_path
 from nbtrain.errors import RankDiedError
+from nbtrain.runs import get_run, run_id_for
 from nbtrain.sft.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -232,6 +233,18 @@ def test_preemption_signal_checkpoints_then_resume_equals_uninterrupted(setup):
     assert Path(found.group(3)) == out / f"checkpoint-{step}"
     assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{step}"]
     assert _steps(out) == list(range(1, step + 1))
+    # every rank raised the same Preempted, and nothing else (no error from the run's record)
+    assert [(g["ename"], g["ranks"]) for g in info.value.failures] == [("Preempted", [0, 1])]
+    assert "this run's SFTConfig" in msg
+    # the record says so: preempted, ended, at the step, with the checkpoint, on this cluster
+    record = get_run(run_id_for(out))
+    assert (record["state"], record["step"], record["checkpoint"]) == (
+        "preempted",
+        step,
+        str(out / f"checkpoint-{step}"),
+    )
+    assert record["ended"] is not None
+    assert (record["kind"], record["cluster_id"]) == ("sft", cluster.cluster_id)
     # the hint is code: it runs with this run's config
     hint = re.search(r"resume with (nbtrain\.finetune\(.+?\)\)) where cfg", msg).group(1)
     compile(hint, "<hint>", "eval")

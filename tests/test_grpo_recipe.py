@@ -106,3 +106,32 @@ def test_torch_compile_is_off_and_said_so(tiny, tmp_path, capsys):
     )
     assert "torch.compile" not in result.plan["levers"]
     assert "nbtrain: torch_compile off: GRPO" in capsys.readouterr().out
+
+
+def test_preemption_records_the_run_and_names_grpoconfig(tiny, tmp_path):
+    """SIGUSR1 during a GRPO run: Preempted naming GRPOConfig; the record says preempted, at which
+    step, with the checkpoint it wrote, and that the run is a GRPO run."""
+    import os
+    import signal
+
+    from nbtrain import runs
+    from nbtrain.sft.hooks import Hooks
+
+    hooks = Hooks()
+
+    @hooks.on_step
+    def signal_at_step_1(recipe, step, **kw):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    out = tmp_path / "grpo"
+    with pytest.raises(nbtrain.Preempted) as info:
+        nbtrain.finetune(_cfg(tiny, out, save_steps=None), hooks=hooks)
+    msg = str(info.value)
+    assert "preempted at step 1/4 on rank 0" in msg
+    assert "this run's GRPOConfig (or the same GRPOConfig(...) with resume='latest')" in msg
+    record = runs.get_run(runs.run_id_for(out))
+    assert record["state"] == "preempted" and record["ended"] is not None
+    assert (record["step"], record["checkpoint"]) == (1, str(out / "checkpoint-1"))
+    assert record["kind"] == "grpo"
+    assert (out / "checkpoint-1").is_dir()

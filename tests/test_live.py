@@ -43,6 +43,9 @@ def test_grpo_rows_add_the_mean_reward():
     svg = live._svg()
     assert "width='990'" in svg and ">reward<" in svg and "reward margin" not in svg
     assert svg.count("<polyline") == 3
+    # issue 34, 13: the progress line shows the mean reward, not only a loss near 0
+    _, _, line = live._progress()
+    assert "loss 0.0000 · reward 0.300 · " in line
 
 
 def test_final_plot_and_table_read_like_the_lab_panel():
@@ -75,3 +78,88 @@ def test_final_plot_and_table_read_like_the_lab_panel():
     )
     table = live._table_html()
     assert "0.000125" in table and "12345" in table
+
+
+def _published(monkeypatch):
+    """The payloads a run in this process publishes for its live display (what a %%distributed cell
+    feeds its LiveDisplay), kept in a list instead of drawn: pytest has no kernel to draw in."""
+    from nbtrain.engine import metrics
+
+    payloads = []
+
+    class Sink:
+        def feed(self, payload):
+            payloads.append(payload)
+
+    monkeypatch.setattr(metrics, "_make_local_display", Sink)
+    return payloads
+
+
+def test_a_stopped_run_ends_stopped_not_finished(tiny, tmp_path, monkeypatch):
+    """issue 34, 19: a run stopped from the Lab leaves "(stopped)" under the cell, as the cell log and
+    the Lab say; its loss axis is titled as an SFT loss."""
+    import nbtrain
+    from nbtrain import runs
+    from nbtrain.data import instructions_path
+    from nbtrain.sft.hooks import Hooks
+
+    payloads = _published(monkeypatch)
+    hooks = Hooks()
+
+    @hooks.on_step
+    def stop_at_step_2(recipe, step, **kw):
+        if step == 2:
+            runs.request_stop(recipe.runlog.run_id)
+
+    cfg = nbtrain.SFTConfig(
+        model=tiny,
+        data=instructions_path(),
+        output_dir=str(tmp_path / "run"),
+        max_steps=6,
+        per_device_train_batch_size=2,
+        max_length=48,
+        logging_steps=1,
+        data_cache="off",
+    )
+    result = nbtrain.finetune(cfg, hooks=hooks)
+    assert result.state == "stopped"
+    assert payloads[-1] == {"kind": "end", "state": "stopped"}
+    live = LiveDisplay(min_interval=1e9)
+    for payload in payloads:
+        live.feed(payload)
+    final = live.bundle(final=True)
+    assert "(stopped)" in final["text/plain"] and "(finished)" not in final["text/plain"]
+    assert "<b>run</b> (stopped)" in final["text/html"]
+    assert live._axes[0].get_ylabel() == "nats/token"
+
+
+def test_a_dpo_run_titles_its_loss_per_pair(tiny, tmp_path, monkeypatch):
+    """issue 34, 20: DPO's loss is a mean over pairs, not nats/token: the run announces its kind and
+    the final plot titles the loss axis with DPO's unit; a run that ends normally says finished."""
+    import nbtrain
+    from nbtrain.data import preferences_path
+
+    payloads = _published(monkeypatch)
+    cfg = nbtrain.DPOConfig(
+        model=tiny,
+        data=preferences_path(),
+        output_dir=str(tmp_path / "dpo"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_steps=None,
+        max_length=64,
+        data_cache="off",
+    )
+    nbtrain.finetune(cfg)
+    begin = payloads[0]
+    assert (begin["kind"], begin["run_kind"], begin["loss_unit"]) == (
+        "begin",
+        "dpo",
+        "DPO loss/pair",
+    )
+    live = LiveDisplay(min_interval=1e9)
+    for payload in payloads:
+        live.feed(payload)
+    assert "(finished)" in live.bundle(final=True)["text/plain"]
+    assert [ax.get_ylabel() for ax in live._axes] == ["DPO loss/pair", "tokens/s", "reward margin"]

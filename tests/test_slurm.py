@@ -541,6 +541,8 @@ def test_preempted_job_checkpoints_and_resumes_to_the_uninterrupted_adapter(
         assert found, str(info.value)
         step = int(found.group(1))
         assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{step}"]
+        # every rank raised the same Preempted and nothing else (rank 0 once failed on the record)
+        assert [(g["ename"], g["ranks"]) for g in info.value.failures] == [("Preempted", [0, 1])]
         # the job would be killed after the grace period: the resume runs in a new job
         ip.run_line_magic("nbtrain", "stop")
         ip.run_line_magic(

@@ -209,7 +209,7 @@ def follow_run(
     """Rows of a run's metrics.jsonl as they come, until the run is no longer running (or `timeout`).
     Its samples (samples.jsonl, where the run samples while training) are shown beside them, those
     taken before the attach included."""
-    from nbtrain.runs import METRICS_FILE, SAMPLES_FILE, get_run
+    from nbtrain.runs import METRICS_FILE, SAMPLES_FILE, get_run, loss_unit
 
     folder = Path(run["output_dir"])
     metrics, samples = _Tail(folder / METRICS_FILE), _Tail(folder / SAMPLES_FILE)
@@ -222,9 +222,15 @@ def follow_run(
 
             display = LiveDisplay()
             display.feed(
-                {"kind": "begin", "total_steps": run.get("total_steps"), "name": run.get("name")}
+                {
+                    "kind": "begin",
+                    "total_steps": run.get("total_steps"),
+                    "name": run.get("name"),
+                    "loss_unit": loss_unit(run.get("kind")),
+                }
             )
     rows: list[dict[str, Any]] = []
+    state = run.get("state")
     by_step: dict[int, list[dict[str, Any]]] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
@@ -261,7 +267,8 @@ def follow_run(
             time.sleep(poll)
     finally:
         if display is not None:
-            display.feed({"kind": "end"})
+            # how the run ended, or "running" where the follow timed out before it did
+            display.feed({"kind": "end", "state": state})
             display.close()
     return rows
 

@@ -106,6 +106,8 @@ def init_group(
     for r in ranks:
         env = {
             **torchrun_env(ranks, r, master_addr, port, run_id or "nbtrain", restart_count),
+            # the cluster a run on this rank belongs to, in its run record (nbtrain.sft.report)
+            **({"NBTRAIN_CLUSTER_ID": run_id} if run_id else {}),
             **loopback,
             **options.extra_env,
         }

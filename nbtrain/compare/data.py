@@ -51,13 +51,29 @@ class RunData:
     final: dict[str, Any]  #: the last value of each metric (loss, eval_loss, tokens_per_s, ...)
     adapter: str | None  #: output_dir/adapter if it holds an exported adapter
     run_id: str | None = None  #: the runs-registry id, when the run is registered
-    state: str | None = None  #: running, done, failed or stopped (from the registry), else None
+    state: str | None = None  #: running, done, failed, stopped or preempted (registry), else None
     metrics: list[str] = field(
         default_factory=list
     )  #: metric names in the rows, in first-seen order
     samples: list[dict[str, Any]] = field(
         default_factory=list
     )  #: the completions of the last sampled step (samples.jsonl), in prompt order
+    kind: str = "sft"  #: what the run trained: sft, dpo or grpo (`run_kind`)
+
+
+def run_kind(record: dict[str, Any] | None, config: dict[str, Any]) -> str:
+    """sft, dpo or grpo: the registry record's kind, else told from the saved config's own fields (a
+    folder whose record is gone or was written before records had kinds)."""
+    from nbtrain.runs import RUN_KINDS
+
+    kind = (record or {}).get("kind")
+    if kind in RUN_KINDS:
+        return str(kind)
+    if "num_generations" in config:
+        return "grpo"
+    if "precompute_ref_log_probs" in config:
+        return "dpo"
+    return "sft"
 
 
 def _finite(value: Any) -> Any:
@@ -257,6 +273,7 @@ def load_run(path: str | os.PathLike[str]) -> RunData:
         state=(record or {}).get("state"),
         metrics=list(names),
         samples=last_samples(load_samples(folder)),
+        kind=run_kind(record, config),
     )
 
 

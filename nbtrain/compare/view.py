@@ -35,6 +35,7 @@ from nbtrain.compare.data import (
     side_by_side,
 )
 from nbtrain.errors import NotARunError
+from nbtrain.runs import loss_unit
 
 #: the last values a comparison's table shows, where any run has them
 FINAL_COLUMNS = ("step", "loss", "eval_loss", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gb")
@@ -321,14 +322,23 @@ def compare(
         smooth=smooth,
         diff=diff,
         table=table,
-        figure=_draw(curves, x, smooth, logy),
+        figure=_draw(curves, x, smooth, logy, loss_title(loaded)),
         curves=curves,
         notes=notes,
         samples=_samples(loaded, names),
     )
 
 
-def _draw(curves: dict[str, list[Curve]], x: str, smooth: float, logy: bool) -> Any:
+def loss_title(runs: Sequence[RunData]) -> str:
+    """The loss axes' title: the unit of the runs' kind (`nbtrain.runs.loss_unit`), or "loss" where
+    runs of different kinds (SFT's nats/token beside DPO's loss per pair) share the axes."""
+    kinds = {r.kind for r in runs}
+    return loss_unit(kinds.pop()) if len(kinds) == 1 else "loss (each run's own unit)"
+
+
+def _draw(
+    curves: dict[str, list[Curve]], x: str, smooth: float, logy: bool, loss: str = "nats/token"
+) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -352,7 +362,7 @@ def _draw(curves: dict[str, list[Curve]], x: str, smooth: float, logy: bool) -> 
                 ax.plot(c.x, c.smoothed, "o", color=color)
         ax.set_title(_TITLES.get(metric, metric))
         ax.set_xlabel("step" if x == "step" else "seconds")
-        ax.set_ylabel(Y_TITLES.get(metric, metric))
+        ax.set_ylabel(loss if metric in ("loss", "eval_loss") else Y_TITLES.get(metric, metric))
         if x == "step":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if logy:

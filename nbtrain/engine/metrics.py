@@ -87,9 +87,23 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def begin(total_steps: int | None = None, name: str | None = None) -> None:
-    """Announce a run: the live display sizes its progress bar from `total_steps`."""
-    _publish({"kind": "begin", "total_steps": total_steps, "name": name})
+def begin(
+    total_steps: int | None = None,
+    name: str | None = None,
+    kind: str | None = None,
+    loss_unit: str | None = None,
+) -> None:
+    """Announce a run: the live display sizes its progress bar from `total_steps` and titles the loss
+    axis `loss_unit` (a recipe's: `nbtrain.runs.loss_unit(kind)`; "nats/token" when not given)."""
+    _publish(
+        {
+            "kind": "begin",
+            "total_steps": total_steps,
+            "name": name,
+            "run_kind": kind,
+            "loss_unit": loss_unit,
+        }
+    )
 
 
 def log(step: int | None = None, **metrics: Any) -> None:
@@ -122,9 +136,11 @@ def samples(step: int, rows: list[dict[str, Any]]) -> None:
     _publish({"kind": "samples", "step": int(step), "rows": clean})
 
 
-def end() -> None:
-    """Close the live display for this run: it leaves a static image and the final metrics table."""
-    _publish({"kind": "end"})
+def end(state: str | None = None) -> None:
+    """Close the live display for this run: it leaves a static image and the final metrics table,
+    titled with how the run ended (`state`: done, stopped, preempted or failed; "finished" when not
+    given)."""
+    _publish({"kind": "end", "state": state})
 
 
 def log_end() -> None:

@@ -216,6 +216,7 @@ class CompareHandler(_Base):
                 "name": run.name,
                 "label": label,
                 "state": record.get("state"),
+                "kind": run.kind,
                 "output_dir": run.path,
                 "rows": run.rows,
                 "final": run.final,

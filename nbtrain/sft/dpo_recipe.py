@@ -31,6 +31,8 @@ from nbtrain.sft.recipe import SFTRecipe
 class DPORecipe(SFTRecipe):
     """One LoRA DPO run on this rank: `setup()`, `train()`, `result()` (or `run()`)."""
 
+    kind = "dpo"
+
     def __init__(
         self, cfg: DPOConfig, merge: bool = False, group: Any = None, hooks: Hooks | None = None
     ) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from nbtrain.errors import ConfigError
 from nbtrain.sft import grpo_loss, grpo_rollout
 from nbtrain.sft.grpo_rollout import PromptOrder, PromptRows, RewardFunctionError, Scored
+from nbtrain.sft.preempt import Preempted
 from nbtrain.sft.recipe import SFTRecipe, TrainResult
 
 
@@ -144,6 +145,10 @@ class Disaggregated(SFTRecipe):
         self.step = step
         end = self.link.object(None, src=self.link.actor0)
         self.history = end["history"]
+        if end["failure"] and end["failure"].startswith(f"{Preempted.__name__}: "):
+            # every rank raises the same Preempted, whichever group got the signal
+            self.state = "preempted"
+            raise Preempted(end["failure"].split(": ", 1)[1])
         if end["failure"]:
             msg = (
                 f"the actor group (rank {self.link.actor0} first) stopped the run: {end['failure']}"

@@ -54,6 +54,8 @@ class _PromptBatches:
 class GRPORecipe(Disaggregated):
     """One LoRA GRPO run on this rank: `setup()`, `train()`, `result()` (or `run()`)."""
 
+    kind = "grpo"
+
     def __init__(
         self, cfg: GRPOConfig, merge: bool = False, group: Any = None, hooks: Hooks | None = None
     ) -> None:

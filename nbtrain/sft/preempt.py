@@ -60,11 +60,20 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def message(step: int, total: int, rank: int, host: str, signum: int, checkpoint: str) -> str:
-    """What every rank raises: where the signal landed, the checkpoint, and the code that resumes."""
+def message(
+    step: int,
+    total: int,
+    rank: int,
+    host: str,
+    signum: int,
+    checkpoint: str,
+    config: str = "SFTConfig",
+) -> str:
+    """What every rank raises: where the signal landed, the checkpoint, and the code that resumes
+    (`config`: the name of the run's config class, SFTConfig, DPOConfig or GRPOConfig)."""
     return (
         f"preempted at step {step}/{total} on rank {rank} ({host}, {signal_name(signum)}); "
         f"checkpoint at {checkpoint}; resume with "
         "nbtrain.finetune(dataclasses.replace(cfg, resume='latest')) where cfg is this run's "
-        "SFTConfig (or the same SFTConfig(...) with resume='latest')"
+        f"{config} (or the same {config}(...) with resume='latest')"
     )

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.engine import metrics as live
+from nbtrain.runs import loss_unit
 from nbtrain.sft import checkpoint as ckpt
 from nbtrain.sft import shard
 from nbtrain.sft import step as one_step
@@ -86,6 +87,8 @@ class SFTRecipe(RunSetup):
         self.preempted: tuple[int, int] | None = None
         self.adapter_dir: str | None = None
         self.merged_dir: str | None = None
+        #: the checkpoint a preemption wrote, to resume from
+        self.checkpoint: str | None = None
 
     def run(self) -> TrainResult:
         """Set up, train, and return the result: what `finetune` does."""
@@ -101,7 +104,12 @@ class SFTRecipe(RunSetup):
         import torch
 
         d, span = self.d, self.span
-        live.begin(total_steps=self.total_steps, name=self.name)
+        live.begin(
+            total_steps=self.total_steps,
+            name=self.name,
+            kind=self.kind,
+            loss_unit=loss_unit(self.kind),
+        )
         # SIGTERM/SIGUSR1 (a preemption) is only recorded: the step's collective tells every rank
         self.preemption = Preemption().__enter__()
         self.state = "failed"
@@ -287,9 +295,10 @@ class SFTRecipe(RunSetup):
             hosts = d.gather_objects(d.host)
             self.state = "preempted"
             r, signum = self.preempted
-            where = str(self.out / f"checkpoint-{self.step}")
+            where = self.checkpoint = str(self.out / f"checkpoint-{self.step}")
+            config = type(self.cfg).__name__
             raise Preempted(
-                preempt_message(self.step, self.total_steps, r, hosts[r], signum, where)
+                preempt_message(self.step, self.total_steps, r, hosts[r], signum, where, config)
             )
         if d.is_zero:
             print(
@@ -367,9 +376,11 @@ class SFTRecipe(RunSetup):
     def cleanup(self) -> None:
         """Put back the signal handlers, close the live display, and record how the run ended."""
         self.preemption.__exit__()
-        live.end()
+        live.end(self.state)
         if self.runlog is not None:
-            self.runlog.finish(self.state)
+            # a preempted run's record says where to resume from
+            ended = {"step": self.step, "checkpoint": self.checkpoint} if self.checkpoint else {}
+            self.runlog.finish(self.state, **ended)
 
     def result(self) -> TrainResult:
         import pandas as pd

@@ -80,6 +80,7 @@ class RunLog:
         total: int,
         world: int,
         trackers: Trackers | None = None,
+        kind: str = "sft",
     ):
         from nbtrain.runs import register_run
 
@@ -95,7 +96,9 @@ class RunLog:
             name=name,
             total_steps=total,
             world_size=world,
+            # set on every engine by the cluster that started it (`cluster.group.init_group`)
             cluster_id=os.environ.get("NBTRAIN_CLUSTER_ID"),
+            kind=kind,
         )
 
     def stop_requested(self) -> bool:
@@ -116,13 +119,15 @@ class RunLog:
             self.run_id, step=row["step"], loss=row["loss"], tokens_per_s=row["tokens_per_s"]
         )
 
-    def finish(self, state: str) -> None:
+    def finish(self, state: str, **fields: Any) -> None:
+        """Close the files and mark the record `state`, with `fields` (a preemption's step and
+        checkpoint)."""
         from nbtrain.runs import finish_run
 
         self.file.close()
         if self.trackers is not None:
             self.trackers.finish(state)
-        finish_run(self.run_id, state)
+        finish_run(self.run_id, state, **fields)
 
 
 def read_history(out: Path, upto_step: int) -> list[dict[str, Any]]:
@@ -141,6 +146,8 @@ def read_history(out: Path, upto_step: int) -> list[dict[str, Any]]:
 
 def fmt_line(row: dict[str, Any], total: int) -> str:
     parts = [f"step {row['step']}/{total}", f"loss {row['loss']:.4f}"]
+    if row.get("reward") is not None:  # GRPO: the mean reward is what a run is watched by
+        parts.append(f"reward {row['reward']:.3f}")
     if row.get("grad_norm") is not None:
         parts.append(f"grad_norm {row['grad_norm']:.2f}")
     parts += [

@@ -32,6 +32,9 @@ class RunSetup:
     `group` trains on a sub-group of the running process group (its ranks are the run's ranks 0..n-1).
     """
 
+    #: what the run trains, in its record (`nbtrain.runs.RUN_KINDS`): a recipe sets its own
+    kind = "sft"
+
     def __init__(self, cfg: SFTConfig, group: Any = None) -> None:
         if not isinstance(cfg, SFTConfig):
             msg = f"finetune needs an nbtrain.SFTConfig, got {type(cfg).__name__}; build one with nbtrain.SFTConfig(...)"
@@ -302,7 +305,9 @@ class RunSetup:
             out.mkdir(parents=True, exist_ok=True)
             ckpt.write_run_config(out, self.config_dict)
             history = read_history(out, self.start_step) if resumed else []
-            self.runlog = RunLog(out, history, self.name, self.total_steps, d.world, trackers)
+            self.runlog = RunLog(
+                out, history, self.name, self.total_steps, d.world, trackers, kind=self.kind
+            )
         self.history = d.broadcast_object(history)
 
     def _optimizer(self) -> None:

@@ -36,7 +36,7 @@ REPORTERS = ("tensorboard", "mlflow")
 RUN_FILE = "mlflow_run.json"
 # after a failed send, MLflow rows wait this long before the next try (its client already retried)
 RETRY_S = 60.0
-_STATUS = {"done": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+_STATUS = {"done": "FINISHED", "stopped": "KILLED", "preempted": "KILLED", "failed": "FAILED"}
 
 
 def installed(name: str) -> bool:
