@@ -63,9 +63,81 @@ def test_bad_settings_are_refused(tiny, tmp_path, kw, says):
         _cfg(tiny, tmp_path, **kw)
 
 
-def test_a_step_must_hold_whole_groups(tiny, tmp_path):
-    with pytest.raises(ConfigError, match="must be a multiple of num_generations=4"):
+def test_a_step_must_hold_whole_groups(tiny, tmp_path, capsys):
+    # issue 34, 5: refused from the settings, before the model loads, with what to change
+    with pytest.raises(
+        ConfigError,
+        match="= 6, must be a multiple of num_generations=4: make per_device_train_batch_size a "
+        "multiple of 4, or lower num_generations",
+    ):
         nbtrain.finetune(_cfg(tiny, tmp_path, per_device_train_batch_size=6))
+    assert "nbtrain: loading" not in capsys.readouterr().out
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_rows_without_a_prompt_are_refused_together_before_the_model_loads(tiny, tmp_path, capsys):
+    rows = [{"question": r["prompt"], "answer": r["answer"]} for r in ROWS]
+    with pytest.raises(
+        ConfigError,
+        match="all 25 rows of data have keys 'question', 'answer', and a GRPO row needs a 'prompt'",
+    ):
+        nbtrain.finetune(_cfg(tiny, tmp_path, data=rows))
+    mixed = [*ROWS[:20], *rows[20:]]
+    with pytest.raises(
+        ConfigError,
+        match=r"5 of 25 data rows are not GRPO prompt rows: data row 20 has keys 'question', 'answer'; data row 21",
+    ):
+        nbtrain.finetune(_cfg(tiny, tmp_path, data=mixed))
+    assert "nbtrain: loading" not in capsys.readouterr().out
+
+
+def samples_only(samples):
+    return [0.0] * len(samples)
+
+
+def needs_solution(completions, solution, **kw):
+    return [float(c == s) for c, s in zip(completions, solution)]
+
+
+def no_kwargs(prompts, completions, completion_ids):
+    return [0.0] * len(completions)
+
+
+def test_reward_functions_are_checked_against_trls_call_before_the_model_loads(
+    tiny, tmp_path, capsys
+):
+    # issue 34, 4: a signature TRL's call cannot fit is refused where the config is made ...
+    with pytest.raises(
+        ConfigError,
+        match=r"reward function 'samples_only\(samples\)': it takes no argument named 'prompts', "
+        r"'completions', 'completion_ids', which the calls pass; add \*\*kwargs",
+    ):
+        _cfg(tiny, tmp_path, reward_funcs=[digits, samples_only])
+    # ... and a column the data lacks when the data is read: both before any model load, not blamed on
+    # a data row after a step was sampled
+    with pytest.raises(ConfigError) as info:
+        nbtrain.finetune(_cfg(tiny, tmp_path, reward_funcs=[digits, needs_solution, no_kwargs]))
+    msg = str(info.value)
+    assert (
+        "reward function 'needs_solution(completions, solution, **kw)': it needs 'solution', a column the data does not have"
+        in msg
+    )
+    assert (
+        "'no_kwargs(prompts, completions, completion_ids)': it takes no argument named 'answer'"
+        in msg
+    )
+    assert "digits" not in msg.split("TRL calls")[0]
+    assert "the data's columns are 'prompt', 'answer'" in msg
+    assert "nbtrain: loading" not in capsys.readouterr().out
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_the_step_line_shows_the_mean_reward(tiny, tmp_path, capsys):
+    # issue 34, 13: the printed step line is not only a loss near 0
+    result = nbtrain.finetune(_cfg(tiny, tmp_path, max_steps=1, save_steps=None))
+    reward = float(result.history["reward"][0])
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step 1/1 |"))
+    assert f"| reward {reward:.3f} |" in line, line
 
 
 def test_a_finished_run_is_not_overwritten(tiny, tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.errors import ConfigError
 from nbtrain.sft.config import SFTConfig, known_keywords_only
 
 #: the GRPO losses nbtrain computes, by TRL's names (TRL's default, "dapo", first)
@@ -138,6 +139,14 @@ class GRPOConfig(SFTConfig):
             "f(completions, **columns) -> list of floats (TRL's signature); reward models are not "
             "supported",
         )
+        if isinstance(funcs, list) and funcs and all(callable(f) for f in funcs):
+            # the signatures now, the columns they name when the data is read (before the model)
+            from nbtrain.sft import grpo_rewards
+
+            try:
+                grpo_rewards.check(funcs, [func_name(f) for f in funcs], None)
+            except ConfigError as e:
+                problems.append(str(e))
         n = len(funcs) if isinstance(funcs, list) else 0
         if self.reward_weights is not None:
             w = self.reward_weights

@@ -20,12 +20,13 @@ The reference for `beta` > 0 is the same model with its adapter off (peft's `dis
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 from nbtrain.engine.rank import get_rank
 from nbtrain.errors import ConfigError
-from nbtrain.sft import decode, grpo_loss, grpo_rollout
+from nbtrain.sft import decode, grpo_loss, grpo_rewards, grpo_rollout
 from nbtrain.sft.grpo_config import GRPOConfig
 from nbtrain.sft.grpo_disagg import Disaggregated
 from nbtrain.sft.grpo_rollout import PromptOrder, PromptRows, RewardFunctionError, Scored
@@ -111,20 +112,36 @@ class GRPORecipe(Disaggregated):
 
     # ---- set-up: prompt rows instead of tokenized rows
 
+    def _check(self) -> dict[str, Any]:
+        # a step's completions are known from the settings: refused before the model loads
+        cfg = self.cfg
+        micro, accum = int(cfg.per_device_train_batch_size), cfg.gradient_accumulation_steps
+        ranks = self.d.world if self.role == "collocated" else len(self.actor_ranks)
+        completions = ranks * micro * accum
+        if completions % self.G:
+            who = "rank(s)" if self.role == "collocated" else "actor rank(s)"
+            fits = self.G // math.gcd(self.G, ranks * accum)
+            msg = (
+                f"a step's completions, {ranks} {who} x per_device_train_batch_size={micro} x "
+                f"gradient_accumulation_steps={accum} = {completions}, must be a multiple of "
+                f"num_generations={self.G}: make per_device_train_batch_size a multiple of {fits}, "
+                "or lower num_generations"
+            )
+            raise ConfigError(msg)
+        return super()._check()
+
     def prepare_rows(self, source: Any) -> Any:
-        d = self.d
-        return d.agree(lambda: PromptRows.read(source, self.tokenizer, self.template_kwargs))
+        def read() -> PromptRows:
+            rows = PromptRows.read(source, self.tokenizer, self.template_kwargs)
+            # the columns the reward functions name, before the model loads
+            grpo_rewards.check(self.funcs, self.func_names, rows.columns)
+            return rows
+
+        return self.d.agree(read)
 
     def _batches(self, store: Any) -> None:
         d, plan = self.d, self.plan
         completions = d.world * plan.micro_batch * plan.grad_accum
-        if completions % self.G:
-            msg = (
-                f"a step's completions, {d.world} rank(s) x per_device_train_batch_size="
-                f"{plan.micro_batch} x gradient_accumulation_steps={plan.grad_accum} = {completions}, "
-                f"must be a multiple of num_generations={self.G}"
-            )
-            raise ConfigError(msg)
         self.rows: PromptRows = store
         if self.role == "actor":
             self.notes.append(

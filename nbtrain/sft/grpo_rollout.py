@@ -46,7 +46,8 @@ class PromptRows:
         src = data if isinstance(data, Source) else Source(data, "data")
         rows = [(r.value, src.row_where(r)) for r in src.part(0, 1)]
         prompts, columns, where, entries = [], [], [], []
-        for value, at in rows:
+        bad: list[tuple[str, str]] = []
+        for i, (value, at) in enumerate(rows):
             p = value.get("prompt") if isinstance(value, dict) else None
             ok = isinstance(p, str) or (
                 isinstance(p, list)
@@ -55,12 +56,12 @@ class PromptRows:
             )
             if not ok:
                 keys = (
-                    ", ".join(repr(k) for k in value)
+                    "keys " + ", ".join(repr(k) for k in value)
                     if isinstance(value, dict)
-                    else type(value).__name__
+                    else f"a {type(value).__name__}"
                 )
-                msg = f"{at} is not a GRPO prompt row (found {keys}); each row needs {_ACCEPTED}"
-                raise ConfigError(msg)
+                bad.append((f"data row {i}" + (f" ({at})" if at != "data" else ""), keys))
+                continue
             prompts.append(p)
             columns.append(
                 {k: v for k, v in value.items() if k not in ("completion", "completion_ids")}
@@ -69,6 +70,8 @@ class PromptRows:
             entries.append(
                 decode.Entry(p, None, value.get("tools"), value.get("chat_template_kwargs"))
             )
+        if bad:
+            raise ConfigError(_bad_rows(bad, len(rows)))
         if not prompts:
             msg = f"data holds no prompt rows; give rows with {_ACCEPTED}"
             raise ConfigError(msg)
@@ -81,6 +84,16 @@ class PromptRows:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+
+def _bad_rows(bad: list[tuple[str, str]], n: int) -> str:
+    """The rows that are not prompt rows, in one message: one line when they all fail alike."""
+    kinds = {keys for _, keys in bad}
+    if len(bad) == n and len(kinds) == 1:
+        return f"all {n} rows of data have {bad[0][1]}, and a GRPO row needs {_ACCEPTED}"
+    shown = "; ".join(f"{at} has {keys}" for at, keys in bad[:5])
+    more = f"; and {len(bad) - 5} more" if len(bad) > 5 else ""
+    return f"{len(bad)} of {n} data rows are not GRPO prompt rows: {shown}{more}. Each row needs {_ACCEPTED}"
 
 
 @dataclass
