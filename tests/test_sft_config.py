@@ -122,3 +122,40 @@ def test_eval_steps_without_eval_data_is_refused(base, tmp_path):
     # with eval_data it is a setting, and eval_data alone evaluates at the end
     assert SFTConfig(**base, eval_steps=10, eval_data=[{"text": "a"}]).eval_steps == 10
     assert SFTConfig(**base, eval_data=[{"text": "a"}]).eval_steps is None
+
+
+def _reward(completions, **kw):
+    return [0.0 for _ in completions]
+
+
+@pytest.mark.parametrize("kind", ["SFTConfig", "DPOConfig", "GRPOConfig"])
+def test_every_numeric_setting_given_as_text_is_refused_as_text(base, kind):
+    """learning_rate="2e-4" (from a YAML file or argv) is a string to fix, not a value out of range:
+    said once per field, with the number to write, for every int or float field of every config."""
+    import nbtrain
+
+    cls = getattr(nbtrain, kind)
+    extra = {"reward_funcs": _reward} if kind == "GRPOConfig" else {}
+    numeric = [
+        f for f in fields(cls) if {k.strip() for k in str(f.type).split("|")} & {"int", "float"}
+    ]
+    assert {"learning_rate", "max_steps", "lora_alpha", "save_steps"} <= {f.name for f in numeric}
+    for f in numeric:
+        text = "0.5" if "float" in str(f.type) else "3"
+        with pytest.raises(ConfigError) as e:
+            cls(**base, **extra, **{f.name: text})
+        lines = [x for x in str(e.value).splitlines() if f"{f.name}=" in x]
+        want = "a number" if "float" in str(f.type) else "an integer"
+        assert lines == [
+            f"  - {f.name}={text!r} must be {want}, not a string; pass {f.name}={text} (no quotes)"
+        ], (kind, f.name, str(e.value))
+    with pytest.raises(ConfigError) as e:
+        cls(**base, **extra, learning_rate="2e-4", lora_r=True, max_grad_norm=[1.0])
+    assert str(e.value).splitlines()[1:] == [
+        "  - learning_rate='2e-4' must be a number, not a string; pass learning_rate=2e-4 (no quotes)",
+        "  - lora_r=True must be an integer, not a bool",
+        "  - max_grad_norm=[1.0] must be a number, not a list",
+    ]
+    # words that are no number are refused as text too, and 'auto' stays a value of its own
+    with pytest.raises(ConfigError, match=r"max_steps='lots' must be an integer, not a string$"):
+        cls(**base, **extra, max_steps="lots")

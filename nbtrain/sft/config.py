@@ -16,6 +16,7 @@ from typing import Any
 
 from nbtrain.errors import ConfigError
 from nbtrain.sft import tracking
+from nbtrain.sft.config_types import type_problems
 from nbtrain.sft.decode import sampling_problems
 
 SCHEDULERS = (
@@ -419,6 +420,8 @@ class SFTConfig:
         problems.extend(sampling_problems(self))
         problems.extend(_sharding_problems(self))
         problems.extend(self._own_problems())
+        wrong = type_problems(self)  # said as the type, not again as a bad value
+        problems = [*wrong.values(), *(p for p in problems if p.split("=")[0] not in wrong)]
         if problems:
             lines = "\n".join(f"  - {p}" for p in problems)
             msg = f"invalid {type(self).__name__}:\n{lines}"
