@@ -56,6 +56,8 @@ EXPECT = {
     # the diff holds the one setting the two runs differ in
     "compare.md": ["learning_rate    0.001     0.01\n         learning_rate"],
     "README.md": ["tensor([1.])", "cluster stopped"],
+    # the disaggregated GRPO snippet ran its 5 steps on the two groups
+    "rl.md": ["TrainResult(state='done', global_step=5", "cluster stopped"],
 }
 
 RUNNABLE = [p for p in [ROOT / "README.md", *PAGES] if MARKER in p.read_text(encoding="utf-8")]
