@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -153,6 +154,66 @@ def test_a_ray_client_server_that_fails_to_start_is_tried_again_within_timeout(m
     with pytest.raises(ClusterError, match="Starting Ray client server failed"):
         launch.connect()
     assert len(calls) == 1
+
+
+# the raylet's own line when its metrics agent was slower than Ray's fixed 15 s (Ray 2.60, load 7)
+RAYLET_GAVE_UP = (
+    "[2026-11-27 05:35:19,640 C 12505 12505] (raylet) node_manager.cc:3576:  An unexpected system "
+    "state has occurred. You have likely discovered a bug in Ray. Please report this issue at "
+    "https://github.com/ray-project/ray/issues and we'll work with you to fix it. Check failed: "
+    "statussetor3576.has_value() Timed out waiting for file {session}/metrics_agent_port_"
+    "f184b9c06f05a5780a3c8a5751391e67b63b802fc9a40b4b5060b517\n"
+)
+
+
+def _fake_session(temp: str, raylet_out: str) -> str:
+    """A private Ray's temp dir as Ray leaves it: session_latest -> the session, with its logs."""
+    session = os.path.join(temp, "session_2026-11-27_05-34-54_249249_11591")
+    os.makedirs(os.path.join(session, "logs"))
+    os.symlink(session, os.path.join(temp, "session_latest"))
+    with open(os.path.join(session, "logs", "raylet.out"), "w") as f:
+        f.write("[2026-11-27 05:35:04,101 I 12505 12505] (raylet) main.cc:250: Setting up\n")
+        f.write(raylet_out.format(session=session))
+    return session
+
+
+def test_a_raylet_that_gave_up_on_a_slow_metrics_agent_is_named_with_its_log(tmp_path):
+    from nbtrain.cluster.launch.ray import RayLaunch
+    from nbtrain.cluster.launch.ray_local import diagnose
+
+    session = _fake_session(str(tmp_path), RAYLET_GAVE_UP)
+    failure = diagnose(str(tmp_path))
+    assert failure is not None and failure.slow_agent
+    assert failure.log == os.path.join(session, "logs", "raylet.out")
+    launch = RayLaunch(LaunchOptions(launcher="ray", address="local"))
+    launch.temp_dir = str(tmp_path)
+    generic = (
+        "Exception: The current node timed out during startup. This could happen because some "
+        "of the raylet failed to startup or the GCS has become overloaded."
+    )
+    text = str(launch._private_failed(120, generic, failure, tries=2))
+    assert text.startswith(
+        "the private Ray of --address local did not start (--timeout 120 s, 2 tries)"
+    )
+    # the cause, the log that says so, the agent's own log, and Ray's words besides
+    assert "waiting 15 s for its dashboard agent (Ray's metrics agent) to write its port" in text
+    assert "(metrics_agent_port)" in text and "Ray has no setting for this wait" in text
+    assert f"The raylet's log says so: {session}/logs/raylet.out" in text
+    assert f"the agent had not yet written its log, {session}/logs/dashboard_agent.log" in text
+    assert "The current node timed out during startup" in text
+    assert "less busy, or with a longer --timeout" in text
+
+
+def test_other_raylet_failures_are_named_but_not_tried_again(tmp_path):
+    from nbtrain.cluster.launch.ray_local import diagnose
+
+    assert diagnose(str(tmp_path)) is None  # no session at all: nothing to say
+    _fake_session(
+        str(tmp_path), "[x C 1 1] (raylet) main.cc:9: Check failed: plasma store did not start\n"
+    )
+    failure = diagnose(str(tmp_path))
+    assert failure is not None and not failure.slow_agent
+    assert "Check failed: plasma store did not start" in failure.cause
 
 
 # -- a real Ray ---------------------------------------------------------------------------------
@@ -473,3 +534,61 @@ def test_an_unsatisfiable_group_fails_within_timeout_naming_what_is_missing(head
         assert c.run(lambda: 1) == [1]
     finally:
         c.stop()
+
+
+SLOW_AGENT = """
+import os, sys
+# the first dashboard agent of the test's private Ray starts 20 s late, as on a busy machine
+once = os.environ.get("NBT_SLOW_AGENT_ONCE")
+if once and sys.argv and sys.argv[0].endswith(os.path.join("dashboard", "agent.py")):
+    try:
+        os.close(os.open(once, os.O_CREAT | os.O_EXCL))
+    except OSError:
+        pass
+    else:
+        import time
+        time.sleep(20)
+"""
+
+
+BUSY = 1  # busy processes beside the start (the test's own, stopped by it)
+
+
+@pytest.mark.timed
+@needs_ray
+def test_a_private_ray_starts_under_load_when_its_metrics_agent_is_slow(tmp_path, monkeypatch):
+    # a busy process of the test's own, and the first private Ray's dashboard agent 20 s
+    # late (its raylet gives up after a fixed 15 s): the start tries again within --timeout
+    (tmp_path / "sitecustomize.py").write_text(SLOW_AGENT)
+    marker = tmp_path / "slowed"
+    monkeypatch.setenv("NBT_SLOW_AGENT_ONCE", str(marker))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    )
+    busy = [
+        subprocess.Popen([sys.executable, "-c", "while 1: pass"], env={"PATH": "/usr/bin"})
+        for _ in range(BUSY)
+    ]
+    t0 = time.monotonic()
+    try:
+        c = nbtrain.start(launcher="ray", address="local", n=2, force=True, timeout=240)
+        took = time.monotonic() - t0
+        try:
+            assert c.run(lambda: __import__("torch").distributed.get_world_size()) == [2, 2]
+            started = _ours_here(_private_prefix())
+            # one Ray session per try, in the private Ray's one temp dir
+            sessions = glob.glob(_private_prefix() + "*/session_2*")
+        finally:
+            c.stop()
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    print(f"\n[slow agent] started in {took:.0f} s, {len(sessions)} tries")
+    assert marker.exists(), "the first agent was never slowed: the test did not test a retry"
+    assert len(sessions) >= 2, sessions
+    assert took < 240 + 15, f"took {took:.0f} s for --timeout 240"
+    gone, alive = psutil.wait_procs(
+        [psutil.Process(p) for p in started if psutil.pid_exists(p)], timeout=20
+    )
+    assert not [p for p in alive if procs.running(p)], "Ray processes left by --address local"

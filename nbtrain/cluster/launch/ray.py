@@ -37,6 +37,7 @@ from nbtrain.cluster.launch import LaunchOptions
 from nbtrain.cluster.launch.base import EngineLaunch, start_engines, stop_here
 from nbtrain.cluster.launch.ray_address import output_to, resolve, unreachable
 from nbtrain.cluster.launch.ray_engines import RayEngineSet
+from nbtrain.cluster.launch.ray_local import StartFailure, diagnose, logs_folder
 
 # the launcher's options and their checks (declared with the placement they decide)
 from nbtrain.cluster.launch.ray_placement import (  # noqa: F401
@@ -127,18 +128,34 @@ class RayLaunch(EngineLaunch):
         self.log_path = os.path.join(self.temp_dir, "connect.log")
         if self.private:
             kwargs["_temp_dir"] = self.temp_dir
+        tries = 0
         while True:
             # set before ray.init: a failure inside it (a SystemExit included) must still be undone
             self.started_ray = True
+            tries += 1
+            began = time.monotonic()
             try:
                 with output_to(self.log_path):
                     ray.init(address=address, **kwargs)
                 break
             except BaseException as e:
+                failure = diagnose(self.temp_dir) if self.private else None
                 self._abandon()
                 cause = f"{type(e).__name__}: {e}".strip().rstrip(":")
                 if isinstance(e, KeyboardInterrupt):
                     raise
+                if (
+                    failure is not None
+                    and failure.slow_agent
+                    and deadline - time.monotonic() > time.monotonic() - began
+                ):
+                    # a raylet that gave up on a slow agent (a fixed 15 s in Ray): start the
+                    # private Ray again while --timeout leaves the time another try took
+                    log.info("the private Ray did not start (%s); starting it again", failure.cause)
+                    self.private = True
+                    continue
+                if address == "local":
+                    raise self._private_failed(timeout, cause, failure, tries) from None
                 if _client_server_hiccup(address, e) and deadline - time.monotonic() > 5:
                     # Ray Client starts one server per connection; on a busy head that start can
                     # fail once and work the next time: try again while --timeout lasts
@@ -158,14 +175,8 @@ class RayLaunch(EngineLaunch):
         where = f" Ray's output: {self.log_path}." if os.path.exists(self.log_path) else ""
         cause = cause.rstrip(".")
         if address == "local":
-            logs = os.path.join(self.temp_dir, "session_latest", "logs")
-            msg = (
-                f"the private Ray of --address local did not start (--timeout {timeout:g} s): "
-                f"{cause}. Its logs: {logs}.{where} Nothing of it was left running. Start again "
-                "with a longer --timeout (this machine may be busy or short of memory), or use "
-                "--launcher local, which needs no Ray."
-            )
-        elif address == "auto":
+            return self._private_failed(timeout, cause, None, 1)
+        if address == "auto":
             found = f" (found at {target})" if target else ""
             msg = (
                 f"no Ray cluster answers for --address auto{found} within --timeout {timeout:g} s: "
@@ -190,6 +201,34 @@ class RayLaunch(EngineLaunch):
                 f"reach it; from outside the cluster use ray://HEAD:10001 instead.{where}"
             )
         return ClusterError(msg)
+
+    def _private_failed(
+        self, timeout: float, cause: str, failure: StartFailure | None, tries: int
+    ) -> ClusterError:
+        """The message for a private Ray (`--address local`) that did not start: the cause its
+        raylet's log names, that log, and Ray's own words."""
+        where = f" Ray's output: {self.log_path}." if os.path.exists(self.log_path) else ""
+        cause = cause.rstrip(".")
+        logs = logs_folder(self.temp_dir) if self.temp_dir else "?"
+        tried = f", {tries} tries" if tries > 1 else ""
+        head = f"the private Ray of --address local did not start (--timeout {timeout:g} s{tried})"
+        if failure is None:
+            return ClusterError(
+                f"{head}: {cause}. Its logs: {logs}.{where} Nothing of it was left running. "
+                "Start again with a longer --timeout (this machine may be busy or short of "
+                "memory), or use --launcher local, which needs no Ray."
+            )
+        fix = (
+            "Start again when this machine is less busy, or with a longer --timeout (nbtrain "
+            "starts the private Ray again while --timeout lasts)"
+            if failure.slow_agent
+            else "Start again, with a longer --timeout if this machine is busy or short of memory"
+        )
+        return ClusterError(
+            f"{head}: {failure.cause}. The raylet's log says so: {failure.log} (Ray said: "
+            f"{cause}). Its logs: {logs}.{where} Nothing of it was left running. {fix}, or use "
+            "--launcher local, which needs no Ray."
+        )
 
     def _abandon(self) -> None:
         """After a failed start: disconnect, and end every process of a private Ray (SIGTERM,
