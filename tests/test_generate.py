@@ -163,10 +163,73 @@ def test_side_by_side_in_one_process(models, refs):
         max_new_tokens=NEW,
         batch_size=8,
     )
-    assert list(df.columns)[:4] == ["prompt", "base", "run", "run-2"]
+    # one run's adapter and merged model: the columns say which is which
+    assert list(df.columns)[:4] == ["prompt", "base", "run/adapter", "run/merged"]
     _check(df, refs["base"], "base", "tokens_base")
-    _check(df, refs["adapter"], "run", "tokens_run")
-    _check(df, refs["merged"], "run-2", "tokens_run-2")
+    _check(df, refs["adapter"], "run/adapter", "tokens_run/adapter")
+    _check(df, refs["merged"], "run/merged", "tokens_run/merged")
+
+
+def test_a_run_folder_is_its_adapter(models, refs):
+    run = str(models["root"] / "run")
+    df = nbtrain.generate(
+        PROMPTS, adapter=["base", run, run + "/merged"], max_new_tokens=NEW, batch_size=8
+    )
+    assert list(df.columns)[:4] == ["prompt", "base", "run/adapter", "run/merged"]
+    _check(df, refs["adapter"], "run/adapter", "tokens_run/adapter")
+    # alone, the run folder gives the adapter's completions, the base named by the adapter
+    _check(nbtrain.generate(PROMPTS, adapter=run, max_new_tokens=NEW), refs["adapter"])
+
+
+def test_column_labels_tell_models_apart():
+    from nbtrain.sft.generate import _models, _name_columns
+
+    def labels(adapter):
+        models = _models(adapter)
+        _name_columns(models)
+        return [m.label for m in models]
+
+    assert labels(["base", "runs/a/adapter", "runs/b"]) == ["base", "a", "b"]
+    assert labels(["x/sft/adapter", "y/sft/adapter"]) == ["x/sft/adapter", "y/sft/adapter"]
+    assert labels(["base", "runs/base/adapter"]) == ["base", "base/adapter"]
+    assert labels(["runs/a/adapter", "runs/a/adapter"]) == ["a", "a-2"]
+    assert labels({"mine": "runs/a/adapter", "a": "base"}) == ["mine", "a"]
+    assert labels("runs/a/adapter") == ["completion"]
+
+
+def test_a_run_folder_without_its_adapter_names_the_way_out(models, tmp_path):
+    import shutil
+
+    run = tmp_path / "stopped"
+    (run / "checkpoint-5").mkdir(parents=True)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(models["root"] / "run" / "adapter" / f, run / "checkpoint-5" / f)
+    (run / "checkpoint-5" / "trainer_state.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="run folder without an adapter/") as e:
+        nbtrain.generate(["hi"], model=models["base"], adapter=str(run))
+    assert "resume='latest'" in str(e.value)
+    assert f"adapter={str(run / 'checkpoint-5')!r}" in str(e.value)
+
+
+def test_an_adapter_prints_no_deprecation_notice_nor_loading_bar(models, capfd):
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as in a fresh kernel
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            nbtrain.generate(["hi"], adapter=models["adapter"], max_new_tokens=2)
+        assert hf_logging.is_progress_bar_enabled()  # the user's setting is left as it was
+    finally:
+        if not was:
+            hf_logging.disable_progress_bar()
+    assert [str(w.message) for w in seen if issubclass(w.category, FutureWarning)] == []
+    out = capfd.readouterr()
+    assert "Loading weights" not in out.out + out.err
 
 
 def test_two_ranks_equal_transformers_in_prompt_order(two, models, refs):

@@ -68,3 +68,33 @@ def test_bitsandbytes_kernels_note_is_not_shown():
     if "gemm_4bit_forward" not in stderr("import peft"):
         pytest.skip("bitsandbytes prints no kernels note on this CPU (it needs AVX512-BF16)")
     assert "gemm_4bit_forward" not in stderr("import nbtrain.sft.model, peft")
+
+
+def test_loading_and_lora_print_no_bar_nor_deprecation_notice(tmp_path, capfd):
+    # finetune and generate load through these two: in a fresh kernel (bars on) rank 0 printed a
+    # "Loading weights" bar, and peft's wrapping transformers' FutureWarning, on every call
+    import warnings
+    from types import SimpleNamespace
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from nbtrain.sft.tiny import make_tiny_model
+
+    tiny = make_tiny_model(tmp_path / "tiny")
+    lora = SimpleNamespace(lora_r=2, lora_alpha=4, lora_dropout=0.0, target_modules="all-linear")
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        capfd.readouterr()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            base = model.load_model(tiny, torch.float32, torch.device("cpu"))
+            model.apply_lora(base, lora)
+        out = capfd.readouterr()
+        assert hf_logging.is_progress_bar_enabled()  # the user's own setting is left as it was
+    finally:
+        if not was:
+            hf_logging.disable_progress_bar()
+    assert "Loading weights" not in out.out + out.err
+    assert [str(w.message) for w in seen if issubclass(w.category, FutureWarning)] == []

@@ -53,14 +53,72 @@ def _adapter_path(value: Any) -> str:
     raise ConfigError(msg)
 
 
-def _label(path: str, taken: set[str]) -> str:
-    p = Path(path)
-    # runs/first/adapter -> "first": the run's name says more than "adapter"
-    name = p.parent.name if p.name in ("adapter", "merged") and p.parent.name else p.name
-    label, n = name or path, 2
-    while label in taken:
-        label, n = f"{name}-{n}", n + 1
-    return label
+_RUN_PARTS = ("adapter", "merged")
+
+
+def _tail(path: str, k: int) -> str:
+    """The last `k` parts of `path` ("runs/sft/merged", 2 -> "sft/merged")."""
+    parts = [q for q in Path(os.path.normpath(path)).parts if q not in ("/", "\\")]
+    return "/".join(parts[-k:]) or path
+
+
+def _name_columns(models: list[_Model]) -> None:
+    """Labels for the columns the caller did not name: the run's name (runs/first/adapter -> "first"),
+    and where two would be the same, as much of each path as tells them apart (runs/sft/adapter and
+    runs/sft/merged -> "sft/adapter", "sft/merged"); the same folder twice is numbered."""
+    if len(models) == 1:
+        models[0].label = "completion"
+        return
+    auto = [m for m in models if not m.label]
+    fixed = {m.label for m in models if m.label}
+    for m in auto:
+        assert m.path is not None
+        p = Path(os.path.normpath(m.path))
+        # the run's name says more than "adapter"
+        m.label = p.parent.name if p.name in _RUN_PARTS and p.parent.name else p.name or m.path
+    k = 2
+    while True:
+        # a longer label cannot tell the same folder twice apart: that one is numbered below
+        clash = [
+            m
+            for m in auto
+            if m.label in fixed or any(o.label == m.label and o.path != m.path for o in auto)
+        ]
+        longer = [m for m in clash if _tail(str(m.path), k) != m.label]
+        if not longer:
+            break
+        for m in longer:
+            m.label = _tail(str(m.path), k)
+        k += 1
+    taken = set(fixed)
+    for m in auto:
+        label, n = m.label, 2
+        while label in taken:
+            label, n = f"{m.label}-{n}", n + 1
+        m.label = label
+        taken.add(label)
+
+
+def _run_adapter(path: str) -> str:
+    """A run folder (a finetune's output_dir) stands for the adapter the run exported into it."""
+    from nbtrain.runs import CONFIG_FILE, METRICS_FILE
+    from nbtrain.sft.checkpoint import list_checkpoints
+
+    p = Path(path).expanduser()
+    if not p.is_dir() or any((p / f).is_file() for f in ("adapter_config.json", "config.json")):
+        return path
+    if (p / "adapter" / "adapter_config.json").is_file():
+        return os.path.join(path, "adapter")
+    saved = list_checkpoints(p)
+    if not (saved or (p / CONFIG_FILE).is_file() or (p / METRICS_FILE).is_file()):
+        return path  # not a run folder: _classify says what it lacks
+    hint = f", or generate from its latest checkpoint: adapter={str(saved[-1])!r}" if saved else ""
+    msg = (
+        f"adapter {path!r} is a run folder without an adapter/: finetune exports the adapter when "
+        f"the run ends, and this run did not finish. Finish it (finetune with the same config and "
+        f"resume='latest'){hint}"
+    )
+    raise ConfigError(msg)
 
 
 def _models(adapter: Any) -> list[_Model]:
@@ -83,15 +141,13 @@ def _models(adapter: Any) -> list[_Model]:
         if value is None or value == BASE:
             m = _Model(label or BASE, BASE)
         else:
-            path = _adapter_path(value)
-            m = _Model(label or _label(path, taken), "adapter", path)
-        if m.label in taken:
+            # unnamed ("") until the run folders are resolved: _name_columns
+            m = _Model(label or "", "adapter", _adapter_path(value))
+        if m.label and m.label in taken:
             msg = f"two adapter entries are both labelled {m.label!r}; give adapter as a dict {{label: folder}}"
             raise ConfigError(msg)
         taken.add(m.label)
         out.append(m)
-    if len(out) == 1:
-        out[0].label = "completion"
     return out
 
 
@@ -135,8 +191,8 @@ def _classify(m: _Model) -> None:
         return
     msg = (
         f"adapter {m.path!r} holds neither adapter_config.json (a PEFT adapter) nor config.json (a model "
-        "such as finetune(cfg, merge=True) writes); give the adapter folder finetune exported "
-        "(result.adapter_dir, output_dir/adapter) or a merged model folder"
+        "such as finetune(cfg, merge=True) writes); give a run folder (finetune's output_dir), the "
+        "adapter folder finetune exported (result.adapter_dir, output_dir/adapter) or a merged model folder"
     )
     raise ConfigError(msg)
 
@@ -174,19 +230,6 @@ def _settings(
         target_modules=sorted(targets) if isinstance(targets, list | set) else targets,
         seed=0,
     )
-
-
-@contextlib.contextmanager
-def _quiet_hf() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
 
 
 class _Loader:
@@ -260,7 +303,9 @@ class _Loader:
     @contextlib.contextmanager
     def model(self, m: _Model) -> Iterator[Any]:
         """The model of column `m`, ready to generate from."""
-        with _quiet_hf():
+        from nbtrain.sft.model import quiet_hf
+
+        with quiet_hf():
             if self.sharded:
                 path = m.path if m.kind == "model" else self.base
                 assert path is not None
@@ -370,9 +415,9 @@ def generate(
     or rows / a .jsonl/.json/.parquet/.csv file in the formats `finetune` reads (a row's completion,
     or its last assistant turn, is the `reference` column).
     `model`: the base model (Hub id or folder); default: the base the first adapter names.
-    `adapter`: None (the base), a PEFT adapter folder (unmerged), a merged model folder, the
-    `TrainResult` of a `finetune` (its exported adapter), or a list of them (`"base"` for none; a dict
-    {label: entry} names the columns): one completion column per model.
+    `adapter`: None (the base), a run folder (its adapter/), a PEFT adapter folder (unmerged), a
+    merged model folder, the `TrainResult` of a `finetune` (its exported adapter), or a list of them
+    (`"base"` for none; a dict {label: entry} names the columns): one completion column per model.
     Greedy unless `do_sample` (then `temperature`, `top_p`, `top_k`, drawn with its own generator
     seeded by `seed`, which leaves the global RNG as it was). `shard="fsdp"` and `load_in_4bit`
     load as `finetune` does. Every rank of the cell must call it (`group`: the ranks of a sub-group).
@@ -405,12 +450,19 @@ def generate(
     models = _models(adapter)
 
     d = Dist(group)
+    # rank 0 reads a run folder as its adapter; every rank then takes rank 0's paths
+    paths = d.agree(
+        lambda: [_run_adapter(m.path) if m.path and d.is_zero else m.path for m in models]
+    )
+    for m, path in zip(models, d.broadcast_object(paths), strict=True):
+        m.path = path
+    _name_columns(models)
     for m in models:
         if m.kind == "adapter" and m.path is not None:
             m.path = _ship(d, m.path)
 
     def check() -> tuple[str, Any]:
-        from nbtrain.sft.model import check_causal_lm, load_tokenizer
+        from nbtrain.sft.model import check_causal_lm, load_tokenizer, quiet_hf
 
         for m in models:
             _classify(m)
@@ -426,7 +478,7 @@ def generate(
             from nbtrain.sft import quant
 
             quant.check_quant(_settings(base, shard, True, dtype), d.device, d.rank, d.host)
-        with _quiet_hf():
+        with quiet_hf():
             return base, load_tokenizer(base)
 
     base, tokenizer = d.agree(check)

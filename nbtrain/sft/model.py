@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -147,6 +149,27 @@ def enable_checkpointing(base: Any) -> None:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+@contextlib.contextmanager
+def quiet_hf() -> Iterator[None]:
+    """No "Loading weights" bar and no deprecation notice of transformers' own while nbtrain loads a
+    model or puts LoRA on it: under %%distributed every rank would print them, on every call."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            # transformers 5 warns from inside peft's wrapping (get_peft_model, PeftModel.from_pretrained)
+            # about its own renamed attribute: nothing a user of nbtrain can change
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+            )
+            yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(
     model: str, dtype: Any, device: Any, gradient_checkpointing: bool = False, **load_kwargs: Any
 ) -> Any:
@@ -155,7 +178,10 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     try:
-        base = AutoModelForCausalLM.from_pretrained(model_source(model), dtype=dtype, **load_kwargs)
+        with quiet_hf():
+            base = AutoModelForCausalLM.from_pretrained(
+                model_source(model), dtype=dtype, **load_kwargs
+            )
     except Exception as e:
         raise _load_error(model, "model", e) from None
     base.config.use_cache = False
@@ -214,11 +240,7 @@ def apply_lora(model: Any, cfg: Any) -> Any:
         task_type="CAUSAL_LM",
     )
     try:
-        with warnings.catch_warnings():
-            # transformers 5 warns from inside peft's wrapping about its own renamed attribute
-            warnings.filterwarnings(
-                "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
-            )
+        with quiet_hf():
             return get_peft_model(model, lora)
     except ValueError as e:  # e.g. a target that is not a layer type LoRA supports
         linear = ", ".join(linear_module_names(model))
