@@ -183,6 +183,36 @@ def test_history_columns_are_documented():
     assert "peak_memory_gb_rank<r>" in section
 
 
+def test_every_make_target_named_is_in_the_makefile():
+    # a reader who types the `make X` a page (or a comment in the repo's own files) names gets that target
+    targets = set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), re.M))
+    files = [
+        ROOT / "README.md",
+        ROOT / ".gitignore",
+        *PAGES,
+        *sorted((ROOT / "scripts").glob("*.sh")),
+    ]
+    named = {
+        (f.name, t)
+        for f in files
+        for t in re.findall(r"`make ([a-z][\w-]*)", f.read_text(encoding="utf-8"))
+    }
+    assert named and {"dev", "test", "demo"} <= targets
+    assert {(f, t) for f, t in named if t not in targets} == set()
+
+
+def test_quickstart_prose_gives_the_demo_losses():
+    # the sample output on the page is the demo's (tests/test_cli.py runs it); the prose says the same
+    page = (DOCS / "quickstart.md").read_text(encoding="utf-8")
+    sample = re.search(
+        r"final loss +(\d+\.\d+) \(first logged (\d+\.\d+), \d+ rows, last step (\d+)\)", page
+    )
+    prose = re.search(r"loss to fall visibly \(from (\d+\.\d+) to (\d+\.\d+) in (\d+) steps", page)
+    assert sample and prose
+    last, first, steps = sample.groups()
+    assert prose.groups() == (f"{float(first):.2f}", f"{float(last):.2f}", steps)
+
+
 # ----------------------------------------------------------------------------- the magics page
 def _subcommands():
     from nbtrain.magics import build_parser
