@@ -410,6 +410,8 @@ def test_samples_notebook_runs(tmp_path, monkeypatch):
     _execute(nb, tmp_path)
     text = _all_text(nb)
     assert "step 80/80 | loss" in text, text[-3000:]
+    # no noise of transformers' in the outputs a reader sees: a deprecation notice, a loading bar
+    assert "FutureWarning" not in text and "Loading weights" not in text, text[-3000:]
     run = tmp_path / "out" / "runs" / "tuned"
     rows = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     assert [(r["step"], r["index"]) for r in rows] == [
