@@ -208,13 +208,35 @@ def _summary(out: Path) -> list[str]:
     return lines
 
 
+def _unusable(out: Path) -> str | None:
+    """Why `out` cannot hold the demo's files (after making it), or None when it can."""
+    if out.exists() and not out.is_dir():
+        return "is a file, not a folder"
+    above = next(p for p in out.parents if p.exists())
+    if not above.is_dir():
+        return f"cannot be made: {above} is a file"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".nbtrain-demo-{os.getpid()}"  # an existing folder may still be read-only
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        where = f": {e.filename}" if e.filename and e.filename != str(out) else ""
+        return f"cannot be made or written to ({e.strerror or e}{where})"
+    return None
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser().resolve()
     notebook = Path(args.notebook).resolve() if args.notebook else quickstart_path()
     if not notebook.is_file():
         print(f"nbtrain demo: notebook {notebook} not found.", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
+    unusable = _unusable(out)
+    if unusable:
+        msg = f"nbtrain demo: --out {out} {unusable}; pass a folder you can write to"
+        print(msg, file=sys.stderr)
+        return 2
     print(
         f"nbtrain demo: running {notebook.name} in a python3 kernel ({sys.executable}); "
         f"output in {out}",

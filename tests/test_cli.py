@@ -198,3 +198,24 @@ def test_the_lockfile_installs_as_it_is(tmp_path):
         pytest.skip("the npm registry cannot be reached")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "package-lock.json").read_bytes() == (lab / "package-lock.json").read_bytes()
+
+
+def test_demo_out_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    """--out that is a file, or under one: one line that says why, exit code 2, no traceback."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for out, why in (
+        (a_file, f"--out {a_file} is a file, not a folder"),
+        (a_file / "demo", f"--out {a_file / 'demo'} cannot be made: {a_file} is a file"),
+    ):
+        assert main(["demo", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"nbtrain demo: {why}; pass a folder you can write to\n"
+    assert a_file.read_text() == "mine"
+    # the console script as a user runs it: the same line, and no traceback
+    proc = _nbtrain("demo", "--out", str(a_file / "demo"), timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"nbtrain demo: --out {a_file / 'demo'} cannot be made: {a_file} is a file; pass a "
+        "folder you can write to"
+    ]
