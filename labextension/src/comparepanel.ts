@@ -18,7 +18,7 @@ import {
   smooth,
   XAxis
 } from './compare';
-import { shortPath } from './model';
+import { lossTitle, shortPath } from './model';
 import { blankClass, COLOURS } from './panel';
 import { sideBySide } from './samples';
 import { IComparePage } from './tokens';
@@ -170,7 +170,10 @@ export class ComparePanel extends Widget {
     const x = this.xAxis;
     for (const [i, metric] of COMPARE_METRICS.entries()) {
       const chart = this._charts[i];
+      const loss = metric.key === 'loss' || metric.key === 'eval_loss';
       chart.setOptions({
+        // DPO's and GRPO's losses are not nats/token: each run's kind says its unit
+        ...(loss ? { yTitle: lossTitle(page.runs.map(r => r.kind)) } : {}),
         logY: this._log.checked,
         xTitle: x === 'step' ? 'step' : 'seconds',
         note: weight > 0 ? `smoothed ${weight.toFixed(2)}` : ''

@@ -112,7 +112,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       if (confirm) {
         const answer = await showDialog({
           title: `Stop run ${name}?`,
-          body: 'It saves a checkpoint and ends at its next step; resume it with resume=True.',
+          body: "It saves a checkpoint and ends at its next step; resume it with resume='latest' in its config.",
           buttons: [
             Dialog.cancelButton(),
             Dialog.warnButton({ label: 'Stop run' })

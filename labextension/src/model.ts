@@ -13,10 +13,40 @@ import {
   IRun,
   IScalingPage,
   IScalingReport,
-  Requester
+  Requester,
+  RunKind
 } from './tokens';
 import { formatValue } from './charts';
 import { PolledModel, Standby } from './polled';
+
+/** The unit of each kind's loss, as nbtrain/runs.py LOSS_UNITS (the notebook plot says the same). */
+export const LOSS_UNITS: Record<string, string> = {
+  sft: 'nats/token',
+  dpo: 'DPO loss/pair',
+  grpo: 'GRPO loss/token'
+};
+
+/** The loss axis' title for a run of `kind`: nats/token for SFT and records from before kinds. */
+export function lossUnit(kind?: RunKind | string | null): string {
+  return LOSS_UNITS[kind ?? 'sft'] ?? LOSS_UNITS.sft;
+}
+
+/** The loss axes' title for runs compared: their kind's unit, or a neutral title for mixed kinds. */
+export function lossTitle(
+  kinds: (RunKind | string | null | undefined)[]
+): string {
+  const units = new Set(kinds.map(k => lossUnit(k)));
+  return units.size === 1 ? [...units][0] : "loss (each run's own unit)";
+}
+
+/** A run's state pill's tooltip: for a preempted run, the step and the checkpoint to resume from. */
+export function stateTitle(run: IRun): string {
+  if (run.state === 'preempted') {
+    const where = run.checkpoint ? `; checkpoint at ${run.checkpoint}` : '';
+    return `preempted at step ${run.step}${where}; resume with resume='latest' in its config`;
+  }
+  return run.state;
+}
 
 /** The status bar text for a run: `live-sft · step 120/1000 · loss 1.23 · 3.20k tok/s`. */
 export function statusText(run: IRun): string {

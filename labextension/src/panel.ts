@@ -14,9 +14,11 @@ import {
   formatDuration,
   hasMetric,
   rankMemoryKeys,
+  lossUnit,
   RunMetrics,
   scalingLines,
-  shortPath
+  shortPath,
+  stateTitle
 } from './model';
 import { ISampledStep, RunSamples } from './samples';
 import { IMetricsRow, IScalingPage, ISample, Requester } from './tokens';
@@ -216,6 +218,7 @@ export class RunPanel extends Widget {
       this._name.title = run.name;
       this._state.className = `nbtrain-State nbtrain-State-${run.state}`;
       this._state.textContent = run.state;
+      this._state.title = stateTitle(run);
       this.node.dataset.state = run.state;
     }
     if (isScaling && run) {
@@ -230,6 +233,8 @@ export class RunPanel extends Widget {
     }
     if (run) {
       this.title.label = `Run: ${run.name}`;
+      // DPO's and GRPO's losses are not nats/token: the run's kind says its unit
+      this._loss.setOptions({ yTitle: lossUnit(run.kind) });
       this._renderAbout();
       const last = rows.length ? rows[rows.length - 1] : null;
       const step = last ? last.step : run.step;

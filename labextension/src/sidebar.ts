@@ -3,7 +3,7 @@
  */
 import { Widget } from '@lumino/widgets';
 
-import { progressParts, TrainingModel } from './model';
+import { progressParts, stateTitle, TrainingModel } from './model';
 import { ICluster, IRun } from './tokens';
 
 /** What the sidebar asks of the application: open a run's panel, stop a run, compare runs. */
@@ -203,10 +203,13 @@ function renderRun(run: IRun, selected: boolean): HTMLElement {
   const name = el('span', 'nbtrain-Item-name', run.name);
   // a name cut by the sidebar's width reads whole on hover
   name.title = run.name;
-  head.append(
-    name,
-    el('span', `nbtrain-State nbtrain-State-${run.state}`, run.state)
+  const state = el(
+    'span',
+    `nbtrain-State nbtrain-State-${run.state}`,
+    run.state
   );
+  state.title = stateTitle(run);
+  head.append(name, state);
   if (run.kind === 'scaling') {
     li.dataset.kind = 'scaling';
     li.title = `${run.name}\n${run.output_dir}\nopen the scaling report`;

@@ -2,13 +2,17 @@
  * The shapes the server extension returns under /nbtrain/api/ (see nbtrain/server/handlers.py).
  */
 
-export type RunState = 'running' | 'done' | 'failed' | 'stopped';
+/** How a run is or ended (nbtrain/runs.py STATES): `preempted` by SIGTERM/SIGUSR1, with a checkpoint. */
+export type RunState = 'running' | 'done' | 'failed' | 'stopped' | 'preempted';
+
+/** What a run trained (nbtrain/runs.py RUN_KINDS), `finetune` in records from before kinds. */
+export type RunKind = 'sft' | 'dpo' | 'grpo' | 'finetune';
 
 /** One training run from the per-user runs registry (nbtrain/runs.py). */
 export interface IRun {
   id: string;
-  /** "finetune", or "scaling" for a saved scaling report (records from before kinds: finetune). */
-  kind?: 'finetune' | 'scaling';
+  /** sft, dpo or grpo (what the run trained), or "scaling" for a saved scaling report. */
+  kind?: RunKind | 'scaling';
   name: string;
   output_dir: string;
   state: RunState;
@@ -26,6 +30,8 @@ export interface IRun {
   scaling?: string | null;
   /** A scaling record: the config's output_dir it measured. */
   measured?: string | null;
+  /** A preempted run: the checkpoint it wrote, to resume from (its step is `step`). */
+  checkpoint?: string | null;
 }
 
 /** One logged step of a run's metrics.jsonl. */
@@ -117,6 +123,8 @@ export interface ICompareRun {
   /** The name, made distinct among the runs compared (nbtrain.compare.labels). */
   label: string;
   state: RunState | null;
+  /** What the run trained: its loss's unit follows (lossUnit). */
+  kind?: RunKind;
   output_dir: string;
   rows: IMetricsRow[];
   /** The last value of each metric. */

@@ -3,10 +3,13 @@ import { describe, expect, it } from 'vitest';
 import { formatValue } from '../src/charts';
 import {
   formatDuration,
+  lossTitle,
+  lossUnit,
   mergeRows,
   newestRunning,
   RunMetrics,
   shortPath,
+  stateTitle,
   statusText,
   TrainingModel
 } from '../src/model';
@@ -261,5 +264,34 @@ describe('RunMetrics', () => {
     await metrics.refresh();
     expect(metrics.rows.map(r => r.step)).toEqual([1, 2, 3]);
     metrics.dispose();
+  });
+});
+
+describe("issue 34: a run's kind and a preempted run", () => {
+  it("titles the loss with the unit of the run's kind", () => {
+    expect(lossUnit('sft')).toBe('nats/token');
+    expect(lossUnit('dpo')).toBe('DPO loss/pair');
+    expect(lossUnit('grpo')).toBe('GRPO loss/token');
+    // records from before kinds were SFT runs
+    expect(lossUnit('finetune')).toBe('nats/token');
+    expect(lossUnit(undefined)).toBe('nats/token');
+  });
+
+  it('titles compared losses with their one unit, or neutrally for mixed kinds', () => {
+    expect(lossTitle(['dpo', 'dpo'])).toBe('DPO loss/pair');
+    expect(lossTitle(['sft', 'finetune'])).toBe('nats/token');
+    expect(lossTitle(['sft', 'dpo'])).toBe("loss (each run's own unit)");
+  });
+
+  it('says where a preempted run can resume from', () => {
+    const run = makeRun({
+      state: 'preempted',
+      step: 5,
+      checkpoint: '/tmp/sft/checkpoint-5'
+    });
+    expect(stateTitle(run)).toBe(
+      "preempted at step 5; checkpoint at /tmp/sft/checkpoint-5; resume with resume='latest' in its config"
+    );
+    expect(stateTitle(makeRun({ state: 'stopped' }))).toBe('stopped');
   });
 });

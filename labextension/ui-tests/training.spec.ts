@@ -225,6 +225,8 @@ test('a run being written advances its step, and stop ends it', async ({
     const dialog = page.locator('.jp-Dialog');
     await panel.getByRole('button', { name: 'Stop run' }).click();
     await expect(dialog).toContainText('Stop run live-sft?');
+    // the hint SFTConfig takes (resume=True is refused)
+    await expect(dialog).toContainText("resume it with resume='latest'");
     await dialog.getByRole('button', { name: 'Cancel' }).click();
     await expect(dialog).toHaveCount(0);
     await page.waitForTimeout(1500);
