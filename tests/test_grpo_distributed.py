@@ -182,6 +182,52 @@ def test_a_raising_reward_function_is_named_and_stops_the_run(cluster, tiny, tmp
         assert (ck / "trainer_state.json").is_file()
 
 
+NEEDS_SOLUTION = """
+def needs_solution(completions, solution, **kw):
+    return [float(c.strip() == s) for c, s in zip(completions, solution)]
+
+kw = dict(grpo_kw, data=rows, reward_funcs=[digits, needs_solution])
+r = nbtrain.finetune(nbtrain.GRPOConfig(**kw))
+"""
+
+
+def test_bad_rewards_and_batches_are_refused_on_every_rank_before_the_model_loads(
+    cluster, tiny, tmp_path, capsys
+):
+    """issue 34, 4 and 5: a reward function naming a column the data lacks, and (disaggregated, the
+    defaults' batch) a step's completions that are not whole groups, are refused on every rank, by
+    the settings and the data alone: no model loads, no step is sampled, nothing is written."""
+    cluster.push({"grpo_kw": _kw(tiny, tmp_path / "columns")})
+    with pytest.raises(nbtrain.DistributedCellError) as err:
+        cluster.execute(NEEDS_SOLUTION, output="all", live=False)
+    text = str(err.value)
+    assert {r for f in err.value.failures for r in f["ranks"]} == {0, 1}
+    assert (
+        "reward function 'needs_solution(completions, solution, **kw)': it needs 'solution', a column the data does not have"
+        in text
+    )
+    assert "the data's columns are 'prompt', 'answer'" in text
+    assert "RewardFunctionError" not in text and "data row" not in text
+    kw = _kw(tiny, tmp_path / "split", actor="actor", rollout="rollout")
+    del kw["per_device_train_batch_size"]  # the default, 4
+    cluster.push({"grpo_kw": kw})
+    cluster.groups(actor="0", rollout="1")
+    try:
+        with pytest.raises(nbtrain.DistributedCellError) as err:
+            cluster.execute(RUN, output="all", live=False)
+    finally:
+        cluster.clear_groups()
+    text = str(err.value)
+    assert {r for f in err.value.failures for r in f["ranks"]} == {0, 1}
+    assert (
+        "1 actor rank(s) x per_device_train_batch_size=4 x gradient_accumulation_steps=1 = 4, must "
+        "be a multiple of num_generations=8: make per_device_train_batch_size a multiple of 8"
+    ) in text
+    out = capsys.readouterr()
+    assert "nbtrain: loading" not in out.out + out.err
+    assert not (tmp_path / "columns").exists() and not (tmp_path / "split").exists()
+
+
 ACTOR_FAILS = """
 from nbtrain.sft.hooks import Hooks
 
