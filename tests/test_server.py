@@ -533,3 +533,29 @@ def test_compare_gives_each_runs_last_samples(fetch, tmp_path, two_real_runs):
             (6, 0, f"run {n} zero"),
             (6, 1, f"run {n} one"),
         ]
+
+
+def test_a_preempted_dpo_run_is_listed_so_with_its_kind(fetch, tmp_path):
+    """issue 34, 1 and 20: the REST API gives a preempted run's state, step and checkpoint, and a
+    DPO run's kind, also in a comparison (where the Lab titles the loss by it)."""
+    out = tmp_path / "runs" / "dpo"
+    shutil.copytree(FIXTURE_RUN, out)
+    run_id = runs.register_run(out, name="dpo", total_steps=200, kind="dpo")
+    runs.finish_run(run_id, "preempted", step=57, checkpoint=str(out / "checkpoint-57"))
+    record = _json(fetch("nbtrain", "api", "runs", run_id))
+    assert (record["state"], record["step"], record["checkpoint"], record["kind"]) == (
+        "preempted",
+        57,
+        str(out / "checkpoint-57"),
+        "dpo",
+    )
+    assert record["ended"] is not None
+    data = _json(fetch("nbtrain", "api", "compare", params={"runs": run_id}))
+    assert [(r["state"], r["kind"]) for r in data["runs"]] == [("preempted", "dpo")]
+
+
+def test_the_lab_titles_losses_as_nbtrain_runs_does():
+    """The Lab's loss units (labextension/src/model.ts) are nbtrain.runs.LOSS_UNITS."""
+    model_ts = (Path(__file__).parent.parent / "labextension" / "src" / "model.ts").read_text()
+    for kind, unit in runs.LOSS_UNITS.items():
+        assert f"{kind}: '{unit}'" in model_ts, (kind, unit)
