@@ -229,12 +229,15 @@ def format_stacks(all_threads: bool = True) -> dict[str, Any]:
         )
     out.sort(key=lambda t: (not t["main"], -int(t["user_frames"])))  # type: ignore[call-overload]
     from nbtrain.engine.faults import collectives
+    from nbtrain.engine.interrupts import held_for
 
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "threads": out,
         "collectives": collectives(),
+        # seconds since a SIGINT this rank holds until its loop's next step (None: none held)
+        "interrupt_held_s": held_for(),
     }
 
 

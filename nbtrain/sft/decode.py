@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nbtrain.engine import interrupts
 from nbtrain.errors import ConfigError
 from nbtrain.sft import chat
 from nbtrain.sft.sources import SUFFIXES, Source
@@ -366,15 +367,31 @@ def generate_across(
     # transformers' synced_gpus all-reduces over the default group: on a sub-group, full length
     full_length = synced and d.world < d.dist.get_world_size()
     rows: list[dict[str, Any]] = []
-    for b in range(n_batches):
-        # a rank short of batches repeats one prompt, so its forward passes match the others'
-        batch = batches[b] if b < len(batches) else [prompts[0]]
-        got = generate_batch(
-            model, tokenizer, batch, decoding, d.device, synced, autocast, full_length=full_length
-        )
-        if b < len(batches):
-            rows += got
-    every = d.gather_objects(rows)
+    # an interrupt is held to a batch's end; the ranks then meet where they would anyway (each
+    # batch's check when synced, else the final gather) and stop together, none left in a collective
+    with interrupts.Held() as held:
+        for b in range(n_batches):
+            if synced and -d.min_int(-int(held.flag())) > 0:
+                break
+            if not synced and held.pending:
+                break
+            # a rank short of batches repeats one prompt, so its forward passes match the others'
+            batch = batches[b] if b < len(batches) else [prompts[0]]
+            got = generate_batch(
+                model,
+                tokenizer,
+                batch,
+                decoding,
+                d.device,
+                synced,
+                autocast,
+                full_length=full_length,
+            )
+            if b < len(batches):
+                rows += got
+        every = d.gather_objects((rows, held.flag()))
+    interrupts.stop_if_any([f for _, f in every], "the end of a generate batch")
+    every = [part for part, _ in every]
     if not d.is_zero:
         return None
     by_index = {r["index"]: r for part in every for r in part}

@@ -24,6 +24,7 @@ import math
 import time
 from typing import Any
 
+from nbtrain.engine import interrupts
 from nbtrain.engine.rank import get_rank
 from nbtrain.errors import ConfigError
 from nbtrain.sft import decode, grpo_loss, grpo_rewards, grpo_rollout
@@ -246,11 +247,16 @@ class GRPORecipe(Disaggregated):
         import torch
 
         d = self.d
-        flags = torch.zeros(d.world + 1, dtype=torch.float64)
+        # [stop request, each rank's preemption signal, interrupts]
+        flags = torch.zeros(d.world + 2, dtype=torch.float64)
         if self.runlog is not None:
             flags[0] = float(self.runlog.stop_requested())
         flags[1 + d.rank] = float(self.preemption.signum)
+        flags[-1] = self.held.flag()
         flags = d.sum_meta(flags)
+        if flags[-1] > 0:  # an interrupt on any rank: every rank stops here, at the same step
+            self.state = "stopped"
+            interrupts.stop_if_any(flags[-1:], f"step {self.step}/{self.total_steps}")
         signalled = [r for r in range(d.world) if flags[1 + r] > 0]
         if signalled:
             self.preempted = (signalled[0], int(flags[1 + signalled[0]]))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nbtrain.engine import interrupts
 from nbtrain.engine import metrics as live
 from nbtrain.runs import loss_unit
 from nbtrain.sft import checkpoint as ckpt
@@ -112,6 +113,8 @@ class SFTRecipe(RunSetup):
         )
         # SIGTERM/SIGUSR1 (a preemption) is only recorded: the step's collective tells every rank
         self.preemption = Preemption().__enter__()
+        # so is SIGINT (an interrupt), so that no rank leaves a collective its peers are in
+        self.held = interrupts.Held().__enter__()
         self.state = "failed"
         try:
             self.step = self.start_step
@@ -166,12 +169,13 @@ class SFTRecipe(RunSetup):
 
     def step_stats(self, micro: list[list[Any]]) -> Any:
         """Every rank's `micro_stats` and the stop and preemption flags, summed in one collective:
-        [world, 2*GA+3] (normaliser per micro-batch, longest row per micro-batch, tokens, stop,
-        signal); None where the run stops before this step."""
+        [world, 2*GA+4] (normaliser per micro-batch, longest row per micro-batch, tokens, stop,
+        signal, interrupt); None where the run stops before this step. An interrupt on any rank
+        raises KeyboardInterrupt on every rank here, at the same step."""
         import torch
 
         d, GA = self.d, self.plan.grad_accum
-        stats = torch.zeros((d.world, 2 * GA + 3), dtype=torch.float64)
+        stats = torch.zeros((d.world, 2 * GA + 4), dtype=torch.float64)
         for a, exs in enumerate(micro):
             norm, longest, n_tokens = self.micro_stats(exs)
             stats[d.rank, a] = norm
@@ -180,7 +184,11 @@ class SFTRecipe(RunSetup):
         if self.runlog is not None:
             stats[0, 2 * GA + 1] = float(self.runlog.stop_requested())
         stats[d.rank, 2 * GA + 2] = float(self.preemption.signum)
+        stats[d.rank, 2 * GA + 3] = self.held.flag()
         stats = d.sum_meta(stats)
+        if stats[:, 2 * GA + 3].any():
+            self.state = "stopped"
+            interrupts.stop_if_any(stats[:, 2 * GA + 3], f"step {self.step}/{self.total_steps}")
         signalled = [r for r in range(d.world) if stats[r, 2 * GA + 2] > 0]
         if signalled:
             self.preempted = (signalled[0], int(stats[signalled[0], 2 * GA + 2]))
@@ -376,6 +384,7 @@ class SFTRecipe(RunSetup):
     def cleanup(self) -> None:
         """Put back the signal handlers, close the live display, and record how the run ended."""
         self.preemption.__exit__()
+        self.held.__exit__()
         live.end(self.state)
         if self.runlog is not None:
             # a preempted run's record says where to resume from
