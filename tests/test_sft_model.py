@@ -98,3 +98,50 @@ def test_loading_and_lora_print_no_bar_nor_deprecation_notice(tmp_path, capfd):
             hf_logging.disable_progress_bar()
     assert "Loading weights" not in out.out + out.err
     assert [str(w.message) for w in seen if issubclass(w.category, FutureWarning)] == []
+
+
+def test_finetune_with_merge_prints_no_bar_nor_deprecation_notice(tiny, tmp_path, capfd):
+    # in one process (a docs page, a notebook without a cluster) rank 0 printed a "Writing model
+    # shards" bar for merge=True, and a merge into a fresh base (4-bit, sharded runs) two more bars
+    import warnings
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    import nbtrain
+    from nbtrain.data import instructions_path
+    from nbtrain.sft.checkpoint import export_merged_from_adapter
+    from nbtrain.sft.model import load_tokenizer
+
+    cfg = nbtrain.SFTConfig(
+        model=tiny,
+        data=instructions_path(),
+        output_dir=str(tmp_path / "run"),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        max_length=48,
+        save_steps=None,
+    )
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        capfd.readouterr()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            result = nbtrain.finetune(cfg, merge=True)
+            export_merged_from_adapter(
+                tmp_path / "again",
+                tiny,
+                result.adapter_dir,
+                load_tokenizer(tiny),
+                torch.float32,
+                True,
+            )
+        out = capfd.readouterr()
+    finally:
+        if not was:
+            hf_logging.disable_progress_bar()
+    assert (tmp_path / "again" / "merged" / "config.json").is_file()
+    for bar in ("Loading weights", "Writing model shards"):
+        assert bar not in out.out + out.err
+    assert [str(w.message) for w in seen if issubclass(w.category, FutureWarning)] == []

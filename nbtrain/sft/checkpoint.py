@@ -274,6 +274,8 @@ def export_merged(
     `use_cache` is the base model's own setting, written back into the saved config: training turns
     the KV cache off, and a merged model saved that way would generate without it (slowly).
     """
+    from nbtrain.sft.model import quiet_hf
+
     merged = model.merge_and_unload()
 
     def fill(tmp: Path) -> None:
@@ -288,7 +290,8 @@ def export_merged(
                 merged.config.use_cache = training_value
         tokenizer.save_pretrained(tmp)
 
-    return write_atomic_dir(Path(output_dir) / "merged", fill)
+    with quiet_hf():  # no "Writing model shards" bar under the run's own output
+        return write_atomic_dir(Path(output_dir) / "merged", fill)
 
 
 def export_merged_from_adapter(
@@ -302,10 +305,12 @@ def export_merged_from_adapter(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    full = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
-    return export_merged(
-        output_dir, PeftModel.from_pretrained(full, adapter_dir), tokenizer, use_cache
-    )
+    from nbtrain.sft.model import quiet_hf
+
+    with quiet_hf():
+        full = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+        tuned = PeftModel.from_pretrained(full, adapter_dir)
+    return export_merged(output_dir, tuned, tokenizer, use_cache)
 
 
 def export_run(
