@@ -55,6 +55,21 @@ def test_a_finished_run_is_not_overwritten(tiny, tmp_path):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
 
 
+def test_sft_rows_given_to_dpo_are_told_in_one_line(tiny, tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"Say {i}.", "completion": " hi"}) + "\n" for i in range(30))
+    )
+    with pytest.raises(ConfigError) as err:
+        nbtrain.finetune(_cfg(tiny, str(data), tmp_path / "out"))
+    assert str(err.value) == (
+        f"data file {str(data)!r}: all 30 rows have keys 'prompt', 'completion'; preference rows "
+        "need 'prompt' + 'chosen' + 'rejected' (strings or lists of messages), or 'chosen' + "
+        "'rejected' (SFT rows go to nbtrain.SFTConfig); nothing was trained or cached"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_rows_refused_with_file_line_and_index(tiny, tmp_path):
     """Every bad row is named with its file, line and index, and nothing is trained or written."""
     rows = [

@@ -340,3 +340,60 @@ def test_bad_rows_on_every_rank_are_reported_together_and_nothing_is_cached(tmp_
     assert len([x for x in err.splitlines() if " row " in x]) == 20
     assert not any((tmp_path / "c").glob("*/meta.json"))
     assert not _folders(tmp_path / "c")  # the unfinished folder is gone too
+
+
+def test_lines_that_are_not_json_are_reported_with_the_other_bad_rows(tmp_path, tiny):
+    """A line that is not JSON does not stop the check: every rank goes on, and the message lists it
+    (file, line, the parser's words) among the other bad rows, the later ones included."""
+    rows = _rows()
+    n = len(rows)
+    lines = [json.dumps(r) for r in rows]
+    lines[2] = '{"text": oops}'  # in rank 0's part
+    lines[n // 2 + 4] = '{"prompt": "a" "completion": "b"}'  # in rank 1's
+    lines[n - 3] = json.dumps({"question": "q", "answer": "a"})  # a bad row after both
+    lines[n - 1] = '{"text": "no end'  # the last line, without a newline: an unterminated string
+    p = tmp_path / "bad.jsonl"
+    p.write_text("\n".join(lines))
+    res = _run(tmp_path, 2, tiny, p, str(tmp_path / "c"))
+    err = res[0]["error"]
+    assert err == res[1]["error"]
+    assert err.splitlines() == [
+        f"data file {str(p)!r}: 4 of {n} rows are refused, nothing was trained or cached; fix or "
+        "remove them:",
+        f"data file {str(p)!r} line 3 is not valid JSON (Expecting value at column 10); fix or "
+        "remove that line",
+        f"data file {str(p)!r} line {n // 2 + 5} is not valid JSON (Expecting ',' delimiter at "
+        "column 16); fix or remove that line",
+        f"data file {str(p)!r} line {n - 2} row {n - 3} is in none of the known formats: keys "
+        "found 'question', 'answer'; each row needs 'prompt' + 'completion', 'messages' (a list "
+        "of {'role', 'content'}), or 'text'",
+        f"data file {str(p)!r} line {n} is not valid JSON (Unterminated string starting at "
+        "column 10); fix or remove that line",
+    ]
+    assert not _folders(tmp_path / "c")
+
+
+def test_rows_all_refused_alike_are_told_in_one_line(tmp_path, tiny):
+    """A CSV whose columns are named otherwise: one line naming its keys and what SFT rows need, on
+    every rank, instead of 20 identical lines and a count."""
+    import pandas as pd
+
+    p = tmp_path / "wrong.csv"
+    pd.DataFrame({"input": [f"q{i}" for i in range(40)], "output": ["a"] * 40}).to_csv(
+        p, index=False
+    )
+    res = _run(tmp_path, 2, tiny, p, str(tmp_path / "c"))
+    assert (
+        res[0]["error"]
+        == res[1]["error"]
+        == (
+            f"data file {str(p)!r}: all 40 rows have keys 'input', 'output'; SFT rows need 'prompt' + "
+            "'completion', 'messages' (a list of {'role', 'content'}), or 'text'; nothing was trained "
+            "or cached"
+        )
+    )
+    # one bad row among good ones is still named where it is
+    q = tmp_path / "one.jsonl"
+    q.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"input": "q"}) + "\n")
+    res = _run(tmp_path, 2, tiny, q, str(tmp_path / "c"))
+    assert f"{str(q)!r} line 2 row 1 is in none of the known formats" in res[0]["error"]

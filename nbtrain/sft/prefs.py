@@ -145,6 +145,15 @@ def _arrays(p: list, c: list, r: list) -> tuple[Any, Any]:
     return ids, which
 
 
+def alike(row: Any) -> str | None:
+    """What to say when every row of the data is refused as `row` is, where its keys are why ("all
+    40 rows have keys 'prompt', 'completion'; preference rows need ..."); None for any other fault."""
+    if not isinstance(row, dict) or ("chosen" in row and "rejected" in row):
+        return None
+    keys = ", ".join(repr(k) for k in row) or "none"
+    return f"have keys {keys}; preference rows need {ACCEPTED} (SFT rows go to nbtrain.SFTConfig)"
+
+
 def encode_batch(
     rows: Sequence[Any], tokenizer: Any, template_kwargs: dict | None = None
 ) -> list[Any]:

@@ -91,6 +91,19 @@ def row_format(row: Any, index: int = 0, where: str = "data") -> str:
     raise ConfigError(msg)
 
 
+def alike(row: Any) -> str | None:
+    """What to say when every row of the data is refused as `row` is, where its keys are why ("all
+    40 rows have keys 'input', 'output'; SFT rows need ..."); None for any other fault."""
+    if not isinstance(row, dict) or ("prompt" in row and "completion" in row) or "messages" in row:
+        return None
+    if isinstance(row.get("text"), str):
+        return None
+    keys = ", ".join(repr(k) for k in row) or "none"
+    pairs = "chosen" in row and "rejected" in row
+    hint = "; they are preference pairs: nbtrain.DPOConfig trains on them" if pairs else ""
+    return f"have keys {keys}; SFT rows need {_ACCEPTED}{hint}"
+
+
 # ---------------------------------------------------------------------------------------- tokenization
 @dataclass
 class Example:

@@ -54,6 +54,19 @@ def _span(n: int, k: int, parts: int) -> tuple[int, int]:
 
 
 @dataclass
+class BadLine:
+    """A JSONL line that is not JSON, in place of its row (`Source.part(..., bad_lines=True)`): the
+    reader goes on, so it is reported with the data's other bad rows."""
+
+    problem: str  #: what the parser said, e.g. "Expecting ',' delimiter at column 25"
+
+
+def json_problem(e: json.JSONDecodeError) -> str:
+    """The parser's complaint and where in the line: "Unterminated string starting at column 9"."""
+    return f"{e.msg} column {e.colno}" if e.msg.endswith(" at") else f"{e.msg} at column {e.colno}"
+
+
+@dataclass
 class Row:
     """One row of a part: its number within the part, and where it is in its file (if anywhere)."""
 
@@ -107,12 +120,15 @@ class Source:
             raise ConfigError(msg)
 
     # ------------------------------------------------------------------------------------- reading
-    def part(self, k: int = 0, parts: int = 1) -> Iterator[Row]:
-        """The rows of part `k` of `parts`, in order; together the parts are every row, once."""
+    def part(self, k: int = 0, parts: int = 1, bad_lines: bool = False) -> Iterator[Row]:
+        """The rows of part `k` of `parts`, in order; together the parts are every row, once.
+
+        A JSONL line that is not JSON is a ConfigError, or with `bad_lines` a row whose value is a
+        `BadLine`, for the caller to report with the other bad rows."""
         if self.path is None:
             yield from self._memory_part(k, parts)
         elif self.suffix == ".jsonl":
-            yield from self._jsonl_part(k, parts)
+            yield from self._jsonl_part(k, parts, bad_lines)
         elif self.suffix == ".parquet":
             yield from self._parquet_part(k, parts)
         else:
@@ -140,7 +156,7 @@ class Source:
                 for j, row in enumerate(chunk):
                     yield Row(start - lo + j, plain(row))
 
-    def _jsonl_part(self, k: int, parts: int) -> Iterator[Row]:
+    def _jsonl_part(self, k: int, parts: int, bad_lines: bool) -> Iterator[Row]:
         assert self.path is not None
         size = self.path.stat().st_size
         lo, hi = size * k // parts, size * (k + 1) // parts
@@ -162,12 +178,14 @@ class Source:
                 try:
                     value = json.loads(raw)
                 except json.JSONDecodeError as e:
-                    lineno = self.line_of(start)
-                    msg = (
-                        f"{self.where}: line {lineno} is not valid JSON ({e.msg} at column "
-                        f"{e.colno}); fix or remove that line"
-                    )
-                    raise ConfigError(msg) from None
+                    if not bad_lines:
+                        lineno = self.line_of(start)
+                        msg = (
+                            f"{self.where}: line {lineno} is not valid JSON ({json_problem(e)}); "
+                            "fix or remove that line"
+                        )
+                        raise ConfigError(msg) from None
+                    value = BadLine(json_problem(e))
                 yield Row(local, value, byte=start, fraction=(pos - lo) / max(hi - lo, 1))
                 local += 1
 
@@ -230,7 +248,9 @@ class Source:
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
-            msg = f"{self.where}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}); fix that line"
+            msg = (
+                f"{self.where}: invalid JSON at line {e.lineno} ({json_problem(e)}); fix that line"
+            )
             raise ConfigError(msg) from None
         if not isinstance(rows, list):
             msg = f"{self.where} holds a JSON {type(rows).__name__}, not a list of rows; write a JSON list or JSONL"

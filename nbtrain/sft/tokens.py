@@ -9,7 +9,8 @@
    between them: rank k of K reads part k of K of the source (JSONL by byte range, Parquet by row
    group), tokenizes it in batched fast-tokenizer calls, and streams its tokens to its own part files.
    Nodes without a shared file system each build the whole cache, split among their own ranks.
-4. Bad rows are gathered from every rank and reported together (the first 20 and a count), and the
+4. Bad rows (JSONL lines that are not JSON among them) are gathered from every rank and reported
+   together (the first 20 and a count; one line when every row is refused alike), and the
    unfinished folder is removed: nothing is cached for a data set that has them.
 5. One rank per file system writes `meta.json` last and renames the folder into place, so a reader
    sees a complete cache or none; a cache written by another nbtrain version or format is not read.
@@ -31,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import ConfigError
+from nbtrain.sft import rows as sft_rows
 from nbtrain.sft import store as files
 from nbtrain.sft.rows import encode_batch, row_problem
-from nbtrain.sft.sources import Source
+from nbtrain.sft.sources import BadLine, Source
 from nbtrain.sft.store import FORMAT, META, PartWriter, TokenStore, open_cache, part_stem, version
 
 ENV = "NBTRAIN_DATA_CACHE"
@@ -188,37 +190,50 @@ def _tokenize_part(
     progress: _Progress,
     template_kwargs: dict | None,
     encode: Any = encode_batch,
-) -> tuple[int, list[tuple[int, str]], int]:
-    """Tokenize part k of `parts` into `writer`: (rows read, the first bad rows as (local index, the
-    row's problem without its global index), how many rows are bad)."""
+) -> tuple[int, list[tuple[int, Any]], int, set[str]]:
+    """Tokenize part k of `parts` into `writer`: (rows read, the first bad rows as (local index, row),
+    how many rows are bad, how they are refused: two kinds at most, enough to tell one from many)."""
     bad: list[tuple[int, Any]] = []
+    kinds: set[str] = set()
     n_bad = 0
     n = 0
     pending: list[Any] = []
 
-    def flush() -> None:
+    def refuse(r: Any, kind: str) -> None:
         nonlocal n_bad
+        n_bad += 1
+        if len(bad) < SHOWN:
+            bad.append((r.local, r))
+        if len(kinds) < 2:
+            kinds.add(kind)
+
+    def flush() -> None:
         results = encode([r.value for r in pending], tokenizer, template_kwargs)
         for r, res in zip(pending, results, strict=True):
             if isinstance(res, ConfigError):
-                n_bad += 1
-                if len(bad) < SHOWN:
-                    bad.append((r.local, r))
+                refuse(
+                    r, str(res)
+                )  # the encoder's words name no row: the same words, the same fault
             elif not n_bad:  # a data set with a bad row is not cached: stop writing, keep checking
                 writer.add(*res)
         pending.clear()
 
     fraction = 0.0
-    for row in source.part(k, parts):
-        pending.append(row)
+    for row in source.part(k, parts, bad_lines=True):
         n += 1
         fraction = row.fraction
+        if isinstance(row.value, BadLine):  # after the rows before it, so bad rows stay in order
+            if pending:
+                flush()
+            refuse(row, "not JSON")
+            continue
+        pending.append(row)
         if len(pending) >= CHUNK:
             flush()
             progress.update(n, fraction)
     if pending:
         flush()
-    return n, bad, n_bad
+    return n, bad, n_bad, kinds
 
 
 def _describe(
@@ -229,6 +244,8 @@ def _describe(
     template_kwargs: dict | None,
     problem: Any = row_problem,
 ) -> str:
+    if isinstance(row.value, BadLine):
+        return f"{source.row_where(row)} is not valid JSON ({row.value.problem}); fix or remove that line"
     return problem(row.value, tokenizer, index, source.row_where(row), template_kwargs)
 
 
@@ -243,8 +260,8 @@ def prepare(
     """The tokenized rows of `source` on every rank of `d`: from the cache, or made now and cached.
 
     `template_kwargs` go to the chat template of every row (SFTConfig.chat_template_kwargs).
-    `encoder` is the module that turns rows into tokens (its `encode_batch`, `row_problem` and
-    `ACCEPTED`): None for SFT rows (`nbtrain.sft.rows`), `nbtrain.sft.prefs` for preference pairs.
+    `encoder` is the module that turns rows into tokens (its `encode_batch`, `row_problem`,
+    `alike` and `ACCEPTED`): None for SFT rows (`nbtrain.sft.rows`), `nbtrain.sft.prefs` for preference pairs.
 
     Every step runs on every rank (each phase through `d.agree`, so one rank's failure stops all of
     them instead of leaving the others waiting in a collective)."""
@@ -304,9 +321,11 @@ def prepare(
     progress = _Progress(d, f"tokenizing {source.name}", run)
     writer = PartWriter(part_stem(work, k))
     bad: list[Any] = []
+    kinds: set[str] = set()
 
     def tokenize() -> tuple[int, int, dict[str, int]]:
-        n, bad_rows, n_bad = _tokenize_part(
+        nonlocal bad, kinds
+        n, bad, n_bad, kinds = _tokenize_part(
             source,
             tokenizer,
             k,
@@ -316,8 +335,6 @@ def prepare(
             template_kwargs,
             encoder.encode_batch if encoder is not None else encode_batch,
         )
-        nonlocal bad
-        bad = bad_rows
         return n, n_bad, writer.close()
 
     try:
@@ -333,26 +350,26 @@ def prepare(
     total_bad = sum(e[2] for e in mine)
     if any(e[2] for e in everyone):
         # every rank words its own bad rows with their global index and line, then all raise alike
-        problem = encoder.row_problem if encoder is not None else row_problem
+        module = encoder if encoder is not None else sft_rows
         words = [
             (
                 before + local,
-                _describe(source, tokenizer, row, before + local, template_kwargs, problem),
+                _describe(
+                    source, tokenizer, row, before + local, template_kwargs, module.row_problem
+                ),
+                None if isinstance(row.value, BadLine) else module.alike(row.value),
             )
             for local, row in bad
         ]
-        shown = sorted(w for ws in d.gather_objects(words) for w in ws)
-        unique = sorted(dict(shown).items())[:SHOWN]
+        gathered = d.gather_objects((words, sorted(kinds)))
+        shown = sorted(w for ws, _ in gathered for w in ws)
+        unique = sorted({w[0]: w[1:] for w in shown}.items())[:SHOWN]
         d.barrier()
         if leader:
             shutil.rmtree(work, ignore_errors=True)
         n_rows = sum(e[1] for e in mine)
-        more = f"\n... and {total_bad - len(unique)} more" if total_bad > len(unique) else ""
-        msg = (
-            f"{source.where}: {total_bad} of {n_rows} rows are refused, nothing was trained or "
-            "cached; fix or remove them:\n" + "\n".join(text for _, text in unique) + more
-        )
-        raise ConfigError(msg)
+        one_kind = len({k for _, ks in gathered for k in ks}) == 1
+        raise ConfigError(_refusal(source.where, n_rows, total_bad, unique, one_kind))
     if not sum(e[1] for e in mine):
         d.barrier()
         if leader:
@@ -418,6 +435,25 @@ def prepare(
             flush=True,
         )
     return store
+
+
+def _refusal(
+    where: str, n_rows: int, total_bad: int, shown: list[tuple[int, Any]], one_kind: bool
+) -> str:
+    """The message that refuses the data: every bad row shown (the first SHOWN of them), or one
+    line when every row is refused alike (CSV columns of another name, SFT rows given to DPO)."""
+    done = "nothing was trained or cached"
+    if one_kind and total_bad == n_rows > 1:
+        first, alike = shown[0][1]
+        if alike:  # "all 40 rows have keys 'input', 'output'; SFT rows need ..."
+            return f"{where}: all {n_rows} rows {alike}; {done}"
+        return f"{where}: all {n_rows} rows are refused alike, {done}; the first: {first}"
+    more = f"\n... and {total_bad - len(shown)} more" if total_bad > len(shown) else ""
+    return (
+        f"{where}: {total_bad} of {n_rows} rows are refused, {done}; fix or remove them:\n"
+        + "\n".join(text for _, (text, _alike) in shown)
+        + more
+    )
 
 
 def _fail_open(folder: Path) -> TokenStore:
