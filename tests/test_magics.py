@@ -186,6 +186,26 @@ def test_failure_stops_a_notebook_cell(ip, started):
     assert lines[0].startswith("DistributedCellError: the cell failed on 2 of 2 rank(s)")
 
 
+def test_a_failure_is_told_once_not_again_as_the_tracebacks_last_line(ip, started):
+    import re
+    import socket
+
+    with pytest.raises(DistributedCellError) as info:
+        run_cell(ip, "1/0")
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(info.value))
+    assert text.count("division by zero") == 1, text
+    assert "Traceback" in text and "----> 1 1/0" in text  # the traceback itself stays
+    # nbtrain's own errors: their traceback is their message, so only the message is left, with
+    # the ranks on its first line
+    code = "from nbtrain.errors import ConfigError\nraise ConfigError('bad rows:\\nline 2: x')"
+    with pytest.raises(DistributedCellError) as info:
+        run_cell(ip, code)
+    assert str(info.value) == (
+        "the cell failed on 2 of 2 rank(s)\n\n"
+        f"ConfigError: bad rows:  [ranks 0-1 on {socket.gethostname()}]\nline 2: x"
+    )
+
+
 def test_ranks_subset(ip, started):
     out = run_cell(ip, "print('on', rank)", "--ranks 1 --output all")
     assert out.strip() == "[rank 1] on 1"

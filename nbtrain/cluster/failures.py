@@ -66,11 +66,26 @@ def group_failures(
     parts = [head]
     for g in groups.values():
         where = describe_ranks(ranks, g["ranks"])
-        parts.append(f"\n{g['ename']}: {g['evalue']}  [{where}]\n{g['traceback'].rstrip()}")
+        # the ranks on the message's first line, where a reader looks for them, not after its last
+        first, *rest = f"{g['ename']}: {g['evalue']}".split("\n")
+        text = "\n".join([f"{first}  [{where}]", *rest])
+        tb = _without_message(g["traceback"], g["ename"], g["evalue"])
+        parts.append(f"\n{text}" + (f"\n{tb}" if tb else ""))
         footer = _oom_footer(ranks, g) if g["oom"] else ""
         if footer:
             parts.append(footer)
     return "\n".join(parts), list(groups.values())
+
+
+def _without_message(tb: str, ename: str, evalue: str) -> str:
+    """The remote traceback without its last lines where they repeat the message shown above it
+    (all of it for nbtrain's own errors, whose traceback is their message)."""
+    lines = tb.rstrip().split("\n")
+    message = f"{ename}: {evalue}".rstrip().split("\n")
+    tail = [_ANSI.sub("", ln).rstrip() for ln in lines[-len(message) :]]
+    if len(lines) >= len(message) and tail == [ln.rstrip() for ln in message]:
+        lines = lines[: -len(message)]
+    return "\n".join(lines).rstrip()
 
 
 def _oom_footer(ranks: Sequence[RankInfo], group: dict[str, Any]) -> str:
