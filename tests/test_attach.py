@@ -68,7 +68,7 @@ def _doomed_kernel(script: str, env: dict[str, str], ready: Path, timeout: float
     return ready.read_text()
 
 
-def test_kernel_death_job_goes_on_and_attach_follows_it(tmp_path, ip):
+def test_kernel_death_job_goes_on_and_attach_follows_it(tmp_path, ip, capfd):
     import nbtrain
 
     if nbtrain.current_cluster() is not None:
@@ -125,7 +125,11 @@ def test_kernel_death_job_goes_on_and_attach_follows_it(tmp_path, ip):
     assert cluster.run(lambda: __import__("os").environ["RANK"]) == ["0", "1"]
     pids = _cluster_pids(cluster_id)
     assert len(_alive(pids)) == 3  # controller and two engines
-    cluster.stop()
+    capfd.readouterr()
+    ip.run_line_magic("nbtrain", "stop")
+    out, err = capfd.readouterr()
+    # nbtrain's own line, not ipyparallel's log of the attached cluster ("Stopping engine(s): ...")
+    assert "cluster stopped" in out and "Stopping" not in out + err, out + err
     assert wait_gone(pids) == []
 
 

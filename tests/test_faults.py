@@ -130,6 +130,26 @@ def test_rank_death_fails_cell_fast_and_restart_recovers(cluster, name, code, ki
     print(f"{name}: failed {took:.2f} s after the death")
 
 
+def test_rank_death_shows_only_what_the_rank_wrote_in_this_cell(cluster):
+    # an earlier cell's stderr (e.g. a Preempted traceback) stays in the engine's log, which the
+    # death's report reads: it must not show up as the last words of a rank killed later
+    cluster.execute(
+        "import sys\nprint('stale line from an earlier cell', file=sys.stderr, flush=True)",
+        output="none",
+        live=False,
+    )
+    code = (
+        "import sys, time\n"
+        "print('fresh line from the fatal cell', file=sys.stderr, flush=True)\n"
+        "time.sleep(0.5)\n" + LOOP
+    )
+    err, _ = _run_and_kill(cluster, code, _sigkill_rank1)
+    text = str(err)
+    assert "killed by SIGKILL" in text and "fresh line from the fatal cell" in text, text
+    assert "stale line from an earlier cell" not in text, text
+    cluster.restart()
+
+
 def _all_reduce_one():
     import torch
     import torch.distributed as dist
@@ -235,6 +255,8 @@ def test_timeout_cell_shows_the_diagnosis(cluster):
     text = str(info.value)
     assert "waiting in a collective: rank 0: all_reduce" in text
     assert "not in a collective: rank 1" in text
+    # rank 0, blocked in the collective rank 1 left, is replaced, said of one rank
+    assert "and was replaced: its variables are gone" in text, text
     assert "flight recorder" in text
     assert cluster.run(_all_reduce_one) == [2.0, 2.0]
 

@@ -240,7 +240,7 @@ def test_timeout_shows_stacks_and_cluster_survives(ip, started):
     assert "all_reduce" in rank0
     assert "time.sleep(300)" in rank1
     assert elapsed < 30
-    assert "did not stop" in text and "restarted" in text  # rank 0 was stuck in C code
+    assert "did not stop" in text and "was replaced" in text  # rank 0 was stuck in C code
     out = run_cell(
         ip,
         "import torch, torch.distributed as dist\nt = torch.ones(1); dist.all_reduce(t); print('after', t.item())",
@@ -343,9 +343,21 @@ def _recording_init(displays):
     return recording
 
 
-def test_second_start_refused_without_force(ip, started):
+def test_second_start_refused_without_force(ip, started, capsys):
     with pytest.raises(ClusterError, match="already running.*--force"):
         ip.run_line_magic("nbtrain", "start -n 2")
+    # refused before anything is said to start
+    assert "starting" not in capsys.readouterr().out
+
+
+def test_output_all_prints_in_rank_order(ip, started):
+    # rank 1 prints first; the lines still come out as rank 0's, then rank 1's (docs/groups.md)
+    out = run_cell(
+        ip,
+        "import time\ntime.sleep(0.3 if rank == 0 else 0)\nprint('hello from', rank)",
+        "--output all",
+    )
+    assert out.index("[rank 0] hello from 0") < out.index("[rank 1] hello from 1"), out
 
 
 def test_help_is_real(ip):

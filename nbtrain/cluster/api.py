@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from nbtrain.cluster import attach as attaching
@@ -35,6 +36,7 @@ def start(
     quiet: bool = True,
     launcher: str = "local",
     allocator: str | None = None,
+    announce: Callable[[int], None] | None = None,
     **launch: Any,
 ) -> Cluster:
     """Start `n` engines on this machine and a process group across them; return the `Cluster`.
@@ -91,6 +93,8 @@ def start(
         host, gpus = socket.gethostname(), local_gpu_count()
         plan_devices([Slot(host, i, gpus) for i in range(options.n)], "nccl")
     replace_current(options.force, "replace it with %nbtrain start --force")
+    if announce is not None:  # the start goes ahead: the magic's "starting N engine(s)..." line
+        announce(options.n)
     cluster: Cluster = Cluster.from_launched(launchers.start(options, launch_options, quiet=quiet))
     set_current(cluster)
     return cluster

@@ -14,6 +14,7 @@ detaches, the job goes on.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -118,7 +119,10 @@ def reconnect(side: dict[str, Any], timeout: float = 30.0) -> Launched:
     import ipyparallel as ipp
 
     try:
-        ipc = ipp.Cluster.from_file(profile_dir=side["profile_dir"], cluster_id=side["cluster_id"])
+        # quiet as the cluster this kernel starts: no "Stopping engine(s): ..." on %nbtrain stop
+        ipc = ipp.Cluster.from_file(
+            profile_dir=side["profile_dir"], cluster_id=side["cluster_id"], log_level=logging.ERROR
+        )
         client = ipc.connect_client_sync()
         client.wait_for_engines(side["world_size"], timeout=timeout, interactive=False)
     except Exception as e:

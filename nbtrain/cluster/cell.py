@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 
 OUTPUT_MODES = ("rank0", "all", "none")
 # how long ranks get to honour an interrupt before those still busy are asked where they are.
-# Measured on 2 cores at load 6-16 (two busy processes beside other tests): ranks in finetune's loop
+# Measured on 2 cores at load 6-17 (two busy processes beside other tests): ranks in finetune's loop
 # got SIGINT within 0.06 s and raised within 0.1 s of it, all at the same step; their cells ended
-# 0.6-8.9 s after the interrupt (an engine formats the traceback, slowly the first time under load).
+# 0.4-10.9 s after the interrupt (an engine writes the traceback, slowly under load; the old fixed
+# 4 s replaced ranks doing only that).
 # A rank in a collective its peer left never ends, so the first look comes early, and a rank that
 # answers and is on its way is waited for (HELD_GRACE) rather than replaced
 INTERRUPT_GRACE = 4.0
@@ -34,6 +35,8 @@ STACK_ANSWER = 5.0
 HELD_GRACE = 120.0
 # once one rank has failed, how long the others may go on before we assume they wait for it
 FAIL_GRACE = 3.0
+# --output all holds what the ranks print for up to this long, to print it in rank order
+ALL_HOLD = 1.0
 # the cell loop wakes when a rank sends something (output, metrics) or finishes, and at least this
 # often to check for dead ranks, the timeout and failures: a 20 Hz loop cost ~1% of a core while
 # training, taken from the ranks on a machine whose cores they all use
@@ -94,6 +97,9 @@ class CellRun:
         self._partial: dict[tuple[int, str], str] = {}
         self._display: Any = None
         self._seen_keys = 0
+        self._queued_since: float | None = (
+            None  # --output all: when the oldest unprinted output came
+        )
         # set by the IO thread when a rank sends a message or the cell finishes: wakes the loop
         self._wake = threading.Event()
 
@@ -154,10 +160,24 @@ class CellRun:
         if lines:
             stream.write("".join(f"[rank {rank}] {line}\n" for line in lines))
 
-    def _drain(self) -> None:
-        wrote = False
+    def _drain(self, final: bool = True) -> None:
+        """Print what the ranks sent. With --output all, what arrived within `ALL_HOLD` s of each
+        other comes out in rank order (each rank's own output in its order), as a short cell's
+        lines do: the ranks' messages reach the client in any order."""
+        items = []
+        if self.output == "all" and self._queue:
+            now = time.monotonic()
+            if self._queued_since is None:
+                self._queued_since = now
+            if not final and now - self._queued_since < ALL_HOLD:
+                return
+        self._queued_since = None
         while self._queue:
-            rank, msg_type, content = self._queue.popleft()
+            items.append(self._queue.popleft())
+        if self.output == "all":
+            items.sort(key=lambda item: item[0])
+        wrote = False
+        for rank, msg_type, content in items:
             if msg_type == "stream":
                 self._write(rank, content["name"], content["text"])
                 wrote = True
@@ -171,7 +191,7 @@ class CellRun:
             sys.stderr.flush()
 
     def _flush_partial(self) -> None:
-        for (rank, name), rest in self._partial.items():
+        for (rank, name), rest in sorted(self._partial.items()):
             if rest:
                 stream = sys.stderr if name == "stderr" else sys.stdout
                 stream.write(f"[rank {rank}] {rest}\n")
@@ -215,6 +235,8 @@ class CellRun:
         if self.cluster.group_specs:
             # `group` in the cell: this cell's group, or the world group for a cell without one
             self.cluster.run(engine_groups.enter, self.group, ranks=self.which, timeout=30)
+        # a rank that dies in this cell is described by what it wrote in this cell only
+        self.log_offsets = faults.log_offsets(self.cluster, self.which)
         view = self.cluster.view(self.which)
         ar = view.execute(self.code, silent=False, block=False)
         self._hook(ar)
@@ -231,7 +253,7 @@ class CellRun:
                 dead = watch.poll()
                 if dead:
                     faults.fail_cell(self, ar, dead, start)
-                self._drain()
+                self._drain(final=False)
                 self._feed_metrics(ar)
                 if self._display is not None:
                     self._display.maybe_render()
@@ -251,7 +273,7 @@ class CellRun:
                     self._stopped_note = self._stop_ranks(ar)
                     self._stopped_note = (
                         f"\n\n{describe_ranks(self.cluster.ranks, waiting)} kept running after the failure "
-                        f"(likely waiting for the failed rank in a collective) and were stopped. {self._stopped_note}"
+                        f"(likely waiting for the failed rank in a collective) and {_was(waiting)} stopped. {self._stopped_note}"
                     )
                     break
         except KeyboardInterrupt:

@@ -15,6 +15,7 @@ The last lines of the rank's stderr come from the cell's captured stderr and the
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -32,6 +33,9 @@ from nbtrain.errors import ClusterError, RankDiedError
 # how long ranks that outlived a dead one get to leave their cell after SIGINT before their engines are
 # ended: a rank blocked in a gloo/NCCL collective waiting for the dead one never returns by itself
 SURVIVOR_GRACE = 1.5
+# how long such a rank that answers and is not in a collective (leaving its cell, slowly under load)
+# may still take before it is ended too
+SURVIVOR_FINISH = 30.0
 CHECK_EVERY = 0.1
 # a rank that does not answer a control-channel request within this many seconds is wedged
 WEDGED_AFTER = 3.0
@@ -143,7 +147,8 @@ def check_alive(cluster: Session, which: Sequence[int]) -> None:
         return
 
     msg = (
-        f"{describe_ranks(cluster.ranks, dead)} of this cluster died or were ended, so the process group "
+        f"{describe_ranks(cluster.ranks, dead)} of this cluster died or {'was' if len(dead) == 1 else 'were'} "
+        "ended, so the process group "
         "is broken. Run %nbtrain restart (cluster.restart()) to replace them; then re-run your set-up "
         "cells, and continue training with finetune(SFTConfig(..., resume='latest'))."
     )
@@ -208,20 +213,40 @@ def _filter_tail(lines: Sequence[str], n: int = TAIL_LINES) -> list[str]:
     return before + head + frames
 
 
-def _log_tail(
-    cluster: Session, rank: int, survivors: Sequence[int]
-) -> tuple[list[str], str | None]:
-    from nbtrain.engine.faults import tail_file
-
+def _log_path(cluster: Session, rank: int) -> str | None:
     info = cluster.ranks[rank]
     path = getattr(info, "log", None)
     launcher = _launcher_for(cluster, info.pid)
     if path is None and launcher is not None:
         path = getattr(launcher, "output_file", None)
+    return path or None
+
+
+def log_offsets(cluster: Session, which: Sequence[int]) -> dict[int, int]:
+    """Where each local rank's log ends now, before a cell: a death in it reports only what came after
+    (not an earlier cell's stderr, which the log keeps too)."""
+    out = {}
+    for r in which:
+        path = _log_path(cluster, r)
+        if path and _is_local(cluster, cluster.ranks[r].host):
+            try:
+                out[r] = os.path.getsize(path)
+            except OSError:
+                pass
+    return out
+
+
+def _log_tail(
+    cluster: Session, rank: int, survivors: Sequence[int], start: int = 0
+) -> tuple[list[str], str | None]:
+    from nbtrain.engine.faults import tail_file
+
+    info = cluster.ranks[rank]
+    path = _log_path(cluster, rank)
     if not path:
         return [], None
     if _is_local(cluster, info.host):
-        return tail_file(path, lines=200), path
+        return tail_file(path, lines=200, start=start), path
     # another rank on the same host can read the file for us
     for r in survivors:
         other = cluster.ranks[r]
@@ -235,9 +260,14 @@ def _log_tail(
 
 
 def describe_death(
-    cluster: Session, rank: int, cell_stderr: str = "", survivors: Sequence[int] = ()
+    cluster: Session,
+    rank: int,
+    cell_stderr: str = "",
+    survivors: Sequence[int] = (),
+    log_start: int = 0,
 ) -> RankDeath:
-    """What is known about how `rank` died, from the launcher, the hub and its log."""
+    """What is known about how `rank` died, from the launcher, the hub and its log (what it wrote
+    there after byte `log_start`: the cell's start)."""
     info = cluster.ranks[rank]
     code = None
     sig = None
@@ -269,7 +299,7 @@ def describe_death(
                 f"was lost: no heartbeat from {info.host} and it does not answer on the network at "
                 f"{info.address} (node down or network cut)"
             )
-    log_lines, path = _log_tail(cluster, rank, survivors)
+    log_lines, path = _log_tail(cluster, rank, survivors, log_start)
     # the log holds a copy of the cell's stderr (and crash dumps); the captured stderr is the fallback
     tail = _filter_tail(log_lines) or _filter_tail(cell_stderr.splitlines())
     return RankDeath(
@@ -319,20 +349,35 @@ def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
             cell_stderr = fut.output.metadata.get("stderr", "") or ""
         except Exception:
             cell_stderr = ""
-        deaths.append(describe_death(cluster, r, cell_stderr, survivors))
+        start = getattr(run, "log_offsets", {}).get(r, 0)
+        deaths.append(describe_death(cluster, r, cell_stderr, survivors, start))
     deadline = time.monotonic() + SURVIVOR_GRACE
     while time.monotonic() < deadline and any(
         not ar._children[run.which.index(r)].done() for r in survivors
     ):
         run._drain()
         time.sleep(0.05)
-    stuck = [r for r in survivors if not ar._children[run.which.index(r)].done()]
+
+    def pending(ranks: Sequence[int]) -> list[int]:
+        return [r for r in ranks if not ar._children[run.which.index(r)].done()]
+
+    stuck = pending(survivors)
     where = {}
     if stuck:
         try:
-            where = {r: classify(i)[1] for r, i in cluster.stacks(stuck, timeout=1.0).items()}
+            kinds = {r: classify(i) for r, i in cluster.stacks(stuck, timeout=2.0).items()}
         except Exception:
-            where = {}
+            kinds = {}
+        # one that answers and is not in a collective is on its way out (under load, writing its
+        # traceback takes seconds): wait for it rather than end it and lose its variables
+        going = [r for r in stuck if kinds.get(r, ("silent", ""))[0] in ("busy", "idle")]
+        deadline = time.monotonic() + SURVIVOR_FINISH
+        while pending(going) and time.monotonic() < deadline:
+            run._drain()
+            time.sleep(0.05)
+        stuck = pending(survivors)
+        where = {r: kinds[r][1] for r in stuck if r in kinds}
+    if stuck:
         end_engines(cluster, stuck)
     run._drain()
     run._finish_display()
@@ -356,7 +401,8 @@ def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
     stopped = [r for r in survivors if r not in stuck]
     if stopped:
         parts.append(
-            f"Interrupted the other ranks ({describe_ranks(cluster.ranks, stopped)}); they keep their variables."
+            f"Interrupted the other ranks ({describe_ranks(cluster.ranks, stopped)}); "
+            f"{'it keeps its' if len(stopped) == 1 else 'they keep their'} variables."
         )
     if stuck:
         parts.append(
@@ -430,7 +476,8 @@ def restart(cluster: Session, all_ranks: bool = False, timeout: float | None = N
     why = f" ({'; '.join(reasons)})" if reasons else ""
     kept = [r for r in world if r not in replace]
     kept_note = (
-        f" {describe_ranks(cluster.ranks, kept)} kept their variables, but rebuild objects that hold "
+        f" {describe_ranks(cluster.ranks, kept)} kept {'its' if len(kept) == 1 else 'their'} variables, "
+        "but rebuild objects that hold "
         "the old process group (e.g. DDP models)."
         if kept
         else ""

@@ -308,13 +308,13 @@ def collectives(last: int = 8) -> dict[str, Any]:
     return {"available": False, "entries": [], "pending": [], "error": "; ".join(errors)}
 
 
-def tail_file(path: str, lines: int = 20, max_bytes: int = 64_000) -> list[str]:
-    """The last `lines` lines of a log file on this host."""
+def tail_file(path: str, lines: int = 20, max_bytes: int = 64_000, start: int = 0) -> list[str]:
+    """The last `lines` lines of a log file on this host, of what was written after byte `start`."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
-            f.seek(max(0, size - max_bytes))
+            f.seek(max(0, start, size - max_bytes))
             data = f.read().decode("utf-8", "replace")
     except OSError:
         return []

@@ -138,7 +138,6 @@ class NbtrainMagics(Magics):
             raise ConfigError(msg)
 
         n = default_engine_count(args.n)
-        print(f"nbtrain: starting {n} engine(s) on this machine...", flush=True)
         t0 = time.monotonic()
         cluster = start(
             n=n,
@@ -146,6 +145,10 @@ class NbtrainMagics(Magics):
             timeout=args.timeout,
             force=args.force,
             allocator=args.allocator,
+            # said once the start goes ahead: a refused one (a cluster running) says only why
+            announce=lambda k: print(
+                f"nbtrain: starting {k} engine(s) on this machine...", flush=True
+            ),
         )
         elapsed = time.monotonic() - t0
         print(
