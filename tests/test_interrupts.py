@@ -68,6 +68,7 @@ SLOW_RANK_1 = (
     "        time.sleep(0.3)\n"
     "    return _backward(self, *a, **k)\n"
     "def _slow_batch(*a, **k):\n"
+    "    open(started, 'w').close()  # in generate's (or GRPO's) loop\n"
     "    if rank == 1:\n"
     "        time.sleep(0.3)\n"
     "    return _batch(*a, **k)\n"
@@ -104,11 +105,11 @@ def loaded(tiny):
 
 
 def _started(out: Path, marker: Path) -> bool:
-    """The run is under way: two logged steps (finetune) or the marker a moment old (generate)."""
+    """The run's loop is under way: two logged steps (finetune) or a batch generated (generate)."""
     metrics = out / "metrics.jsonl"
     if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
         return True
-    return marker.exists() and time.time() - marker.stat().st_mtime > 1.0
+    return marker.exists()
 
 
 def _assert_every_rank_kept(cluster, pids) -> None:
@@ -122,8 +123,8 @@ def test_kernel_interrupt_mid_run_under_load_keeps_every_ranks_variables(loaded,
     cluster = loaded
     pids = [r.pid for r in cluster.ranks]
     out, marker = tmp_path / "out", tmp_path / "started"
-    cluster.push({"out": str(out)})
-    code = _slowed(f"open({str(marker)!r}, 'w').close()\n" + CELLS[kind])
+    cluster.push({"out": str(out), "started": str(marker)})
+    code = _slowed(CELLS[kind])
     sent: dict[str, float] = {}
 
     def interrupt_mid_run() -> None:
@@ -149,11 +150,11 @@ def test_cluster_interrupt_stops_every_rank_at_the_same_step(loaded, tmp_path):
     cluster = loaded
     pids = [r.pid for r in cluster.ranks]
     out = tmp_path / "out"
-    cluster.push({"out": str(out)})
+    cluster.push({"out": str(out), "started": str(tmp_path / "started")})
 
     def interrupt_mid_run() -> None:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not _started(out, tmp_path / "none"):
+        while time.monotonic() < deadline and not _started(out, tmp_path / "none.txt"):
             time.sleep(0.05)
         cluster.interrupt()
 
@@ -167,4 +168,17 @@ def test_cluster_interrupt_stops_every_rank_at_the_same_step(loaded, tmp_path):
     )
     assert "died" not in text and "EngineError" not in text
     assert "ranks 0-1" in text or ("rank 0" in text and "rank 1" in text)
+    _assert_every_rank_kept(cluster, pids)
+
+
+def test_interrupt_during_set_up_stops_every_rank_at_the_first_step(loaded, tmp_path):
+    # set-up (data checks, model load) meets in collectives too: the interrupt is held to step 1
+    cluster = loaded
+    pids = [r.pid for r in cluster.ranks]
+    out = tmp_path / "out"
+    cluster.push({"out": str(out), "started": str(tmp_path / "started")})
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.execute(_slowed(CELLS["sft"]), live=False)
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()
     _assert_every_rank_kept(cluster, pids)

@@ -267,7 +267,7 @@ class CellRun:
                     waiting = self._pending(ar)
                     # a rank's failure can be the echo of a peer that died where we cannot see it
                     # (another host, before the heartbeat says so): ranks that do not answer are dead
-                    silent = faults.silent_ranks(self.cluster, waiting)
+                    silent = faults.silent_ranks(self.cluster, waiting, timeout=STACK_ANSWER)
                     if silent:
                         faults.fail_cell(self, ar, silent, start)
                     self._stopped_note = self._stop_ranks(ar)

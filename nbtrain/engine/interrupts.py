@@ -19,11 +19,14 @@ In [1]: with Held() as held:
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, cast
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 # the Held blocks entered on this engine's main thread, innermost last
 _ACTIVE: list[Held] = []
@@ -53,6 +56,10 @@ class Held:
 
     def __enter__(self) -> Held:
         if threading.current_thread() is threading.main_thread():
+            # nested in another (finetune's set-up, then its loop; samples inside a step): one
+            # interrupt, whichever block holds it when it comes
+            if _ACTIVE and _ACTIVE[-1].pending:
+                self.since = _ACTIVE[-1].since
             self._old = signal.signal(signal.SIGINT, self._handler)
             self._installed = True
             _ACTIVE.append(self)
@@ -67,6 +74,20 @@ class Held:
         )
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        if _ACTIVE and self.pending and not _ACTIVE[-1].pending:
+            _ACTIVE[-1].since = self.since
+
+
+def held(fn: F) -> F:
+    """`fn` runs in a `Held` block: an interrupt while it sets up (loads a model, meets its peers)
+    waits for the loop inside it to check."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with Held():
+            return fn(*args, **kwargs)
+
+    return cast(F, wrapper)
 
 
 def stop_if_any(flags: Iterable[float], where: str) -> None:

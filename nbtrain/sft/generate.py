@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from nbtrain.engine import interrupts
 from nbtrain.errors import ConfigError
 from nbtrain.sft import decode
 from nbtrain.sft.dist import Dist
@@ -387,6 +388,7 @@ def _frame(rows_by_model: list[tuple[_Model, list[dict[str, Any]]]]) -> Any:
     )
 
 
+@interrupts.held  # an interrupt while the models load waits for the batches' check
 def generate(
     prompts: Any,
     model: str | None = None,

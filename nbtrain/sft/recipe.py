@@ -93,8 +93,10 @@ class SFTRecipe(RunSetup):
 
     def run(self) -> TrainResult:
         """Set up, train, and return the result: what `finetune` does."""
-        self.setup()
-        self.train()
+        # an interrupt during set-up (whose ranks meet in collectives too) is held to the first step
+        with interrupts.Held():
+            self.setup()
+            self.train()
         return self.result()
 
     # ---- train phase: the loop, with its step and eval
