@@ -35,12 +35,12 @@ lint: $(STAMP)
 
 # the docs, with warnings as errors (mkdocs.yml sets strict); the SFTConfig table must be current
 docs: $(STAMP)
-	$(PY) -m nbtrain.sft.config_doc --check
+	$(PY) -m nbtrain.configs.doc --check
 	$(PY) -m mkdocs build -q
 
 # regenerate the SFTConfig table in docs/fine-tuning.md from the dataclass
 docs-table: $(STAMP)
-	$(PY) -m nbtrain.sft.config_doc
+	$(PY) -m nbtrain.configs.doc
 
 # the JupyterLab extension: build, prettier + eslint, vitest, REST handlers, UI tests in Chromium
 test-lab: $(STAMP)

@@ -41,7 +41,7 @@ MODEL = {"hidden_size": 256, "num_layers": 4, "intermediate_size": 512, "num_hea
 
 
 def _config(model: str, steps: int, output_dir: str) -> dict[str, Any]:
-    from nbtrain.data import instructions_path
+    from nbtrain.data.examples import instructions_path
 
     return {
         "model": model,
@@ -250,7 +250,7 @@ def main() -> None:
     reps, steps = (1, 20) if args.quick else (args.reps, args.steps)
     rec = C.Recorder("finetune", args.quick)
 
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     model = make_tiny_model(C.WORK / "ft-model", **MODEL)
     rec.data["model"] = MODEL

@@ -39,7 +39,7 @@ BATCH = 8
 
 
 def prompts(n: int) -> list[str]:
-    from nbtrain.data import instructions_path
+    from nbtrain.data.examples import instructions_path
 
     out = []
     for line in Path(instructions_path()).read_text().splitlines():
@@ -116,7 +116,7 @@ def main() -> None:
         args.rounds, args.prompts, args.new = 1, 8, 8
     C.setup_env()
     import nbtrain
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     rec = C.Recorder("generate", args.quick)
     model_dir = make_tiny_model(C.WORK / "generate-model", **MODEL)

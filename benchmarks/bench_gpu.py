@@ -132,7 +132,7 @@ def peak_flops() -> float | None:
     """Dense bf16 peak of this GPU, from nbtrain's own table (None: unknown GPU or CPU)."""
     import torch
 
-    from nbtrain.sft.report import peak_bf16_flops
+    from nbtrain.telemetry.report import peak_bf16_flops
 
     if not torch.cuda.is_available():
         return None

@@ -183,7 +183,7 @@ def main() -> None:
         args.reps, args.steps, args.warmup = 1, 4, 1
     C.setup_env()
     import nbtrain
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     rec = C.Recorder("grpo", args.quick)
     model = make_tiny_model(C.WORK / "grpo-model", **MODEL)

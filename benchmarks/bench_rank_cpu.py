@@ -63,7 +63,7 @@ def main() -> None:
     C.setup_env()
     rec = C.Recorder("rank_cpu", False)
     import nbtrain
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     model = make_tiny_model(C.WORK / "ft-model", **MODEL)
     runs: dict[str, list[dict]] = {"nbtrain": [], "torchrun": [], "torchrun_cold": []}

@@ -13,7 +13,7 @@ meaningful numbers). Every arm runs in its own process
 on the same model (random weights in a real architecture's shape, built and saved once, see
 bench_gpu.py), the same rows of exactly `--seq` tokens, LoRA r16 on all linear layers, micro-batch 1 with
 gradient checkpointing, so the peak is the model's and the optimizer's, not the batch's. tokens/s counts
-the steps after `--warmup`. The memory the formula predicts (nbtrain.sft.memory.rank_memory) is printed
+the steps after `--warmup`. The memory the formula predicts (nbtrain.model.memory.rank_memory) is printed
 beside each measured peak.
 
 Not run on the machine this was written on (it has no GPU): no results are recorded yet.
@@ -127,7 +127,7 @@ def arm_hf(args: argparse.Namespace, model_dir: Path, data: Path, work: Path) ->
 def predicted_gb(shape: str, arm: str, seq: int) -> float | None:
     from transformers import AutoConfig
 
-    from nbtrain.sft.memory import Shape, rank_memory
+    from nbtrain.model.memory import Shape, rank_memory
 
     s = Shape.from_config(AutoConfig.for_model(**G.SHAPES[shape]))
     if s is None:

@@ -48,10 +48,10 @@ _LAZY = {
     "Cluster": "nbtrain.cluster.facade",
     "ClusterPicker": "nbtrain.display.picker",
     "ConfigError": "nbtrain.errors",
-    "DPOConfig": "nbtrain.sft.dpo_config",
+    "DPOConfig": "nbtrain.configs.dpo",
     "DistributedCellError": "nbtrain.errors",
-    "GRPOConfig": "nbtrain.sft.grpo_config",
-    "Preempted": "nbtrain.sft.preempt",
+    "GRPOConfig": "nbtrain.configs.grpo",
+    "Preempted": "nbtrain.recipes.preempt",
     "attach": "nbtrain.cluster.api",
     "check": "nbtrain.cluster.check",
     # the module itself, which is callable: nbtrain.compare([...]) draws, nbtrain.compare.load_run reads
@@ -60,10 +60,10 @@ _LAZY = {
     "current_cluster": "nbtrain.cluster.facade",
     "start": "nbtrain.cluster.api",
     "scaling": "nbtrain.cluster.api",
-    "SFTConfig": "nbtrain.sft.config",
-    "TrainResult": "nbtrain.sft.train",
-    "finetune": "nbtrain.sft.train",
-    "generate": "nbtrain.sft.generate",
+    "SFTConfig": "nbtrain.configs.sft",
+    "TrainResult": "nbtrain.recipes.train",
+    "finetune": "nbtrain.recipes.train",
+    "generate": "nbtrain.generation.generate",
     "log": "nbtrain.engine.metrics",
     "log_end": "nbtrain.engine.metrics",
     "is_rank_zero": "nbtrain.engine.rank",
@@ -74,16 +74,16 @@ if TYPE_CHECKING:
     from nbtrain.cluster.check import check
     from nbtrain.cluster.facade import Cluster, current_cluster
     from nbtrain.compare import compare
+    from nbtrain.configs.dpo import DPOConfig
+    from nbtrain.configs.grpo import GRPOConfig
+    from nbtrain.configs.sft import SFTConfig
     from nbtrain.display.picker import ClusterPicker
     from nbtrain.engine.metrics import log, log_end
     from nbtrain.engine.rank import is_rank_zero
     from nbtrain.errors import ConfigError, DistributedCellError
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.dpo_config import DPOConfig
-    from nbtrain.sft.generate import generate
-    from nbtrain.sft.grpo_config import GRPOConfig
-    from nbtrain.sft.preempt import Preempted
-    from nbtrain.sft.train import TrainResult, finetune
+    from nbtrain.generation.generate import generate
+    from nbtrain.recipes.preempt import Preempted
+    from nbtrain.recipes.train import TrainResult, finetune
 
 
 def __getattr__(name: str) -> Any:

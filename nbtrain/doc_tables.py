@@ -1,7 +1,7 @@
 """Tables in the docs that are generated from the code, so they cannot drift: a table sits between two
 marker comments in its page; everything outside them is left as written.
 
-`nbtrain.sft.config_doc` (the SFTConfig table) and `nbtrain.cluster.launch.options_doc` (the launchers'
+`nbtrain.configs.doc` (the SFTConfig table) and `nbtrain.cluster.launch.options_doc` (the launchers'
 options) are built on `GeneratedTable`; `tests/test_docs.py` fails when a committed table is stale.
 """
 
@@ -26,7 +26,7 @@ class GeneratedTable:
     the function that makes it."""
 
     what: str  #: "SFTConfig table"
-    command: str  #: "python -m nbtrain.sft.config_doc"
+    command: str  #: "python -m nbtrain.configs.doc"
     page: Path  #: the page in a checkout (the docs do not ship in the wheel)
     make: Callable[[], str]  #: the markdown table
 

@@ -42,7 +42,7 @@ class ConfigError(NbtrainError, ValueError):
 class RankDiedError(DistributedCellError):
     """A rank died (killed, crashed, exited, or its node was lost) while a cell ran.
 
-    `deaths` holds one `nbtrain.cluster.faults.RankDeath` per dead rank: rank, host, how, stderr tail.
+    `deaths` holds one `nbtrain.cluster.faults.recovery.RankDeath` per dead rank: rank, host, how, stderr tail.
     """
 
     def __init__(self, message: str, deaths: list | None = None):

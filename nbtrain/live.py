@@ -16,9 +16,9 @@ from typing import Any
 
 # metrics drawn as curves: (key, axis title)
 PLOTS = (("loss", "loss"), ("tokens_per_s", "tokens/s"))
-# a third curve where the rows have it: DPO's reward margin (nbtrain.sft.dpo_recipe)
+# a third curve where the rows have it: DPO's reward margin (nbtrain.recipes.dpo)
 REWARD_PLOT = ("rewards/margins", "reward margin")
-# or GRPO's mean reward (nbtrain.sft.grpo_recipe)
+# or GRPO's mean reward (nbtrain.recipes.grpo.recipe)
 GRPO_PLOT = ("reward", "reward")
 TABLE_KEYS = (
     "step",

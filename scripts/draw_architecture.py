@@ -15,8 +15,11 @@ W = 980
 KERNEL = [
     ("magics, widgets", "magics/ (cluster, faults, args) · display/picker/ (a module per page)"),
     ("facade", "cluster/api.py (start, connect, attach) · cluster/facade.py (Cluster)"),
-    ("workers on a session", "attach · cell · probe · watchdog · faults · diagnose"),
-    ("launchers", "launch/ local · ssh · slurm · mpi · ray · connect  (+ base · network · preflight)"),
+    ("workers on a session", "attach · cell · probe · check · scaling/ · faults/"),
+    (
+        "launchers",
+        "launch/ local · ssh · slurm · mpi · ray · connect  (+ base · network · preflight)",
+    ),
     ("process group, session", "cluster/group.py · cluster/session.py"),
     ("primitives", "options · topology · procs · failures · plan · registry · ranges · allocator"),
     ("shared, no client", "nbtrain/live.py · nbtrain/net.py · nbtrain/errors.py · nbtrain/runs.py"),
@@ -27,7 +30,7 @@ ENGINE = [
     "engine/metrics.py (log)",
     "engine/faults.py (stack dumps, NCCL)",
     "engine/oom.py · probe.py · network.py",
-    "sft/ (finetune loop)",
+    "recipes/ > generation/ > model/ > configs/ > data/ losses/ telemetry/",
     "never imports the kernel or server side",
 ]
 SERVER = [

@@ -18,7 +18,7 @@ command -v ssh-keygen >/dev/null 2>&1 || need="$need openssh-client"
 command -v sbatch >/dev/null 2>&1 || need="$need slurm-client"
 [ -x /usr/sbin/munged ] || need="$need munge"
 command -v mpiexec >/dev/null 2>&1 || need="$need openmpi-bin"
-# tcmalloc: tests/test_allocator.py checks that CPU engines really run with it
+# tcmalloc: tests/cluster/test_allocator.py checks that CPU engines really run with it
 { ldconfig -p 2>/dev/null || /sbin/ldconfig -p; } | grep -q libtcmalloc_minimal || need="$need libtcmalloc-minimal4"
 
 if [ -z "$need" ]; then

@@ -22,15 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def walk() -> list[tuple[str, str]]:
     import torch
 
-    from nbtrain.sft import config as config_mod
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.tiny import make_tiny_model
-    from nbtrain.sft.train import finetune
+    from nbtrain.configs import sft as config_mod
+    from nbtrain.configs.sft import SFTConfig
+    from nbtrain.model.tiny import make_tiny_model
+    from nbtrain.recipes.train import finetune
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="walk-cfg-"))
     model = make_tiny_model(tmp / "model")
-    data = str(ROOT / "nbtrain" / "data" / "instructions.jsonl")
+    data = str(ROOT / "nbtrain" / "data" / "examples" / "instructions.jsonl")
     cfg = SFTConfig(
         model=model,
         data=data,

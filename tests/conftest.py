@@ -143,8 +143,8 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny Llama and its tokenizer saved with save_pretrained (nbtrain.sft.tiny), one per module."""
-    from nbtrain.sft.tiny import make_tiny_model
+    """A tiny Llama and its tokenizer saved with save_pretrained (nbtrain.model.tiny), one per module."""
+    from nbtrain.model.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
@@ -160,10 +160,12 @@ def two_lr_runs(tiny, tmp_path_factory):
     tests/test_compare.py and the Lab's compare endpoint in tests/test_server.py)."""
     import torch
 
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.train import finetune
+    from nbtrain.configs.sft import SFTConfig
+    from nbtrain.recipes.train import finetune
 
-    data = Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl"
+    data = (
+        Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "examples" / "instructions.jsonl"
+    )
     root = tmp_path_factory.mktemp("compare") / "runs"
     eval_rows = [json.loads(x) for x in data.read_text().splitlines()[:8]]
     old = torch.get_num_threads()

@@ -51,14 +51,18 @@ def test_the_tree_keeps_every_contract() -> None:
     ("module", "upward", "contract"),
     [
         # a primitive reaching up to the facade: a layer broken, and a cycle
-        ("cluster/topology.py", "from nbtrain.cluster import facade", "cluster: the facade on top"),
+        (
+            "cluster/ranks/topology.py",
+            "from nbtrain.cluster import facade",
+            "cluster: the facade on top",
+        ),
         # an engine module importing the kernel side
         ("engine/rank.py", "from nbtrain.cluster import session", "code that runs on engines"),
         # the fine-tuning loop (engine side too) importing the live display or the run comparison
-        ("sft/span.py", "from nbtrain import live", "code that runs on engines"),
-        ("sft/report.py", "from nbtrain.compare import data", "code that runs on engines"),
+        ("recipes/span.py", "from nbtrain import live", "code that runs on engines"),
+        ("telemetry/report.py", "from nbtrain.compare import data", "code that runs on engines"),
         # the server reaching into the fine-tuning loop for a file name
-        ("server/metrics.py", "from nbtrain.sft import checkpoint", "the Jupyter server side"),
+        ("server/metrics.py", "from nbtrain.model import checkpoint", "the Jupyter server side"),
         # one launcher importing another
         (
             "cluster/launch/mpi.py",
@@ -66,7 +70,23 @@ def test_the_tree_keeps_every_contract() -> None:
             "launchers are plug-ins",
         ),
         # a cycle between two sibling packages
-        ("net.py", "from nbtrain import display", "no import cycles"),
+        (
+            "net.py",
+            "from nbtrain import display",
+            "no import cycles",
+        ),  # the training layers: data reaching up to a recipe, the model to generation, a loss to
+        # telemetry (data, losses and telemetry are independent of each other)
+        ("data/rows.py", "from nbtrain.recipes import hooks", "training: recipes on top"),
+        ("model/build.py", "from nbtrain.generation import decode", "training: recipes on top"),
+        ("losses/grpo.py", "from nbtrain.telemetry import tracking", "training: recipes on top"),
+        # the set-up every recipe shares importing one recipe
+        ("recipes/run_setup.py", "from nbtrain.recipes import dpo", "recipes: one per workload"),
+        # generation (engine side) importing the cluster
+        (
+            "generation/sampling.py",
+            "from nbtrain.cluster import session",
+            "code that runs on engines",
+        ),
     ],
 )
 def test_an_upward_import_fails_lint(
@@ -126,3 +146,26 @@ def test_no_module_is_long_without_saying_why() -> None:
         "split these by job (or say in the docstring why one file is longer than ~500 lines):\n"
         + "\n".join(long)
     )
+
+
+MAX_MODULES = 15
+
+
+def test_no_package_holds_more_than_15_modules() -> None:
+    """A folder past 15 modules no longer says what it holds: split it by job."""
+    crowded = []
+    for folder in sorted({p.parent for p in PACKAGE.rglob("*.py")}):
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > MAX_MODULES:
+            crowded.append(f"{folder.relative_to(ROOT)}: {len(modules)} modules")
+    assert not crowded, "split these by job (docs/architecture.md):\n" + "\n".join(crowded)
+
+
+def test_module_names_do_not_repeat_their_folder() -> None:
+    """`data/data.py`, `grpo/grpo_loss.py`: the folder already says it."""
+    repeated = [
+        p.relative_to(ROOT).as_posix()
+        for p in _modules()
+        if p.stem == p.parent.name or p.stem.startswith(p.parent.name + "_")
+    ]
+    assert not repeated, "rename these:\n" + "\n".join(repeated)

@@ -25,7 +25,7 @@ def files(tmp_path_factory):
     (d / "empty.jsonl").write_text("")
     (d / "train.txt").write_text("hello\n")
     (d / "afile").write_text("x")
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     make_tiny_model(d / "tiny")
     return d

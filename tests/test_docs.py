@@ -22,7 +22,7 @@ MARKER = "<!-- run -->"
 FENCE = re.compile(r"^```(?P<info>[^\n`]*)\n(?P<code>.*?)^```[ \t]*$", re.M | re.S)
 
 
-# snippets that need Slurm run on the single-machine Slurm test bed (tests/test_slurm.py), with the
+# snippets that need Slurm run on the single-machine Slurm test bed (tests/cluster/launch/test_slurm.py), with the
 # names of a real cluster (partition, account, shared paths) replaced by the test bed's
 SLURM_MARKER = "<!-- run: slurm -->"
 
@@ -67,7 +67,7 @@ def test_markers_mark_python_fences():
     for page in [ROOT / "README.md", *PAGES]:
         snippets(page)  # raises on a marker that marks nothing
         snippets(page, SLURM_MARKER)
-    # the Slurm recipe: start, train, stop (run by tests/test_slurm.py on the Slurm test bed)
+    # the Slurm recipe: start, train, stop (run by tests/cluster/launch/test_slurm.py on the Slurm test bed)
     assert len(snippets(DOCS / "multinode.md", SLURM_MARKER)) == 3
 
 
@@ -113,7 +113,7 @@ def test_snippets_run(ip, page, tmp_path, monkeypatch, capsys):
 
 # ----------------------------------------------------------------------------- generated tables
 def test_sftconfig_table_is_current():
-    from nbtrain.sft import config_doc
+    from nbtrain.configs import doc as config_doc
 
     page = DOCS / "fine-tuning.md"
     text = page.read_text(encoding="utf-8")
@@ -127,8 +127,8 @@ def test_sftconfig_table_lists_every_field():
     # the generator itself: one row per field, with its default and help, in declaration order
     from dataclasses import fields
 
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.config_doc import table
+    from nbtrain.configs.doc import table
+    from nbtrain.configs.sft import SFTConfig
 
     rows = table().splitlines()[2:]
     names = [re.match(r"\| `(\w+)` \|", r).group(1) for r in rows]
@@ -138,7 +138,7 @@ def test_sftconfig_table_lists_every_field():
 
 
 def test_config_doc_regenerates_a_stale_table(tmp_path):
-    from nbtrain.sft import config_doc
+    from nbtrain.configs import doc as config_doc
 
     page = tmp_path / "page.md"
     page.write_text(f"intro\n{config_doc.BEGIN}\n| old | table |\n{config_doc.END}\noutro\n")
@@ -169,7 +169,7 @@ def test_history_columns_are_documented():
     # every column finetune can write (report.py's Meter.row) has a row in the history table
     import inspect
 
-    from nbtrain.sft import report
+    from nbtrain.telemetry import report
 
     source = inspect.getsource(report.Meter.row)
     written = set(re.findall(r'row\[f?"(\w+)', source)) | set(re.findall(r'"(\w+)": ', source))

@@ -100,8 +100,8 @@ def test_a_stopped_run_ends_stopped_not_finished(tiny, tmp_path, monkeypatch):
     the Lab say; its loss axis is titled as an SFT loss."""
     import nbtrain
     from nbtrain import runs
-    from nbtrain.data import instructions_path
-    from nbtrain.sft.hooks import Hooks
+    from nbtrain.data.examples import instructions_path
+    from nbtrain.recipes.hooks import Hooks
 
     payloads = _published(monkeypatch)
     hooks = Hooks()
@@ -137,7 +137,7 @@ def test_a_dpo_run_titles_its_loss_per_pair(tiny, tmp_path, monkeypatch):
     """issue 34, 20: DPO's loss is a mean over pairs, not nats/token: the run announces its kind and
     the final plot titles the loss axis with DPO's unit; a run that ends normally says finished."""
     import nbtrain
-    from nbtrain.data import preferences_path
+    from nbtrain.data.examples import preferences_path
 
     payloads = _published(monkeypatch)
     cfg = nbtrain.DPOConfig(

@@ -10,10 +10,10 @@ import pytest
 import nbtrain
 from nbtrain.display import picker as pk
 from nbtrain.errors import ConfigError
-from tests.conftest import cluster_processes, wait_gone
 
-# the test Slurm of tests/test_slurm.py (module-scoped; skips, saying why, where it cannot start)
-from tests.test_slurm import _assert_job_gone, _squeue, slurm_bed  # noqa: F401
+# the test Slurm of tests/cluster/launch/test_slurm.py (module-scoped; skips, saying why, where it cannot start)
+from tests.cluster.launch.test_slurm import _assert_job_gone, _squeue, slurm_bed  # noqa: F401
+from tests.conftest import cluster_processes, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -115,7 +115,7 @@ export function mergeRows(
 
 /**
  * The per-rank peak memory keys present in any row (`peak_memory_gb_rank0`, ...), in rank order.
- * Only runs on GPUs log them (nbtrain/sft/report.py Meter.row).
+ * Only runs on GPUs log them (nbtrain/telemetry/report.py Meter.row).
  */
 export function rankMemoryKeys(rows: IMetricsRow[]): string[] {
   const ranks = new Set<number>();

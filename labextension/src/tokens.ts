@@ -60,7 +60,7 @@ export interface IMetricsPage {
   more: boolean;
 }
 
-/** One size of a scaling report (nbtrain/cluster/scaling_report.py), measured or predicted. */
+/** One size of a scaling report (nbtrain/cluster/scaling/report.py), measured or predicted. */
 export interface IScalingRow {
   nodes: number | null;
   ranks: number;

@@ -22,7 +22,7 @@ from nbtrain.cluster.facade import Cluster, current_cluster, replace_current, se
 from nbtrain.cluster.launch import connect as connecting
 from nbtrain.cluster.launch import parse_launch
 from nbtrain.cluster.options import StartOptions, default_engine_count, local_gpu_count
-from nbtrain.cluster.plan import Slot, plan_devices
+from nbtrain.cluster.ranks.plan import Slot, plan_devices
 from nbtrain.errors import ConfigError
 
 
@@ -47,7 +47,7 @@ def start(
 
     `n` defaults to one engine per GPU of this machine (1 without GPUs), as `%nbtrain start` does.
     The backend and every rank's device are decided here, once, before any rank initialises
-    (`nbtrain.cluster.plan`): `"auto"` is NCCL on cuda:<local rank> when every rank gets a GPU of
+    (`nbtrain.cluster.ranks.plan`): `"auto"` is NCCL on cuda:<local rank> when every rank gets a GPU of
     its own, else gloo on CPU for every rank, with one printed line saying why; `"nccl"` where a
     rank would lack a GPU is a `ConfigError`; `"gloo"` keeps the GPUs only where every rank has its
     own. With `launcher="ssh"`, `"slurm"`, `"mpi"` or `"ray"`, engines start elsewhere instead

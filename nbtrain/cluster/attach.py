@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.cluster import registry
-from nbtrain.cluster.faults import lost_ranks
+from nbtrain.cluster.faults.recovery import lost_ranks
 from nbtrain.cluster.launch import local
 from nbtrain.cluster.options import StartOptions
+from nbtrain.cluster.ranks.topology import RankInfo
 from nbtrain.cluster.session import Launched, Session
-from nbtrain.cluster.topology import RankInfo
 from nbtrain.compare.data import json_rows
 from nbtrain.errors import ClusterError
 

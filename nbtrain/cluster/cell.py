@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbtrain.cluster import group
 from nbtrain.cluster.failures import raise_for_failures
-from nbtrain.cluster.topology import describe_ranks
+from nbtrain.cluster.ranks.topology import describe_ranks
 from nbtrain.engine import groups as engine_groups
 from nbtrain.engine.metrics import KEY_PREFIX
 from nbtrain.errors import CellTimeoutError
@@ -229,7 +229,7 @@ class CellRun:
 
     # --- the run --------------------------------------------------------------------------------
     def run(self) -> list[Any]:
-        from nbtrain.cluster import faults
+        from nbtrain.cluster.faults import recovery as faults
 
         faults.check_alive(self.cluster, self.which)
         if self.cluster.group_specs:
@@ -311,7 +311,7 @@ class CellRun:
             self._display.close()
 
     def _on_timeout(self, ar: Any) -> None:
-        from nbtrain.cluster.diagnose import diagnose
+        from nbtrain.cluster.faults.diagnose import diagnose
 
         pending = self._pending(ar)
         # the same report as %nbtrain diagnose: stacks, and who waits in a collective
@@ -335,7 +335,7 @@ class CellRun:
         or waits in a collective its peers have left, is replaced; one that answers and is on its way
         (it holds the interrupt to its step's end, or runs Python such as its traceback) is waited for,
         up to `HELD_GRACE`. A second interrupt stops the waiting."""
-        from nbtrain.cluster.diagnose import classify
+        from nbtrain.cluster.faults.diagnose import classify
 
         cluster = self.cluster
         cluster.interrupt(self.which)

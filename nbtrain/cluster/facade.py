@@ -14,7 +14,7 @@ from typing import Any
 
 from nbtrain.cluster import group
 from nbtrain.cluster.group import define_groups, group_ranks
-from nbtrain.cluster.ranges import parse_ranks
+from nbtrain.cluster.ranks.ranges import parse_ranks
 from nbtrain.cluster.session import Session
 from nbtrain.errors import ClusterError, ConfigError, NoClusterError
 
@@ -94,11 +94,11 @@ class Cluster(Session):
 
     def scaling(self, cfg: Any, **kwargs: Any) -> Any:
         """`cfg`'s short fine-tune on the first 1, 2, 4... nodes, a model past them, a verdict; twin of
-        %nbtrain scaling (see `nbtrain.cluster.scaling.scaling`).
+        %nbtrain scaling (see `nbtrain.cluster.scaling.sweep.scaling`).
 
         In [1]: report = cluster.scaling(cfg, nodes=[1, 2, 4], steps=30, predict=[8, 16], out="scaling")
         """
-        from nbtrain.cluster.scaling import scaling
+        from nbtrain.cluster.scaling.sweep import scaling
 
         return scaling(self, cfg, **kwargs)
 
@@ -117,7 +117,7 @@ class Cluster(Session):
         In [1]: print(cluster.restart())     # twin of %nbtrain restart
         nbtrain: replaced rank 1 on node2 (dead: ...) with fresh engines and re-created the process group ...
         """
-        from nbtrain.cluster.faults import restart
+        from nbtrain.cluster.faults.recovery import restart
 
         return restart(self, all_ranks=all_ranks, timeout=timeout)
 
@@ -126,7 +126,7 @@ class Cluster(Session):
 
         In [1]: cluster.diagnose()           # twin of %nbtrain diagnose; works while a cell runs
         """
-        from nbtrain.cluster.diagnose import diagnose
+        from nbtrain.cluster.faults.diagnose import diagnose
 
         return diagnose(self, ranks=ranks, timeout=timeout)
 

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from nbtrain.cluster.topology import RankInfo, describe_ranks
+from nbtrain.cluster.ranks.topology import RankInfo, describe_ranks
 from nbtrain.engine import oom
 from nbtrain.errors import ClusterError, DistributedCellError, NbtrainError
 

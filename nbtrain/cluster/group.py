@@ -16,10 +16,10 @@ from typing import Any
 
 from nbtrain.cluster import registry
 from nbtrain.cluster.options import StartOptions
-from nbtrain.cluster.plan import DevicePlan, Slot, plan_devices
-from nbtrain.cluster.ranges import parse_ranks
+from nbtrain.cluster.ranks.plan import DevicePlan, Slot, plan_devices
+from nbtrain.cluster.ranks.ranges import parse_ranks
+from nbtrain.cluster.ranks.topology import RankInfo, compact, describe_ranks, torchrun_env
 from nbtrain.cluster.session import Session
-from nbtrain.cluster.topology import RankInfo, compact, describe_ranks, torchrun_env
 from nbtrain.engine import groups as engine_groups
 from nbtrain.engine import setup
 from nbtrain.errors import ClusterError, ConfigError
@@ -106,7 +106,7 @@ def init_group(
     for r in ranks:
         env = {
             **torchrun_env(ranks, r, master_addr, port, run_id or "nbtrain", restart_count),
-            # the cluster a run on this rank belongs to, in its run record (nbtrain.sft.report)
+            # the cluster a run on this rank belongs to, in its run record (nbtrain.telemetry.report)
             **({"NBTRAIN_CLUSTER_ID": run_id} if run_id else {}),
             **loopback,
             **options.extra_env,

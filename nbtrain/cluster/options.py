@@ -53,7 +53,7 @@ def startable() -> tuple[str, ...]:
 LAUNCH_HOST_ENV = "NBTRAIN_LAUNCH_HOST"
 MPIEXEC = "mpiexec"
 
-# the idle watchdog's limit (nbtrain.cluster.watchdog)
+# the idle watchdog's limit (nbtrain.cluster.faults.watchdog)
 DEFAULT_IDLE = 1800.0
 IDLE_ENV = "NBTRAIN_IDLE_TIMEOUT"
 

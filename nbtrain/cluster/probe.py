@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain.cluster.topology import format_table
+from nbtrain.cluster.ranks.topology import format_table
 from nbtrain.errors import ConfigError
 
 DEFAULT_MAX_BYTES = 64 * 2**20

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 from nbtrain.cluster import procs
 from nbtrain.cluster.failures import raise_for_failures
 from nbtrain.cluster.options import StartOptions
-from nbtrain.cluster.ranges import parse_ranks
-from nbtrain.cluster.topology import RankInfo, describe_ranks, rank_table
+from nbtrain.cluster.ranks.ranges import parse_ranks
+from nbtrain.cluster.ranks.topology import RankInfo, describe_ranks, rank_table
 from nbtrain.errors import ClusterError, NoClusterError
 
 if TYPE_CHECKING:
     import ipyparallel as ipp
 
-    from nbtrain.cluster.plan import DevicePlan
+    from nbtrain.cluster.ranks.plan import DevicePlan
 
 # how a launcher replaces single engines: replace(session, ranks, timeout)
 Replace = Callable[["Session", Sequence[int], float], None]
@@ -66,7 +66,7 @@ class Session:
         self.launcher = launcher  # how the engines were started: local, ssh, slurm, mpi, connect
         # the malloc the engines run with ("tcmalloc", "system"); set by local starts, None elsewhere
         self.allocator: str | None = None
-        # the backend and devices decided for every rank (nbtrain.cluster.plan); set by every start
+        # the backend and devices decided for every rank (nbtrain.cluster.ranks.plan); set by every start
         self.plan: DevicePlan | None = None
         # what a multi-node start found and said (nbtrain.cluster.launch)
         self.notes: list[str] = []

@@ -1,7 +1,7 @@
 """The SFTConfig reference table in docs/fine-tuning.md, generated from the dataclass so it cannot drift.
 
-    python -m nbtrain.sft.config_doc            # rewrite the table in docs/fine-tuning.md
-    python -m nbtrain.sft.config_doc --check    # exit 1 if the committed table is stale
+    python -m nbtrain.configs.doc            # rewrite the table in docs/fine-tuning.md
+    python -m nbtrain.configs.doc --check    # exit 1 if the committed table is stale
 
 The table sits between two marker comments in the page; everything outside them is left as written.
 `tests/test_docs.py` fails when the committed table differs from `table()`.
@@ -14,10 +14,10 @@ from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from typing import Any
 
+from nbtrain.configs.sft import SFTConfig
 from nbtrain.doc_tables import GeneratedTable, cell
-from nbtrain.sft.config import SFTConfig
 
-COMMAND = "python -m nbtrain.sft.config_doc"
+COMMAND = "python -m nbtrain.configs.doc"
 # where the page is in a checkout (the docs do not ship in the wheel)
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "fine-tuning.md"
 

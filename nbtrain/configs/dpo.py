@@ -5,7 +5,7 @@ In [1]: cfg = nbtrain.DPOConfig(model="tiny-llama", data="prefs.jsonl", output_d
 In [2]: nbtrain.finetune(cfg)
 
 The data is in TRL's preference formats (prompt/chosen/rejected, or chosen/rejected with the prompt
-implicit); `nbtrain.sft.prefs` reads and tokenizes it. What TRL calls `truncation_mode` is SFTConfig's
+implicit); `nbtrain.data.prefs` reads and tokenizes it. What TRL calls `truncation_mode` is SFTConfig's
 `truncation_side`: "right" is TRL's "keep_start" (its default), "left" is "keep_end".
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nbtrain.sft.config import SFTConfig, known_keywords_only
+from nbtrain.configs.sft import SFTConfig, known_keywords_only
 
 #: the DPO losses nbtrain computes, by TRL's names
 LOSS_TYPES = ("sigmoid", "ipo")

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.configs.sft import SFTConfig, known_keywords_only
 from nbtrain.errors import ConfigError
-from nbtrain.sft.config import SFTConfig, known_keywords_only
 
 #: the GRPO losses nbtrain computes, by TRL's names (TRL's default, "dapo", first)
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
@@ -141,7 +141,7 @@ class GRPOConfig(SFTConfig):
         )
         if isinstance(funcs, list) and funcs and all(callable(f) for f in funcs):
             # the signatures now, the columns they name when the data is read (before the model)
-            from nbtrain.sft import grpo_rewards
+            from nbtrain.losses import rewards as grpo_rewards
 
             try:
                 grpo_rewards.check(funcs, [func_name(f) for f in funcs], None)

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from nbtrain.configs.field_types import type_problems
+from nbtrain.data.prompts import sampling_problems
 from nbtrain.errors import ConfigError
-from nbtrain.sft import tracking
-from nbtrain.sft.config_types import type_problems
-from nbtrain.sft.decode import sampling_problems
+from nbtrain.telemetry import tracking
 
 SCHEDULERS = (
     "linear",
@@ -204,7 +204,7 @@ class SFTConfig:
     run_name: str | None = field(
         default=None, metadata={"help": "Name shown in the live display and the runs sidebar."}
     )
-    # ---- samples while training (nbtrain.sft.sampling)
+    # ---- samples while training (nbtrain.generation.sampling)
     sample_prompts: Any = field(
         default=None,
         metadata={
@@ -220,7 +220,7 @@ class SFTConfig:
     sample_max_new_tokens: int = field(
         default=64, metadata={"help": "Tokens to generate per sample prompt (greedy)."}
     )
-    # ---- models bigger than one GPU (nbtrain.sft.shard, nbtrain.sft.quant)
+    # ---- models bigger than one GPU (nbtrain.model.shard, nbtrain.model.quant)
     shard: str = field(
         default="ddp",
         metadata={
@@ -487,7 +487,7 @@ SHARDS = ("ddp", "fsdp", "hsdp")
 
 def _sharding_problems(cfg: SFTConfig) -> list[str]:
     """What is wrong with shard / load_in_4bit / load_in_8bit on their own (the device-dependent checks
-    run on every rank at set-up: nbtrain.sft.shard.check_shard, nbtrain.sft.quant.check_quant)."""
+    run on every rank at set-up: nbtrain.model.shard.check_shard, nbtrain.model.quant.check_quant)."""
     problems = []
     if cfg.shard not in SHARDS:
         problems.append(f"shard={cfg.shard!r} is not known; use one of {', '.join(SHARDS)}")

@@ -15,10 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nbtrain.errors import ConfigError
-
 # rows.py holds the rows and their tokenization; its names are also importable from here
-from nbtrain.sft.rows import (
+from nbtrain.data.rows import (
     FORMATS,
     IGNORE,
     TRUNCATION_SIDES,
@@ -28,7 +26,8 @@ from nbtrain.sft.rows import (
     load_rows,
     row_format,
 )
-from nbtrain.sft.store import TokenStore
+from nbtrain.data.store import TokenStore
+from nbtrain.errors import ConfigError
 
 __all__ = [
     "FORMATS",

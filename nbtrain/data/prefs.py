@@ -11,7 +11,7 @@ are tokenized alone; a conversational row renders the prompt with the generation
 chosen and prompt + rejected without it. The completion starts where the tokenized prompt and the
 tokenized prompt + completion first differ, so a token that straddles the boundary is the completion's.
 
-A pair is one row of the token cache (`nbtrain.sft.tokens.prepare` with this module as its encoder):
+A pair is one row of the token cache (`nbtrain.data.tokens.prepare` with this module as its encoder):
 its prompt, chosen and rejected tokens end to end, with "trained" 0, 1 and 2 marking which is which.
 So pairs are tokenized once per cluster, checked (bad rows named by file, line and index before any
 step) and read memory-mapped, as SFT rows are. Truncation is applied per batch, as TRL's collator does:
@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from nbtrain.data.chat import check_template
+from nbtrain.data.loader import ShardedBatches
 from nbtrain.errors import ConfigError
-from nbtrain.sft.chat import check_template
-from nbtrain.sft.data import ShardedBatches
 
 #: what the no-rows message asks for (tokens.prepare)
 ACCEPTED = (
@@ -209,7 +209,7 @@ def row_problem(
 def encode_pairs(rows: Sequence[dict], tokenizer: Any, template_kwargs: dict | None = None) -> Any:
     """Rows held in memory as an in-memory token store of pairs (tests, small data); the first bad
     row is a ConfigError."""
-    from nbtrain.sft.store import PartWriter
+    from nbtrain.data.store import PartWriter
 
     w = PartWriter(None)
     for j, res in enumerate(encode_batch(rows, tokenizer, template_kwargs)):
@@ -235,7 +235,7 @@ def load_pairs(
 ) -> list[Pair]:
     """Every row of a small data set (eval_data) as a Pair, held in memory; its bad rows (the first
     20) refused together in one ConfigError naming each one's file, line and index."""
-    from nbtrain.sft.sources import Source
+    from nbtrain.data.sources import Source
 
     src = Source(source, name)
     rows = list(src.part(0, 1))

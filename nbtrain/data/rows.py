@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.data import chat
+from nbtrain.data.sources import Source
 from nbtrain.errors import ConfigError
-from nbtrain.sft import chat
-from nbtrain.sft.sources import Source
 
 IGNORE = -100
 FORMATS = ("prompt/completion", "messages", "text")

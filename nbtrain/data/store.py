@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nbtrain.data.rows import IGNORE, Example, cut, encode_batch, row_problem
 from nbtrain.errors import ConfigError
-from nbtrain.sft.rows import IGNORE, Example, cut, encode_batch, row_problem
 
 #: the cache's layout; bump it when the files or the tokenization's meaning change
 FORMAT = 1

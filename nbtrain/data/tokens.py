@@ -31,12 +31,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from nbtrain.data import rows as sft_rows
+from nbtrain.data import store as files
+from nbtrain.data.rows import encode_batch, row_problem
+from nbtrain.data.sources import BadLine, Source
+from nbtrain.data.store import FORMAT, META, PartWriter, TokenStore, open_cache, part_stem, version
 from nbtrain.errors import ConfigError
-from nbtrain.sft import rows as sft_rows
-from nbtrain.sft import store as files
-from nbtrain.sft.rows import encode_batch, row_problem
-from nbtrain.sft.sources import BadLine, Source
-from nbtrain.sft.store import FORMAT, META, PartWriter, TokenStore, open_cache, part_stem, version
 
 ENV = "NBTRAIN_DATA_CACHE"
 OFF = ("off", "none", "false", "0")
@@ -261,7 +261,7 @@ def prepare(
 
     `template_kwargs` go to the chat template of every row (SFTConfig.chat_template_kwargs).
     `encoder` is the module that turns rows into tokens (its `encode_batch`, `row_problem`,
-    `alike` and `ACCEPTED`): None for SFT rows (`nbtrain.sft.rows`), `nbtrain.sft.prefs` for preference pairs.
+    `alike` and `ACCEPTED`): None for SFT rows (`nbtrain.data.rows`), `nbtrain.data.prefs` for preference pairs.
 
     Every step runs on every rank (each phase through `d.agree`, so one rank's failure stops all of
     them instead of leaving the others waiting in a collective)."""

@@ -44,7 +44,7 @@ PINNED_ENV = "NBTRAIN_GPU_PINNED"  # set to "1" by a launcher that gives each en
 
 
 def cuda_count() -> int:
-    # test hook: the GPU count a test wants the client's plan to see (tests/test_plan.py sets it in
+    # test hook: the GPU count a test wants the client's plan to see (tests/cluster/ranks/test_plan.py sets it in
     # the engines' environment); never set it otherwise
     fake = os.environ.get("NBTRAIN_TEST_GPU_COUNT")
     if fake is not None:
@@ -112,7 +112,7 @@ def init_rank(env: dict[str, str], backend: str, device: str, timeout_s: float) 
     """Set this rank's torchrun environment (`topology.torchrun_env`), then join the process group.
 
     `backend` and `device` ("cuda:<local rank>" or "cpu") come from the client's plan
-    (`nbtrain.cluster.plan`), the same decision for every rank: a rank never chooses alone.
+    (`nbtrain.cluster.ranks.plan`), the same decision for every rank: a rank never chooses alone.
     """
     os.environ.update(env)
     os.environ["NBTRAIN_ENGINE"] = "1"

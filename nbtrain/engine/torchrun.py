@@ -1,6 +1,6 @@
 """What makes an engine look like a torchrun worker to the libraries that run in it.
 
-torchrun's environment itself is set by the client (`nbtrain.cluster.topology.torchrun_env`, applied by
+torchrun's environment itself is set by the client (`nbtrain.cluster.ranks.topology.torchrun_env`, applied by
 `setup.init_rank`). Here, in the engine: it must not look like an interactive prompt (IPython sets
 `sys.ps1`, and Lightning refuses `strategy="ddp"` in an interactive process), and code that makes or
 ends the process group itself must find nbtrain's group and leave it for the next cell.

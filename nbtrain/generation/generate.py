@@ -7,7 +7,7 @@ In [1]: %%distributed
 In [2]: nbtrain.generate("prompts.jsonl", adapter=["base", "runs/a/adapter", "runs/b/adapter"])
 
 The prompts are split across the ranks and batched with left padding and a KV cache
-(`nbtrain.sft.decode`); rank 0 gets a pandas DataFrame in prompt order, every other rank None.
+(`nbtrain.generation.decode`); rank 0 gets a pandas DataFrame in prompt order, every other rank None.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from nbtrain.data.prompts import read_prompts
 from nbtrain.engine import interrupts
+from nbtrain.engine.dist import Dist
 from nbtrain.errors import ConfigError
-from nbtrain.sft import decode
-from nbtrain.sft.dist import Dist
+from nbtrain.generation import decode
 
 BASE = "base"
 SHARDS = ("ddp", "fsdp")
@@ -102,8 +103,8 @@ def _name_columns(models: list[_Model]) -> None:
 
 def _run_adapter(path: str) -> str:
     """A run folder (a finetune's output_dir) stands for the adapter the run exported into it."""
+    from nbtrain.model.checkpoint import list_checkpoints
     from nbtrain.runs import CONFIG_FILE, METRICS_FILE
-    from nbtrain.sft.checkpoint import list_checkpoints
 
     p = Path(path).expanduser()
     if not p.is_dir() or any((p / f).is_file() for f in ("adapter_config.json", "config.json")):
@@ -237,16 +238,16 @@ class _Loader:
     """The models of the columns on this rank, one after another.
 
     Unsharded, the base is loaded once and every adapter goes onto it with peft (`disable_adapter` for
-    the base column). Sharded, each column's model is built with FSDP2 by `nbtrain.sft.shard` (an
+    the base column). Sharded, each column's model is built with FSDP2 by `nbtrain.model.shard` (an
     adapter's LoRA weights filled in, each rank its own rows); a merged model is its own load."""
 
     def __init__(self, d: Dist, base: str, shard: str, load_in_4bit: bool, dtype: str) -> None:
-        from nbtrain.sft import step as one_step
+        from nbtrain.model.build import compute_dtype
 
         self.d, self.base, self.shard = d, base, shard
         self.load_in_4bit, self.dtype = load_in_4bit, dtype
         self.sharded = shard != "ddp"
-        self.compute_dtype = one_step.compute_dtype(_settings(base, shard, False, dtype), d.device)
+        self.compute_dtype = compute_dtype(_settings(base, shard, False, dtype), d.device)
         self.mesh: Any = None
         self._base: Any = None
         self._peft: Any = None
@@ -262,8 +263,8 @@ class _Loader:
         )
 
     def _plain(self, path: str) -> Any:
-        from nbtrain.sft import quant
-        from nbtrain.sft.model import load_model
+        from nbtrain.model import quant
+        from nbtrain.model.pretrained import load_model
 
         cfg = _settings(path, "ddp", self.load_in_4bit, self.dtype)
         if self.load_in_4bit:
@@ -275,7 +276,7 @@ class _Loader:
 
         import torch
 
-        from nbtrain.sft import shard
+        from nbtrain.model import shard
 
         lora = None
         if adapter is not None:
@@ -304,7 +305,7 @@ class _Loader:
     @contextlib.contextmanager
     def model(self, m: _Model) -> Iterator[Any]:
         """The model of column `m`, ready to generate from."""
-        from nbtrain.sft.model import quiet_hf
+        from nbtrain.model.pretrained import quiet_hf
 
         with quiet_hf():
             if self.sharded:
@@ -352,7 +353,7 @@ def _fill_lora(model: Any, adapter: str) -> None:
     """An adapter's LoRA weights into a sharded peft model's (default) LoRA layers, each rank its rows."""
     from safetensors.torch import load_file
 
-    from nbtrain.sft.shard import fill_adapter
+    from nbtrain.model.shard import fill_adapter
 
     path = Path(adapter) / "adapter_model.safetensors"
     if not path.is_file():
@@ -448,7 +449,7 @@ def generate(
         lines = "\n".join(f"  - {p}" for p in problems)
         msg = f"invalid nbtrain.generate arguments:\n{lines}"
         raise ConfigError(msg)
-    entries = decode.read_prompts(prompts)
+    entries = read_prompts(prompts)
     models = _models(adapter)
 
     d = Dist(group)
@@ -464,7 +465,7 @@ def generate(
             m.path = _ship(d, m.path)
 
     def check() -> tuple[str, Any]:
-        from nbtrain.sft.model import check_causal_lm, load_tokenizer, quiet_hf
+        from nbtrain.model.pretrained import check_causal_lm, load_tokenizer, quiet_hf
 
         for m in models:
             _classify(m)
@@ -477,7 +478,7 @@ def generate(
                 raise ConfigError(msg)
         check_causal_lm(base)
         if load_in_4bit:
-            from nbtrain.sft import quant
+            from nbtrain.model import quant
 
             quant.check_quant(_settings(base, shard, True, dtype), d.device, d.rank, d.host)
         with quiet_hf():

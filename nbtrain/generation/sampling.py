@@ -1,5 +1,5 @@
 """Samples while training: completions of `SFTConfig.sample_prompts` at the run's first step, every
-`sample_steps`, and at its last step, generated across the ranks (`nbtrain.sft.decode`).
+`sample_steps`, and at its last step, generated across the ranks (`nbtrain.generation.decode`).
 
 In [1]: cfg = nbtrain.SFTConfig(..., sample_prompts="prompts.jsonl", sample_steps=100)
 
@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nbtrain.data.prompts import read_prompts, shown
 from nbtrain.engine import metrics as live
+from nbtrain.generation import decode
 from nbtrain.runs import SAMPLES_FILE
-from nbtrain.sft import decode
 
 
 class Sampler:
@@ -41,7 +42,7 @@ class Sampler:
         d = recipe.d
         self.prompts = d.agree(
             lambda: decode.encode(
-                decode.read_prompts(self.source, "sample_prompts"),
+                read_prompts(self.source, "sample_prompts"),
                 recipe.tokenizer,
                 recipe.template_kwargs,
             )
@@ -83,7 +84,7 @@ class Sampler:
         recipe.meter.note("sample_seconds", d.broadcast_object(took))
         if rows is None:
             return
-        table = [{**r, "prompt": decode.shown(r["prompt"])} for r in rows]
+        table = [{**r, "prompt": shown(r["prompt"])} for r in rows]
         with (Path(recipe.out) / SAMPLES_FILE).open("a") as f:
             for r in table:
                 f.write(json.dumps({"step": step, **r}) + "\n")

@@ -11,7 +11,7 @@ of log p(token | what comes before); with r = logp(policy) - logp(reference), th
 
 The log-probabilities come from the last hidden states and the lm_head weight, a chunk of tokens at a
 time with each chunk's logits recomputed in backward (`torch.utils.checkpoint`), so only one chunk's
-logits exist at once: the trick of `nbtrain.sft.loss`, here per token instead of summed.
+logits exist at once: the trick of `nbtrain.losses.sft`, here per token instead of summed.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _token_logps(hidden: Any, weight: Any, bias: Any, labels: Any, softcap: Any)
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from nbtrain.sft.loss import default_chunk_size
+    from nbtrain.losses.sft import default_chunk_size
 
     def chunk(h: Any, y: Any) -> Any:
         logits = h @ weight.t().to(h.dtype)
@@ -60,11 +60,11 @@ def sequence_logps(model: Any, batch: dict[str, Any], autocast: Any, fused: bool
     """Each row's summed log-probability of its completion tokens (fp32, [rows]).
 
     `model` is called through its own forward (DDP included, so gradients sync). `fused`: from the
-    last hidden states (a model `nbtrain.sft.loss.fused_loss_supported` passes), else from the logits.
+    last hidden states (a model `nbtrain.losses.sft.fused_loss_supported` passes), else from the logits.
     """
     import torch
 
-    from nbtrain.sft.loss import last_hidden_states, model_inputs
+    from nbtrain.losses.sft import last_hidden_states, model_inputs
 
     ids, completion = batch["input_ids"], batch["completion_mask"]
     rows, width = ids.shape

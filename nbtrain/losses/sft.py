@@ -23,7 +23,7 @@ its last hidden states, and the loss applies the lm_head weight itself. The opti
   over. `fused_loss_supported` checks exactly that with one probe forward, so a model that scales its
   logits (Granite, Cohere) is refused instead of trained on the wrong loss.
 
-torch is imported inside the functions: `nbtrain.sft.train` imports this module, and importing `nbtrain`
+torch is imported inside the functions: `nbtrain.recipes.train` imports this module, and importing `nbtrain`
 (which names `TrainResult` from there) must not pull torch in.
 """
 

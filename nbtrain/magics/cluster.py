@@ -246,7 +246,7 @@ class NbtrainMagics(Magics):
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
         from nbtrain.cluster.facade import current_cluster
-        from nbtrain.cluster.topology import format_table
+        from nbtrain.cluster.ranks.topology import format_table
 
         cluster = current_cluster()
         if cluster is None:

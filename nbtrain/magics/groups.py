@@ -40,7 +40,7 @@ def parse_definitions(items: list[str]) -> dict[str, str]:
 
 def groups_table(specs: dict[str, list[int]], world_size: int) -> str:
     """The groups as a table: name, ranks, size, and which other groups share ranks with it."""
-    from nbtrain.cluster.topology import compact, format_table
+    from nbtrain.cluster.ranks.topology import compact, format_table
 
     if not specs:
         return "nbtrain: no groups are defined. Define them with %nbtrain groups actor=0-1 rollout=2-3."

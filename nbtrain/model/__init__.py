@@ -1,4 +1,6 @@
-"""LoRA/SFT fine-tuning that runs on every rank (engine side): `SFTConfig` and `finetune`."""
+"""The model a run trains or generates with: the base through `from_pretrained`, LoRA on top, QLoRA's
+4/8-bit base, FSDP2 sharding, checkpoints and export, the GPU speed levers, memory per rank, and a tiny model for tests.
+"""
 
 import logging
 
@@ -8,7 +10,7 @@ class _NoKernelsNote(logging.Filter):
 
     peft imports bitsandbytes wherever it is installed, and on a CPU with AVX512-BF16 bitsandbytes
     then logs that the optional `kernels` package is missing: twice per process, in every run, 4-bit
-    or not. Its own CPU 4-bit kernels work without it (tests/test_sft_shard_load.py).
+    or not. Its own CPU 4-bit kernels work without it (tests/model/test_shard_load.py).
     """
 
     def filter(self, record: logging.LogRecord) -> bool:

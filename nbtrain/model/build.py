@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbtrain.configs.sft import SFTConfig
+from nbtrain.engine.dist import Dist
 from nbtrain.errors import ConfigError
-from nbtrain.sft import quant, shard, speed
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.dist import Dist
+from nbtrain.model import quant, shard, speed
 
 
 def build_model(
@@ -17,7 +17,7 @@ def build_model(
     """(the peft model on this rank, notes to print, speed levers used)."""
     import torch
 
-    from nbtrain.sft.model import apply_lora, load_model
+    from nbtrain.model.pretrained import apply_lora, load_model
 
     notes: list[str] = []
     levers: list[str] = []
@@ -52,3 +52,15 @@ def build_model(
     if compute_dtype is not None and speed.skip_lora_input_cast(model):
         levers.append("bf16 lora inputs")
     return model, notes, levers
+
+
+def compute_dtype(cfg: SFTConfig, device: Any) -> Any:
+    import torch
+
+    if cfg.dtype == "float32":
+        return None
+    if cfg.dtype == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16
+    return None  # fp32 on CPU

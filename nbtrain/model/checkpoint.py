@@ -22,7 +22,7 @@ from nbtrain.runs import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
-#: what a run leaves in its output_dir besides checkpoints (mlflow_run.json: nbtrain.sft.tracking's
+#: what a run leaves in its output_dir besides checkpoints (mlflow_run.json: nbtrain.telemetry.tracking's
 #: RUN_FILE, the MLflow run a resume continues)
 RUN_LEFTOVERS = ("adapter", "merged", METRICS_FILE, CONFIG_FILE, SAMPLES_FILE, "mlflow_run.json")
 
@@ -193,7 +193,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     config_file = p / CONFIG_FILE
     return {
         "adapter": load_file(str(p / "adapter_model.safetensors"), device="cpu"),
-        # None in a sharded run's checkpoint: its optimizer state is in sharded/ (nbtrain.sft.shard)
+        # None in a sharded run's checkpoint: its optimizer state is in sharded/ (nbtrain.model.shard)
         "optimizer": torch.load(p / "optimizer.pt", weights_only=False, map_location="cpu")
         if (p / "optimizer.pt").is_file()
         else None,
@@ -274,7 +274,7 @@ def export_merged(
     `use_cache` is the base model's own setting, written back into the saved config: training turns
     the KV cache off, and a merged model saved that way would generate without it (slowly).
     """
-    from nbtrain.sft.model import quiet_hf
+    from nbtrain.model.pretrained import quiet_hf
 
     merged = model.merge_and_unload()
 
@@ -305,7 +305,7 @@ def export_merged_from_adapter(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from nbtrain.sft.model import quiet_hf
+    from nbtrain.model.pretrained import quiet_hf
 
     with quiet_hf():
         full = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)

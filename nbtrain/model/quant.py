@@ -6,10 +6,10 @@ bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)`, then
 on a 4-bit base is an ordinary LoRA adapter: it loads on the unquantised base. Merging it into 4-bit
 weights would round the merged weights to 4 bits, so `merge=True` merges into a full-precision copy of
 the base (bf16 on GPUs, fp32 on the CPU) loaded on rank 0's CPU instead
-(`nbtrain.sft.checkpoint.export_merged_from_adapter`). With `shard="fsdp"`, no rank holds the whole
+(`nbtrain.model.checkpoint.export_merged_from_adapter`). With `shard="fsdp"`, no rank holds the whole
 base, even in 4 bits: the model is built on the meta device with bitsandbytes' layers where
 from_pretrained would put them (`skeleton`), sharded, and then each weight is read and quantised one at a
-time, every rank keeping only its own rows of the 4-bit words (`quantize_like`, in `nbtrain.sft.shard`);
+time, every rank keeping only its own rows of the 4-bit words (`quantize_like`, in `nbtrain.model.shard`);
 8-bit weights are not sharded.
 """
 
@@ -75,7 +75,7 @@ def bnb_config(cfg: Any, compute_dtype: Any, sharded: bool = False) -> Any:
     fp32 on the CPU), so that FSDP2 shards and gathers them as it does the model's other weights. The
     gathered words come back as plain tensors; bitsandbytes' Linear4bit reattaches the quant_state it
     keeps on the module itself (`fix_4bit_weight_quant_state_from_module`), which is what makes
-    QLoRA under FSDP2 compute the same as under DDP (tests/test_sft_shard.py).
+    QLoRA under FSDP2 compute the same as under DDP (tests/model/test_shard.py).
     """
     import torch
     from transformers import BitsAndBytesConfig
@@ -104,7 +104,7 @@ def load_dtype(compute_dtype: Any, device: Any) -> Any:
 
 def load_quantized(cfg: Any, device: Any, compute_dtype: Any) -> Any:
     """The base model quantised onto this rank's device, prepared for k-bit training."""
-    from nbtrain.sft.model import load_model
+    from nbtrain.model.pretrained import load_model
 
     dtype = load_dtype(compute_dtype, device)
     base = load_model(
@@ -188,29 +188,3 @@ def prepare_for_training(base: Any, cfg: Any, device: Any) -> Any:
         use_gradient_checkpointing=cfg.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False},
     )
-
-
-def logical_numel(model: Any) -> int:
-    """The parameters of `model` as it computes with them, a 4-bit weight counted at its logical shape.
-
-    bitsandbytes stores a 4-bit weight as packed words (two values a byte, or more per element in a
-    wider `bnb_4bit_quant_storage`), so its `numel()` is a fraction of the weight's; the logical shape
-    is the quant_state's. Under FSDP2 the weight is a plain (sharded) tensor of those words and the
-    quant_state stays on the Linear4bit module (`fix_4bit_weight_quant_state_from_module`), where it is
-    read instead. A weight shared by two modules is counted once.
-    """
-    import math
-
-    seen: set[int] = set()
-    total = 0
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            qs = getattr(p, "quant_state", None)
-            if qs is None and name == "weight":
-                qs = getattr(module, "quant_state", None)
-            shape = getattr(qs, "shape", None)
-            total += math.prod(shape) if shape is not None else p.numel()
-    return total

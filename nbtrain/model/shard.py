@@ -7,7 +7,7 @@ shards, and then reads only its own slices of each weight straight from the safe
 (`safe_open(...).get_slice`): rows start:stop of each tensor, never the whole. No broadcast is needed,
 so loading costs no network traffic, at the price of every rank reading its part of the files (local or
 shared storage; every rank calls `from_pretrained` under DDP too). Memory per rank while loading: its
-shard of the weights plus one slice in flight (see `nbtrain.sft.memory`).
+shard of the weights plus one slice in flight (see `nbtrain.model.memory`).
 
 QLoRA (`load_in_4bit`) follows the same steps with bitsandbytes' 4-bit layers in the meta model
 (`quant.skeleton`); a 4-bit weight's block scales need all of it, so each one is read whole, one at a
@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from nbtrain.engine.dist import Dist
 from nbtrain.errors import ConfigError
-from nbtrain.sft import quant
-from nbtrain.sft.dist import Dist
+from nbtrain.model import quant
 
 SHARDED_DIR = "sharded"  # the dcp folder inside a checkpoint of a sharded run
 
@@ -238,7 +238,7 @@ def build_sharded(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from nbtrain.sft.model import apply_lora, enable_checkpointing, model_source
+    from nbtrain.model.pretrained import apply_lora, enable_checkpointing, model_source
 
     source = model_source(cfg.model)
     config = AutoConfig.from_pretrained(source)
@@ -283,7 +283,7 @@ def build_sharded(
     fully_shard(inner, mesh=mesh, mp_policy=mp)
     # the fused loss makes lm_head the identity, so the root returns a slice of the last hidden states:
     # a view, which FSDP2 warns an in-place op could detach from its pre-backward hook. Both losses
-    # (nbtrain.sft.loss, nbtrain.sft.step) only read it out of place, as the fsdp == ddp tests show
+    # (nbtrain.losses.sft, nbtrain.recipes.step) only read it out of place, as the fsdp == ddp tests show
     warnings.filterwarnings(
         "ignore",
         message=r"FSDP2-wrapped module \(FSDP\w+\) returned a view tensor",

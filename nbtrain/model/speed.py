@@ -9,7 +9,7 @@ Measured on one H100 with the Llama-3.1-8B shape (benchmarks/bench_gpu.py, bench
 - Liger's Triton kernels for RMSNorm, SwiGLU and RoPE on the architectures Liger supports.
 - `torch.compile` of each decoder layer (one graph, reused by every layer: compiles in seconds, fuses
   the elementwise work that Liger's kernels would otherwise do, so the two are not combined).
-- The loss without logits (`nbtrain.sft.loss`).
+- The loss without logits (`nbtrain.losses.sft`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def skip_lora_input_cast(model: Any) -> int:
 def apply_liger(base: Any) -> str | None:
     """Liger's RMSNorm, SwiGLU and RoPE kernels on `base` (a transformers causal LM), in place.
 
-    Returns None when applied, else why not (one line). The loss is nbtrain's own (`nbtrain.sft.loss`),
+    Returns None when applied, else why not (one line). The loss is nbtrain's own (`nbtrain.losses.sft`),
     so Liger's cross-entropy patches stay off. Liger patches the architecture's module in this process
     as well as the instance: later models of the same architecture in this process get the kernels too.
     """

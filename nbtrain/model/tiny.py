@@ -1,6 +1,6 @@
 """A tiny causal LM and tokenizer built from a config, for demos and tests where nothing can be downloaded.
 
-In [1]: from nbtrain.sft.tiny import make_tiny_model
+In [1]: from nbtrain.model.tiny import make_tiny_model
 In [2]: make_tiny_model("tiny-llama")          # then SFTConfig(model="tiny-llama", ...)
 
 The model and tokenizer are written with `save_pretrained`, so everything downstream goes through the
@@ -32,7 +32,7 @@ CHAT_TEMPLATE = (
 
 
 def _default_corpus() -> Iterator[str]:
-    from nbtrain.data import INSTRUCTIONS
+    from nbtrain.data.examples import INSTRUCTIONS
 
     with open(INSTRUCTIONS) as f:
         for line in f:

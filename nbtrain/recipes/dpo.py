@@ -21,11 +21,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from nbtrain.configs.dpo import DPOConfig
+from nbtrain.data import prefs, tokens
 from nbtrain.errors import ConfigError
-from nbtrain.sft import dpo_loss, prefs, tokens
-from nbtrain.sft.dpo_config import DPOConfig
-from nbtrain.sft.hooks import Hooks
-from nbtrain.sft.recipe import SFTRecipe
+from nbtrain.losses import dpo as dpo_loss
+from nbtrain.recipes.hooks import Hooks
+from nbtrain.recipes.sft import SFTRecipe
 
 
 class DPORecipe(SFTRecipe):

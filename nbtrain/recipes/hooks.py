@@ -1,11 +1,11 @@
 """The recipe's extension points: functions called at named places of the training loop.
 
-In [1]: hooks = nbtrain.sft.hooks.Hooks()
+In [1]: hooks = nbtrain.recipes.hooks.Hooks()
 In [2]: @hooks.on_log
    ...: def keep(recipe, row): rows.append(row)
 In [3]: nbtrain.finetune(cfg, hooks=hooks)
 
-A feature that needs the loop (sampling during training: `nbtrain.sft.sampling`) adds a hook here instead of
+A feature that needs the loop (sampling during training: `nbtrain.generation.sampling`) adds a hook here instead of
 another branch in the loop. Every hook gets the recipe first (its model, optimizer, `Dist`, step) and then
 keyword arguments, on every rank, in the order the hooks were added:
 

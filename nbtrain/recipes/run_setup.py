@@ -1,6 +1,6 @@
 """The set-up phase every training recipe shares: the settings read once, then the rows, the model (LoRA
 or QLoRA, sharded or not), the batch plan, output_dir and its trackers, the optimizer and schedule, and
-resuming. `nbtrain.sft.recipe.SFTRecipe` adds the loop and the saves on top.
+resuming. `nbtrain.recipes.sft.SFTRecipe` adds the loop and the saves on top.
 
 Everything that can be wrong is found here, on every rank, before any write: only at its end does rank 0
 open output_dir. SFT, DPO and GRPO would share this and differ in their step.
@@ -14,16 +14,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nbtrain.configs.sft import SFTConfig
+from nbtrain.data import tokens
+from nbtrain.data.batch import BatchPlan, split_global
+from nbtrain.engine.dist import Dist
 from nbtrain.errors import ConfigError
-from nbtrain.sft import checkpoint as ckpt
-from nbtrain.sft import commtime, memory, quant, shard, speed, tokens, tracking
-from nbtrain.sft import step as one_step
-from nbtrain.sft.batch import BatchPlan, split_global
-from nbtrain.sft.build import build_model
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.dist import Dist
-from nbtrain.sft.report import RunLog, read_history
-from nbtrain.sft.span import Span, run_span
+from nbtrain.model import build as model_build
+from nbtrain.model import checkpoint as ckpt
+from nbtrain.model import memory, quant, shard, speed
+from nbtrain.model.build import build_model
+from nbtrain.recipes import step as one_step
+from nbtrain.recipes.span import Span, run_span
+from nbtrain.telemetry import commtime, tracking
+from nbtrain.telemetry.report import RunLog, read_history
 
 
 class RunSetup:
@@ -107,9 +110,9 @@ class RunSetup:
         return tokens.prepare(source, self.tokenizer, self.d, self.data_cache, self.template_kwargs)
 
     def _check(self) -> dict[str, Any]:
-        from nbtrain.sft.data import load_rows
-        from nbtrain.sft.model import check_causal_lm, load_tokenizer
-        from nbtrain.sft.sources import Source
+        from nbtrain.data.loader import load_rows
+        from nbtrain.data.sources import Source
+        from nbtrain.model.pretrained import check_causal_lm, load_tokenizer
 
         d, cfg = self.d, self.cfg
         if not d.is_zero or os.environ.get("NBTRAIN_ENGINE") == "1":
@@ -143,7 +146,7 @@ class RunSetup:
         d, cfg = self.d, self.cfg
 
         def load() -> tuple[Any, Any, list[str], list[str]]:
-            compute_dtype = one_step.compute_dtype(cfg, d.device)
+            compute_dtype = model_build.compute_dtype(cfg, d.device)
             weights_dtype = (
                 compute_dtype if d.device.type == "cuda" and compute_dtype else torch.float32
             )
@@ -173,7 +176,7 @@ class RunSetup:
         return torch.autocast(device_type=self.d.device.type, dtype=self.compute_dtype)
 
     def loss_sum(self, net: Any, batch: dict[str, Any]) -> Any:
-        # through the module, so a test can wrap nbtrain.sft.step.loss_sum to slow or kill a rank mid-step
+        # through the module, so a test can wrap nbtrain.recipes.step.loss_sum to slow or kill a rank mid-step
         return one_step.loss_sum(net, batch, self.autocast, self.loss_fn)
 
     def _plan(self, n_rows: int) -> None:
@@ -195,7 +198,7 @@ class RunSetup:
 
     def _batches(self, store: Any) -> None:
         """This rank's training batches and eval batches; eval rows cut at max_length are counted."""
-        from nbtrain.sft.data import ShardedBatches, eval_batches
+        from nbtrain.data.loader import ShardedBatches, eval_batches
 
         d, plan = self.d, self.plan
         eval_cut: list[int] = []

@@ -1,5 +1,5 @@
 """One size of a scaling run (`%nbtrain scaling`), on the engines: probe the sub-group's all-reduce,
-then the short `finetune` on it with its gradient all-reduce timed (nbtrain.sft.commtime)."""
+then the short `finetune` on it with its gradient all-reduce timed (nbtrain.telemetry.commtime)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import socket
 from typing import Any
 
-from nbtrain.sft import commtime
+from nbtrain.telemetry import commtime
 
 
 def _device_name() -> str:
@@ -38,9 +38,9 @@ def run_size(
     gradients' own size; the others only take part in making the group."""
     import torch.distributed as dist
 
+    from nbtrain.configs.sft import SFTConfig
     from nbtrain.engine.probe import allreduce_times
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.train import finetune
+    from nbtrain.recipes.train import finetune
 
     group = dist.new_group(sorted(ranks)) if dist.is_initialized() else None
     me = dist.get_rank() if dist.is_initialized() else 0

@@ -8,10 +8,10 @@ In [4]: recipe.result()              # the TrainResult `finetune` returns
 `nbtrain.finetune(cfg)` is `SFTRecipe(cfg).run()`. The loop follows nanoGPT's train.py: one global batch
 per optimizer step, gradients summed across ranks by DDP, the loss normalised by the number of target
 tokens in the whole global batch, so N ranks with batch B train exactly like 1 rank with batch N*B.
-Features that need the loop add a hook (`nbtrain.sft.hooks`: on_begin, on_step, on_eval, on_log,
-on_save), as the samples taken while training do (`nbtrain.sft.sampling`).
+Features that need the loop add a hook (`nbtrain.recipes.hooks`: on_begin, on_step, on_eval, on_log,
+on_save), as the samples taken while training do (`nbtrain.generation.sampling`).
 
-Phases, and what each may touch: `setup` (`nbtrain.sft.run_setup`, which any training recipe can share)
+Phases, and what each may touch: `setup` (`nbtrain.recipes.run_setup`, which any training recipe can share)
 finds everything that can be wrong on every rank before any write, and only then opens output_dir on
 rank 0; `train` runs the steps; `save_checkpoint` and `export` write; `cleanup` puts back what the run
 changed (signal handlers, the live display, the run record).
@@ -25,20 +25,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nbtrain.configs.sft import SFTConfig
 from nbtrain.engine import interrupts
 from nbtrain.engine import metrics as live
+from nbtrain.generation.sampling import Sampler
+from nbtrain.model import checkpoint as ckpt
+from nbtrain.model import shard
+from nbtrain.recipes import step as one_step
+from nbtrain.recipes.hooks import Hooks
+from nbtrain.recipes.preempt import Preempted, Preemption
+from nbtrain.recipes.preempt import message as preempt_message
+from nbtrain.recipes.run_setup import RunSetup
+from nbtrain.recipes.span import drop_taken
 from nbtrain.runs import loss_unit
-from nbtrain.sft import checkpoint as ckpt
-from nbtrain.sft import shard
-from nbtrain.sft import step as one_step
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.hooks import Hooks
-from nbtrain.sft.preempt import Preempted, Preemption
-from nbtrain.sft.preempt import message as preempt_message
-from nbtrain.sft.report import Meter, flops_per_token, peak_flops
-from nbtrain.sft.run_setup import RunSetup
-from nbtrain.sft.sampling import Sampler
-from nbtrain.sft.span import drop_taken
+from nbtrain.telemetry.report import Meter, flops_per_token, peak_flops
 
 
 @dataclass
@@ -69,7 +69,7 @@ class SFTRecipe(RunSetup):
     """One LoRA/QLoRA SFT run on this rank: `setup()` (`RunSetup`), `train()`, `result()` (or `run()`).
 
     `group` trains on a sub-group of the running process group (its ranks are the run's ranks 0..n-1);
-    `hooks` are called at the loop's named places (`nbtrain.sft.hooks.Hooks`).
+    `hooks` are called at the loop's named places (`nbtrain.recipes.hooks.Hooks`).
     """
 
     def __init__(

@@ -6,27 +6,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.dist import Dist
-
-
-def compute_dtype(cfg: SFTConfig, device: Any) -> Any:
-    import torch
-
-    if cfg.dtype == "float32":
-        return None
-    if cfg.dtype == "bfloat16":
-        return torch.bfloat16
-    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
-        return torch.bfloat16
-    return None  # fp32 on CPU
+from nbtrain.configs.sft import SFTConfig
+from nbtrain.engine.dist import Dist
 
 
 def token_loss_sum(model: Any, batch: dict[str, Any], autocast: Any) -> Any:
     """Summed cross-entropy over target tokens (labels shifted by one)."""
     import torch.nn.functional as F
 
-    from nbtrain.sft.loss import model_inputs
+    from nbtrain.losses.sft import model_inputs
 
     with autocast():
         logits = model(**model_inputs(batch)).logits
@@ -60,7 +48,7 @@ def loss_impl(
     None) the plain way; and a note when the config asked for a fused loss that cannot apply."""
     if not cfg.fused_cross_entropy:
         return "logits", None, None
-    from nbtrain.sft import loss
+    from nbtrain.losses import sft as loss
 
     ok, why = loss.fused_loss_supported(model, autocast=autocast)
     if not ok:
@@ -76,7 +64,7 @@ def loss_sum(net: Any, batch: dict[str, Any], autocast: Any, fn: Any) -> Any:
     """Summed cross-entropy over the batch's target tokens, through `net` (the model, or DDP around it)."""
     if fn is None:
         return token_loss_sum(net, batch, autocast)
-    from nbtrain.sft import loss
+    from nbtrain.losses import sft as loss
 
     return loss.causal_lm_loss_sum(net, batch, autocast, fn)
 
@@ -89,7 +77,7 @@ def evaluate(
     a rank short of batches runs `filler` (a micro-batch of its own) and counts nothing."""
     import torch
 
-    from nbtrain.sft.data import collate
+    from nbtrain.data.loader import collate
 
     net.eval()
     sums = torch.zeros(2, dtype=torch.float64)
@@ -110,7 +98,7 @@ def plan_batch(cfg: SFTConfig, d: Dist, model: Any, loss_sum: Any, n_rows: int) 
     """This rank's batch plan: as configured, or measured with probe steps for 'auto'."""
     import torch
 
-    from nbtrain.sft.batch import MemoryProbe, auto_plan, fixed_plan
+    from nbtrain.data.batch import MemoryProbe, auto_plan, fixed_plan
 
     if cfg.per_device_train_batch_size != "auto":
         return fixed_plan(

@@ -6,17 +6,17 @@ In [1]: %%distributed
    ...: result = nbtrain.finetune(cfg)
 In [2]: result.history.plot(x="step", y="loss")
 
-`finetune` is the public call; the run itself is `nbtrain.sft.recipe.SFTRecipe` (set-up, train, save),
-whose loop takes hooks (`nbtrain.sft.hooks`).
+`finetune` is the public call; the run itself is `nbtrain.recipes.sft.SFTRecipe` (set-up, train, save),
+whose loop takes hooks (`nbtrain.recipes.hooks`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.hooks import Hooks
-from nbtrain.sft.recipe import SFTRecipe, TrainResult
+from nbtrain.configs.sft import SFTConfig
+from nbtrain.recipes.hooks import Hooks
+from nbtrain.recipes.sft import SFTRecipe, TrainResult
 
 __all__ = ["Hooks", "TrainResult", "finetune"]
 
@@ -36,20 +36,20 @@ def finetune(
     `groups["actor"]` in a `%%distributed --group actor` cell): its ranks are the run's ranks 0..n-1,
     and it trains exactly as a cluster of that many ranks would. Call it on the group's ranks only.
 
-    `hooks` (`nbtrain.sft.hooks.Hooks`) are called in the loop: on_step, on_eval, on_log, on_save.
+    `hooks` (`nbtrain.recipes.hooks.Hooks`) are called in the loop: on_step, on_eval, on_log, on_save.
 
-    An `nbtrain.DPOConfig` runs DPO on preference pairs instead (`nbtrain.sft.dpo_recipe.DPORecipe`), an
-    `nbtrain.GRPOConfig` GRPO on prompts and reward functions (`nbtrain.sft.grpo_recipe.GRPORecipe`).
+    An `nbtrain.DPOConfig` runs DPO on preference pairs instead (`nbtrain.recipes.dpo.DPORecipe`), an
+    `nbtrain.GRPOConfig` GRPO on prompts and reward functions (`nbtrain.recipes.grpo.recipe.GRPORecipe`).
     """
-    from nbtrain.sft.dpo_config import DPOConfig
-    from nbtrain.sft.grpo_config import GRPOConfig
+    from nbtrain.configs.dpo import DPOConfig
+    from nbtrain.configs.grpo import GRPOConfig
 
     if isinstance(cfg, GRPOConfig):
-        from nbtrain.sft.grpo_recipe import GRPORecipe
+        from nbtrain.recipes.grpo.recipe import GRPORecipe
 
         return GRPORecipe(cfg, merge=merge, group=group, hooks=hooks).run()
     if isinstance(cfg, DPOConfig):
-        from nbtrain.sft.dpo_recipe import DPORecipe
+        from nbtrain.recipes.dpo import DPORecipe
 
         return DPORecipe(cfg, merge=merge, group=group, hooks=hooks).run()
     return SFTRecipe(cfg, merge=merge, group=group, hooks=hooks).run()

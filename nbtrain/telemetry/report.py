@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nbtrain.engine.dist import Dist
 from nbtrain.runs import METRICS_FILE
-from nbtrain.sft.dist import Dist
 
 if TYPE_CHECKING:
-    from nbtrain.sft.tracking import Trackers
+    from nbtrain.telemetry.tracking import Trackers
 
 # Dense bf16 peak FLOP/s per GPU (no sparsity), for MFU. A name is matched on whole words, so an L40 is
 # not an L4 and an H100 PCIe or NVL is not an SXM; a GPU not listed reports no MFU rather than a wrong one.
@@ -53,9 +53,8 @@ def peak_bf16_flops(device_name: str) -> float | None:
 def flops_per_token(model: Any) -> float:
     """Training FLOPs per token of a LoRA model, for MFU: 4N for the forward (2N) and the backward's
     activation gradients (2N), and 2 per trainable parameter for its weight gradients; frozen weights
-    need none. N counts a 4-bit base's logical weights, not its packed storage (`quant.logical_numel`).
+    need none. N counts a 4-bit base's logical weights, not its packed storage (`logical_numel`).
     """
-    from nbtrain.sft.quant import logical_numel
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return float(4 * logical_numel(model) + 2 * trainable)
@@ -241,3 +240,29 @@ class Meter:
                 row[f"peak_memory_gb_rank{r}"] = float(vec[2 + r])
         self.reset()
         return row
+
+
+def logical_numel(model: Any) -> int:
+    """The parameters of `model` as it computes with them, a 4-bit weight counted at its logical shape.
+
+    bitsandbytes stores a 4-bit weight as packed words (two values a byte, or more per element in a
+    wider `bnb_4bit_quant_storage`), so its `numel()` is a fraction of the weight's; the logical shape
+    is the quant_state's. Under FSDP2 the weight is a plain (sharded) tensor of those words and the
+    quant_state stays on the Linear4bit module (`fix_4bit_weight_quant_state_from_module`), where it is
+    read instead. A weight shared by two modules is counted once.
+    """
+    import math
+
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            qs = getattr(p, "quant_state", None)
+            if qs is None and name == "weight":
+                qs = getattr(module, "quant_state", None)
+            shape = getattr(qs, "shape", None)
+            total += math.prod(shape) if shape is not None else p.numel()
+    return total

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from nbtrain.data import instructions_path
-from nbtrain.sft.tiny import make_tiny_model
+from nbtrain.data.examples import instructions_path
+from nbtrain.model.tiny import make_tiny_model
 from tests.conftest import wait_gone
 
 pytestmark = pytest.mark.timeout(240)
@@ -94,7 +94,7 @@ def test_kernel_death_job_goes_on_and_attach_follows_it(tmp_path, ip, capfd):
         cluster.push({{"cfg": {cfg!r}}})
         # slow steps down so the job is still running when this kernel dies
         cluster.view().execute(
-            "import time, nbtrain, nbtrain.sft.step as T\\n"
+            "import time, nbtrain, nbtrain.recipes.step as T\\n"
             "_o = T.loss_sum\\n"
             "T.loss_sum = lambda *a, **k: (time.sleep(0.25), _o(*a, **k))[1]\\n"
             "result = nbtrain.finetune(nbtrain.SFTConfig(**cfg))", block=False)

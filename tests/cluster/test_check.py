@@ -1,7 +1,7 @@
 """`%nbtrain check` (nbtrain/cluster/check.py, nbtrain/engine/facts.py): the table and what is odd
 (synthetic node facts), the Slurm command, a real probe on this machine, a running 2-engine cluster.
 
-SSH on simulated nodes: tests/multinode/test_check_nodes.py; a real srun: tests/test_slurm.py.
+SSH on simulated nodes: tests/multinode/test_check_nodes.py; a real srun: tests/cluster/launch/test_slurm.py.
 """
 
 from __future__ import annotations

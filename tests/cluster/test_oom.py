@@ -2,7 +2,7 @@
 
 On CPU the engines raise torch's real `OutOfMemoryError` class with the text torch's CUDA allocator
 writes, from inside a function that holds a large tensor, so the hook, the client's grouping and the
-release of the failed frames all run for real; `tests/test_faults_gpu.py` runs a real CUDA OOM.
+release of the failed frames all run for real; `tests/cluster/faults/test_faults_gpu.py` runs a real CUDA OOM.
 """
 
 from __future__ import annotations

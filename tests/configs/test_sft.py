@@ -6,8 +6,8 @@ from dataclasses import fields
 
 import pytest
 
+from nbtrain.configs.sft import SFTConfig
 from nbtrain.errors import ConfigError
-from nbtrain.sft.config import SFTConfig
 
 ISSUE_FIELDS = (
     "model data eval_data output_dir max_steps num_train_epochs per_device_train_batch_size "

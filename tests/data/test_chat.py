@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from nbtrain.data.rows import IGNORE, encode_rows
 from nbtrain.errors import ConfigError
-from nbtrain.sft.rows import IGNORE, encode_rows
 
-FIXTURES = Path(__file__).parent / "fixtures" / "templates"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "templates"
 FAMILIES = sorted(p.stem for p in FIXTURES.glob("*.json"))
 CORPUS = ["Paris is the capital of France.", "It is sunny in Rome.", "user assistant system"] * 5
 
@@ -335,7 +335,7 @@ def test_one_render_per_row(tmp_path_factory, monkeypatch):
     """A conversation is rendered once, however many assistant turns it has (plus a probe per tokenizer)."""
     import transformers.utils.chat_template_utils as ctu
 
-    from nbtrain.sft import chat
+    from nbtrain.data import chat
 
     tok = _tokenizer("qwen3", tmp_path_factory)
     calls = []

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from nbtrain.errors import ConfigError
-from nbtrain.sft.data import (
+from nbtrain.data.loader import (
     IGNORE,
     ShardedBatches,
     collate,
@@ -17,6 +16,7 @@ from nbtrain.sft.data import (
     load_rows,
     row_format,
 )
+from nbtrain.errors import ConfigError
 
 ROWS = [
     {"prompt": "Reverse the word: cat\nAnswer: ", "completion": "tac"},
@@ -32,7 +32,7 @@ ROWS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from nbtrain.sft.tiny import make_tiny_tokenizer
+    from nbtrain.model.tiny import make_tiny_tokenizer
 
     return make_tiny_tokenizer()
 
@@ -229,7 +229,7 @@ def test_n_ranks_see_the_rows_one_rank_sees(tok, world):
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_the_epoch_order_is_computed_once_per_epoch(tok, monkeypatch, packing):
-    from nbtrain.sft import data
+    from nbtrain.data import loader as data
 
     calls: list[int] = []
     real = data.epoch_order
@@ -324,7 +324,7 @@ def _sentencepiece_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from nbtrain.sft.tiny import CHAT_TEMPLATE
+    from nbtrain.model.tiny import CHAT_TEMPLATE
 
     tk = Tokenizer(models.BPE(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from nbtrain.configs.sft import SFTConfig
 from nbtrain.errors import ConfigError
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.train import finetune
-from tests.test_sft_distributed import DATA, _adapter, _kw, _losses, run_ranks
+from nbtrain.recipes.train import finetune
+from tests.recipes.test_distributed import DATA, _adapter, _kw, _losses, run_ranks
 
 # one BLAS thread: the test machine is small and shared (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,7 +1,7 @@
 """Packing and padding-free batches: documents stay apart, and the loss is the loss of each row alone.
 
 Every number is computed on a tiny Llama loaded through from_pretrained, in fp32, with the loss function
-the training loop uses (`nbtrain.sft.step.token_loss_sum`), for both attention implementations that build masks
+the training loop uses (`nbtrain.recipes.step.token_loss_sum`), for both attention implementations that build masks
 (SDPA and eager).
 """
 
@@ -12,8 +12,8 @@ import contextlib
 import pytest
 import torch
 
-from nbtrain.sft.data import IGNORE, ShardedBatches, collate, encode_row, pack
-from nbtrain.sft.step import token_loss_sum
+from nbtrain.data.loader import IGNORE, ShardedBatches, collate, encode_row, pack
+from nbtrain.recipes.step import token_loss_sum
 
 ATTN = ["sdpa", "eager"]
 DOC = {"text": "the cat sat on the mat and looked at the sun"}
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tok(tiny):
-    from nbtrain.sft.model import load_tokenizer
+    from nbtrain.model.pretrained import load_tokenizer
 
     return load_tokenizer(tiny)
 
@@ -182,10 +182,12 @@ def test_finetune_padding_free_trains_like_padded(tiny, tmp_path):
 
     from safetensors.torch import load_file
 
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.train import finetune
+    from nbtrain.configs.sft import SFTConfig
+    from nbtrain.recipes.train import finetune
 
-    data = str(Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl")
+    data = str(
+        Path(__file__).resolve().parents[2] / "nbtrain" / "data" / "examples" / "instructions.jsonl"
+    )
 
     def run(name, **kw):
         cfg = SFTConfig(

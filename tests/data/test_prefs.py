@@ -1,4 +1,4 @@
-"""DPOConfig's checks and the preference rows' (nbtrain/sft/prefs.py): bad settings and bad rows are refused
+"""DPOConfig's checks and the preference rows' (nbtrain/data/prefs.py): bad settings and bad rows are refused
 before any step, naming what is wrong and where; the implicit prompt is cut as TRL cuts it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 import nbtrain
+from nbtrain.data.prefs import extract_prompt
 from nbtrain.errors import ConfigError
-from nbtrain.sft.prefs import extract_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -97,7 +97,7 @@ def test_bad_rows_refused_with_file_line_and_index(tiny, tmp_path):
 def test_no_chat_template_refused(tmp_path):
     from pathlib import Path
 
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny")
     (Path(model) / "chat_template.jinja").unlink(missing_ok=True)
@@ -140,7 +140,7 @@ def test_implicit_prompt_as_trl_cuts_it():
 def test_cut_as_trl_cuts():
     """max_prompt_length keeps the prompt's end, max_completion_length each completion's start (older
     TRL's limits), then max_length cuts prompt + completion at truncation_side."""
-    from nbtrain.sft.prefs import Cut, Pair, collate
+    from nbtrain.data.prefs import Cut, Pair, collate
 
     pair = Pair(0, [1, 2, 3, 4], [5, 6, 7], [8, 9])
     assert Cut(None, "right", 2, 2).seqs(pair) == [

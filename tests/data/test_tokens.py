@@ -1,4 +1,4 @@
-"""The data path for real sizes (nbtrain/sft/sources.py, nbtrain/sft/tokens.py): rows read a part at a
+"""The data path for real sizes (nbtrain/data/sources.py, nbtrain/data/tokens.py): rows read a part at a
 time, tokenized once across the ranks, cached on disk and read back memory-mapped.
 
 The distributed cases run `tokens.prepare` on real processes with a gloo group (no model: the data
@@ -17,21 +17,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nbtrain.data import tokens
+from nbtrain.data.loader import ShardedBatches
+from nbtrain.data.rows import encode_row, load_rows
+from nbtrain.data.sources import Source
+from nbtrain.engine.dist import Dist
 from nbtrain.errors import ConfigError
-from nbtrain.sft import tokens
-from nbtrain.sft.data import ShardedBatches
-from nbtrain.sft.dist import Dist
-from nbtrain.sft.rows import encode_row, load_rows
-from nbtrain.sft.sources import Source
-from tests.test_sft_distributed import _free_port
+from tests.recipes.test_distributed import _free_port
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "nbtrain" / "data" / "instructions.jsonl"
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "nbtrain" / "data" / "examples" / "instructions.jsonl"
 
 
 @pytest.fixture(scope="module")
 def tok(tiny):
-    from nbtrain.sft.model import load_tokenizer
+    from nbtrain.model.pretrained import load_tokenizer
 
     return load_tokenizer(tiny)
 
@@ -228,10 +228,10 @@ WORKER = textwrap.dedent(
     import torch.distributed as dist
     dist.init_process_group("gloo")
     from nbtrain.errors import ConfigError
-    from nbtrain.sft import tokens
-    from nbtrain.sft.dist import Dist
-    from nbtrain.sft.model import load_tokenizer
-    from nbtrain.sft.sources import Source
+    from nbtrain.data import tokens
+    from nbtrain.engine.dist import Dist
+    from nbtrain.model.pretrained import load_tokenizer
+    from nbtrain.data.sources import Source
     model, data, setting, out = sys.argv[1:5]
     # a progress line after every batch of 50 rows, so a small data set shows what a big one does
     tokens.EVERY, tokens.CHUNK = 0.0, 50

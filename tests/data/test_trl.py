@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from nbtrain.sft.rows import IGNORE, encode_rows
-from tests.test_sft_templates import _tokenizer
+from nbtrain.data.rows import IGNORE, encode_rows
+from tests.data.test_chat import _tokenizer
 
 pytest.importorskip("trl")
 
@@ -64,7 +64,7 @@ def _nbtrain(tok, rows):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from nbtrain.sft.tiny import make_tiny_tokenizer
+    from nbtrain.model.tiny import make_tiny_tokenizer
 
     return make_tiny_tokenizer()
 

@@ -61,7 +61,7 @@ CELLS = {
 # in C++ inside backward, which no SIGINT ends), where an interrupt that let rank 1 leave at once
 # would leave rank 0 for good
 SLOW_RANK_1 = (
-    "import time, torch, nbtrain.sft.decode as _D\n"
+    "import time, torch, nbtrain.generation.decode as _D\n"
     "_backward, _batch = torch.Tensor.backward, _D.generate_batch\n"
     "def _slow_backward(self, *a, **k):\n"
     "    if rank == 1:\n"
@@ -94,7 +94,7 @@ def loaded(tiny):
     try:
         cluster.push({"tiny": tiny, "grpo_rows": GRPO_ROWS})
         cluster.execute(
-            "import nbtrain\nfrom nbtrain.data import instructions_path, preferences_path\n"
+            "import nbtrain\nfrom nbtrain.data.examples import instructions_path, preferences_path\n"
             "canary = f'set before the run on rank {rank}'",
             live=False,
         )

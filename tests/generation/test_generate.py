@@ -62,7 +62,7 @@ def models(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("gen")
     tiny = make_tiny_model(root / "tiny")
@@ -182,7 +182,7 @@ def test_a_run_folder_is_its_adapter(models, refs):
 
 
 def test_column_labels_tell_models_apart():
-    from nbtrain.sft.generate import _models, _name_columns
+    from nbtrain.generation.generate import _models, _name_columns
 
     def labels(adapter):
         models = _models(adapter)
@@ -269,7 +269,7 @@ def test_the_model_a_finetune_in_the_same_cell_trained(two, models, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nbtrain.data import instructions_path
+    from nbtrain.data.examples import instructions_path
 
     cfg = dict(
         model=models["base"],
@@ -338,7 +338,7 @@ def four_bit_ref(models):
     """transformers' own 4-bit load of the base (NF4 as nbtrain's QLoRA), one prompt at a time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nbtrain.sft import quant
+    from nbtrain.model import quant
 
     cfg = type("C", (), {"load_in_8bit": False})()
     q = AutoModelForCausalLM.from_pretrained(
@@ -347,7 +347,7 @@ def four_bit_ref(models):
         dtype=torch.float32,
         device_map={"": "cpu"},
     ).eval()
-    for module in q.modules():  # the one CPU weight layout nbtrain keeps (nbtrain.sft.quant)
+    for module in q.modules():  # the one CPU weight layout nbtrain keeps (nbtrain.model.quant)
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     return reference(q, AutoTokenizer.from_pretrained(models["base"]), PROMPTS)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import nbtrain
-from nbtrain.data import instructions_path
+from nbtrain.data.examples import instructions_path
 from nbtrain.errors import ConfigError
 from nbtrain.live import LiveDisplay
 from nbtrain.runs import SAMPLES_FILE

@@ -1,4 +1,4 @@
-"""nbtrain.sft.loss: the fused lm_head + cross-entropy against the plain logits path, on CPU (and GPU)."""
+"""nbtrain.losses.sft: the fused lm_head + cross-entropy against the plain logits path, on CPU (and GPU)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nbtrain.errors import ConfigError
-from nbtrain.sft.loss import (
+from nbtrain.losses.sft import (
     causal_lm_loss_sum,
     default_chunk_size,
     fused_loss_supported,
@@ -21,7 +21,7 @@ from nbtrain.sft.loss import (
     select_loss_impl,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 gpu_test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none here")
 
 # one BLAS thread: the test machine is small and shared (tests/conftest.py)
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _token_loss_sum(model, batch, autocast):
-    """The reference: nbtrain.sft.train._token_loss_sum (now nbtrain.sft.step.token_loss_sum) as it was before the fused loss (full logits)."""
+    """The reference: nbtrain.recipes.train._token_loss_sum (now nbtrain.recipes.step.token_loss_sum) as it was before the fused loss (full logits)."""
     with autocast():
         logits = model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
@@ -310,7 +310,7 @@ def test_the_lm_head_is_put_back_when_the_forward_fails(tiny):
 
 
 def test_importing_the_module_does_not_import_torch():
-    code = "import sys, nbtrain.sft.loss; print('torch' in sys.modules)"
+    code = "import sys, nbtrain.losses.sft; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -387,8 +387,8 @@ DDP_WORKER = textwrap.dedent(
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import AutoModelForCausalLM
     sys.path.insert(0, sys.argv[4])
-    from tests.test_sft_loss import _batch, _lora
-    from nbtrain.sft.loss import causal_lm_loss_sum, linear_cross_entropy_sum
+    from tests.losses.test_sft import _batch, _lora
+    from nbtrain.losses.sft import causal_lm_loss_sum, linear_cross_entropy_sum
 
     store, rank, out, _, tiny = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)

@@ -1,4 +1,4 @@
-"""nbtrain.sft.model: a model name that cannot come from anywhere fails at once, not after the Hub
+"""nbtrain.model.pretrained: a model name that cannot come from anywhere fails at once, not after the Hub
 client's retries (about 28 s here with no network)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from nbtrain.errors import ConfigError
-from nbtrain.sft import model
+from nbtrain.model import pretrained as model
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +67,7 @@ def test_bitsandbytes_kernels_note_is_not_shown():
 
     if "gemm_4bit_forward" not in stderr("import peft"):
         pytest.skip("bitsandbytes prints no kernels note on this CPU (it needs AVX512-BF16)")
-    assert "gemm_4bit_forward" not in stderr("import nbtrain.sft.model, peft")
+    assert "gemm_4bit_forward" not in stderr("import nbtrain.model.pretrained, peft")
 
 
 def test_loading_and_lora_print_no_bar_nor_deprecation_notice(tmp_path, capfd):
@@ -79,7 +79,7 @@ def test_loading_and_lora_print_no_bar_nor_deprecation_notice(tmp_path, capfd):
     import torch
     from transformers.utils import logging as hf_logging
 
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     tiny = make_tiny_model(tmp_path / "tiny")
     lora = SimpleNamespace(lora_r=2, lora_alpha=4, lora_dropout=0.0, target_modules="all-linear")
@@ -109,9 +109,9 @@ def test_finetune_with_merge_prints_no_bar_nor_deprecation_notice(tiny, tmp_path
     from transformers.utils import logging as hf_logging
 
     import nbtrain
-    from nbtrain.data import instructions_path
-    from nbtrain.sft.checkpoint import export_merged_from_adapter
-    from nbtrain.sft.model import load_tokenizer
+    from nbtrain.data.examples import instructions_path
+    from nbtrain.model.checkpoint import export_merged_from_adapter
+    from nbtrain.model.pretrained import load_tokenizer
 
     cfg = nbtrain.SFTConfig(
         model=tiny,

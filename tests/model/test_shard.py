@@ -3,7 +3,7 @@ checkpoints' resume, the refusals of what does not compose, and QLoRA (bitsandby
 the 4-bit path runs here as it does on a GPU, slowly), alone and sharded.
 
 Each 2-rank run is a pair of Python processes with the torchrun environment, launched by
-tests/test_sft_distributed.py's run_ranks; the runs are made once per module and shared by the tests.
+tests/recipes/test_distributed.py's run_ranks; the runs are made once per module and shared by the tests.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nbtrain.configs.sft import SFTConfig
 from nbtrain.errors import ConfigError
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.train import finetune
-from tests.test_sft_distributed import DATA, REPO, _kw, _losses, run_ranks
+from nbtrain.recipes.train import finetune
+from tests.recipes.test_distributed import DATA, REPO, _kw, _losses, run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -291,7 +291,7 @@ def test_memory_formula_counts_the_models_real_weights(tiny):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from nbtrain.sft.memory import LLAMA3_8B, LLAMA3_70B, Shape, lora_params, rank_memory
+    from nbtrain.model.memory import LLAMA3_8B, LLAMA3_70B, Shape, lora_params, rank_memory
 
     # Meta's published parameter counts of Llama-3 8B and 70B
     assert LLAMA3_8B.params == 8_030_261_248
@@ -320,8 +320,8 @@ def test_memory_formula_counts_a_real_4_bit_model(tmp_path):
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from nbtrain.sft.memory import Shape, weight_bytes
-    from nbtrain.sft.quant import bnb_config
+    from nbtrain.model.memory import Shape, weight_bytes
+    from nbtrain.model.quant import bnb_config
 
     config = LlamaConfig(
         vocab_size=4096,
@@ -355,8 +355,8 @@ def test_memory_formula_counts_a_real_4_bit_model(tmp_path):
 
 
 def test_docs_memory_table_is_current():
-    from nbtrain.sft import memory
+    from nbtrain.model import memory
 
     page = REPO / "docs" / "fine-tuning.md"
     text = page.read_text(encoding="utf-8")
-    assert text == memory.render(text), "regenerate it: python -m nbtrain.sft.memory"
+    assert text == memory.render(text), "regenerate it: python -m nbtrain.model.memory"

@@ -1,4 +1,4 @@
-"""Sharding and QLoRA on a CUDA GPU, in bf16: what the CPU tests (tests/test_sft_shard.py, fp32 on gloo)
+"""Sharding and QLoRA on a CUDA GPU, in bf16: what the CPU tests (tests/model/test_shard.py, fp32 on gloo)
 cannot reach. bf16 FSDP2 with fp32 LoRA masters, bitsandbytes' CUDA kernels, QLoRA's bf16 word storage
 under FSDP2, Liger's kernels under FSDP2, and the memory check against the card.
 
@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nbtrain.configs.sft import SFTConfig
 from nbtrain.errors import ConfigError
-from nbtrain.sft.config import SFTConfig
-from tests.test_sft_distributed import DATA, _adapter, _kw, _losses, run_ranks
+from tests.recipes.test_distributed import DATA, _adapter, _kw, _losses, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,7 +67,7 @@ def test_fsdp_on_one_gpu_trains_as_ddp_in_bf16(gpu_runs):
 
 
 def test_liger_under_fsdp_keeps_the_loss(gpu_runs):
-    from nbtrain.sft.speed import liger_available
+    from nbtrain.model.speed import liger_available
 
     if not liger_available():
         pytest.skip("liger-kernel is not installed (pip install 'nbtrain[gpu]')")
@@ -109,7 +109,7 @@ def test_qlora_under_fsdp_on_the_gpu_equals_qlora_under_ddp(gpu_runs):
 def test_memory_check_refuses_70b_on_one_gpu_before_loading(tiny):
     from transformers import LlamaConfig
 
-    from nbtrain.sft.memory import check_fits
+    from nbtrain.model.memory import check_fits
 
     llama70 = LlamaConfig(
         num_hidden_layers=80,

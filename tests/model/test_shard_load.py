@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbtrain.sft.config import SFTConfig
-from tests.test_sft_distributed import _kw
+from nbtrain.configs.sft import SFTConfig
+from tests.recipes.test_distributed import _kw
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,10 +43,10 @@ def test_sharded_qlora_quantises_weight_by_weight_as_from_pretrained_does(
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
 
-    from nbtrain.sft import quant
-    from nbtrain.sft.build import build_model
-    from nbtrain.sft.dist import Dist
-    from nbtrain.sft.shard import make_mesh
+    from nbtrain.engine.dist import Dist
+    from nbtrain.model import quant
+    from nbtrain.model.build import build_model
+    from nbtrain.model.shard import make_mesh
 
     cfg = SFTConfig(**_kw(tiny, "unused", shard="fsdp", load_in_4bit=True))
     d = Dist()

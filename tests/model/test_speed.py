@@ -8,14 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from nbtrain.configs.sft import SFTConfig
+from nbtrain.data.batch import BatchPlan, MemoryProbe, auto_plan, fixed_plan, split_global
 from nbtrain.errors import ConfigError
-from nbtrain.sft.batch import BatchPlan, MemoryProbe, auto_plan, fixed_plan, split_global
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.report import peak_bf16_flops
-from nbtrain.sft.train import finetune
-from tests.test_sft_train import make_cfg
+from nbtrain.recipes.train import finetune
+from nbtrain.telemetry.report import peak_bf16_flops
+from tests.recipes.test_train import make_cfg
 
-DATA = str(Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl")
+DATA = str(
+    Path(__file__).resolve().parents[2] / "nbtrain" / "data" / "examples" / "instructions.jsonl"
+)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none here")
 
 
@@ -160,7 +162,7 @@ def test_gpu_levers_keep_the_loss(tiny, tmp_path, lever):
     base = finetune(cfg(tiny, tmp_path / "off", **off))
     on = finetune(cfg(tiny, tmp_path / "on", **{**off, **lever}))
     if "use_liger_kernel" in lever:
-        from nbtrain.sft.speed import liger_available
+        from nbtrain.model.speed import liger_available
 
         if not liger_available():
             pytest.skip("liger-kernel is not installed")

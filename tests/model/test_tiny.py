@@ -14,7 +14,7 @@ def test_tiny_model_loads_through_from_pretrained(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     t0 = time.perf_counter()
     path = make_tiny_model(tmp_path / "tiny")
@@ -45,7 +45,7 @@ def test_tiny_model_loads_through_from_pretrained(tmp_path):
 def test_tiny_qwen2(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "q", arch="qwen2"))
     assert model.config.model_type == "qwen2"
@@ -54,9 +54,9 @@ def test_tiny_qwen2(tmp_path):
 
 
 def test_shipped_dataset_is_what_the_script_generates():
-    from nbtrain.data import instructions_path
-    from nbtrain.data.make_instructions import make_rows
-    from nbtrain.sft.data import load_rows, row_format
+    from nbtrain.data.examples import instructions_path
+    from nbtrain.data.examples.make_instructions import make_rows
+    from nbtrain.data.loader import load_rows, row_format
 
     rows = load_rows(instructions_path())
     assert rows == json.loads(json.dumps(make_rows()))
@@ -77,7 +77,7 @@ def test_public_names_import_cheaply():
 RANK_WORKER = """
 import os, sys
 import torch.distributed as dist
-from nbtrain.sft.tiny import make_tiny_model
+from nbtrain.model.tiny import make_tiny_model
 store = dist.FileStore(sys.argv[1], 2)
 dist.init_process_group("gloo", store=store, rank=int(sys.argv[2]), world_size=2)
 rank = dist.get_rank()

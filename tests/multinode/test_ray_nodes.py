@@ -192,8 +192,8 @@ def test_spread_puts_ranks_on_different_hosts_pack_on_one(ray_cluster) -> None:
 
 
 def _finetune(kw):
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.train import finetune
+    from nbtrain.configs.sft import SFTConfig
+    from nbtrain.recipes.train import finetune
 
     result = finetune(SFTConfig(**kw))
     return {"adapter_dir": result.adapter_dir, "losses": list(result.history["loss"])}
@@ -202,7 +202,7 @@ def _finetune(kw):
 def test_two_node_finetune_equals_local_engines(ray_cluster, tiny, tmp_path) -> None:
     from safetensors.torch import load_file
 
-    from nbtrain.data import instructions_path
+    from nbtrain.data.examples import instructions_path
 
     def kw(out):
         return dict(

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 import nbtrain
-from nbtrain.sft.config import SFTConfig
+from nbtrain.configs.sft import SFTConfig
 
 from .testbed import Testbed
 
 REPO = Path(__file__).resolve().parents[2]
-DATA = str(REPO / "nbtrain" / "data" / "instructions.jsonl")
+DATA = str(REPO / "nbtrain" / "data" / "examples" / "instructions.jsonl")
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -48,7 +48,7 @@ def cluster4(testbed4: Testbed):
 def model(tmp_path_factory):
     """A small model whose LoRA gradients (r=64 on every linear layer: about 2.2 MB) take a while
     on a shaped link but little time on an open one."""
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     return make_tiny_model(
         tmp_path_factory.mktemp("scaling") / "model", hidden_size=256, intermediate_size=512

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_sft_distributed import DATA
+from tests.recipes.test_distributed import DATA
 
 from .testbed import Testbed, ssh_cluster
 

@@ -219,14 +219,14 @@ def test_probe_reports_bus_bandwidth_and_node_latency(testbed: Testbed, cluster1
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def _finetune(kw):
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.train import finetune
+    from nbtrain.configs.sft import SFTConfig
+    from nbtrain.recipes.train import finetune
 
     result = finetune(SFTConfig(**kw))
     return {"adapter_dir": result.adapter_dir, "losses": list(result.history["loss"])}
@@ -237,7 +237,7 @@ def test_two_node_finetune_equals_local_engines(
 ) -> None:
     from safetensors.torch import load_file
 
-    from nbtrain.data import instructions_path
+    from nbtrain.data.examples import instructions_path
 
     def kw(out):
         return dict(

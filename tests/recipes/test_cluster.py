@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 import nbtrain
-from nbtrain.data import instructions_path
-from nbtrain.sft.tiny import make_tiny_model
+from nbtrain.data.examples import instructions_path
+from nbtrain.model.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 

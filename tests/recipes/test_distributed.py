@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.train import finetune
+from nbtrain.configs.sft import SFTConfig
+from nbtrain.recipes.train import finetune
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = str(REPO / "nbtrain" / "data" / "instructions.jsonl")
+REPO = Path(__file__).resolve().parents[2]
+DATA = str(REPO / "nbtrain" / "data" / "examples" / "instructions.jsonl")
 
 # one rank of run_ranks: finetune on the kw in argv[1], its result to the file argv[2].<rank>
 WORKER = textwrap.dedent(
@@ -31,8 +31,8 @@ WORKER = textwrap.dedent(
     import json, os, sys
     import torch
     torch.set_num_threads(1)
-    from nbtrain.sft.config import SFTConfig
-    from nbtrain.sft.train import finetune
+    from nbtrain.configs.sft import SFTConfig
+    from nbtrain.recipes.train import finetune
 
     kw = json.loads(sys.argv[1])
     merge = kw.pop("merge", False)

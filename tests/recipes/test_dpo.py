@@ -9,8 +9,8 @@ import math
 import pytest
 
 import nbtrain
-from nbtrain.data import preferences_path
-from nbtrain.sft.dpo_loss import METRICS
+from nbtrain.data.examples import preferences_path
+from nbtrain.losses.dpo import METRICS
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -82,7 +82,7 @@ def test_preemption_records_the_run_and_names_dpoconfig(tiny, tmp_path):
     import signal
 
     from nbtrain import runs
-    from nbtrain.sft.hooks import Hooks
+    from nbtrain.recipes.hooks import Hooks
 
     hooks = Hooks()
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 import nbtrain
-from nbtrain.data import preferences_path
-from nbtrain.sft.dpo_loss import METRICS
+from nbtrain.data.examples import preferences_path
+from nbtrain.losses.dpo import METRICS
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 

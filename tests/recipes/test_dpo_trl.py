@@ -22,7 +22,7 @@ import copy
 
 import pytest
 
-from nbtrain.sft.dpo_loss import METRICS
+from nbtrain.losses.dpo import METRICS
 
 pytest.importorskip("trl")
 
@@ -32,13 +32,13 @@ LR = 5e-3
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from nbtrain.sft.tiny import make_tiny_model
+    from nbtrain.model.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("dpo-tiny") / "model")
 
 
 def _standard_rows(n: int = 24) -> list[dict]:
-    from nbtrain.data.make_preferences import make_pairs
+    from nbtrain.data.examples.make_preferences import make_pairs
 
     rows = [r for r in make_pairs() if isinstance(r.get("prompt"), str)][:n]
     # a few longer completions, so that max_length cuts some sequences (TRL's keep_start)
@@ -48,7 +48,7 @@ def _standard_rows(n: int = 24) -> list[dict]:
 
 
 def _conversational_rows(n: int) -> list[dict]:
-    from nbtrain.data.make_preferences import make_pairs
+    from nbtrain.data.examples.make_preferences import make_pairs
 
     return [r for r in make_pairs() if isinstance(r.get("prompt"), list)][:n]
 
@@ -171,7 +171,7 @@ def test_steps_match_trl(tiny, tmp_path, case):
     import torch
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    from nbtrain.sft.dpo_recipe import DPORecipe
+    from nbtrain.recipes.dpo import DPORecipe
 
     rows = _conversational_rows(24) if "conversational" in case else _standard_rows()
     eval_rows = _standard_rows(30)[24:] if case in EVAL else None
@@ -233,8 +233,8 @@ def test_tokens_match_trl(tiny, tmp_path, layout):
     training comparison does not use (conversations; the prompt implicit in chosen/rejected)."""
     from transformers import AutoTokenizer
 
-    from nbtrain.sft.prefs import encode_pairs
-    from nbtrain.sft.tiny import make_tiny_tokenizer
+    from nbtrain.data.prefs import encode_pairs
+    from nbtrain.model.tiny import make_tiny_tokenizer
 
     rows = _standard_rows(9) if layout == "implicit standard" else _conversational_rows(8)
     if layout.startswith("implicit"):

@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 import nbtrain
-from nbtrain.data import instructions_path
+from nbtrain.data.examples import instructions_path
 from nbtrain.errors import RankDiedError
+from nbtrain.model.tiny import make_tiny_model
 from nbtrain.runs import get_run, run_id_for
-from nbtrain.sft.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,7 +29,7 @@ STEPS = 8
 RUN = "import nbtrain\nresult = nbtrain.finetune(nbtrain.SFTConfig(**cfg))"
 # RUN with every micro-batch 0.3 s slower, so a test can act between two steps
 SLOW_RUN = (
-    "import time, nbtrain.sft.step as T\n"
+    "import time, nbtrain.recipes.step as T\n"
     "_orig = T.loss_sum\n"
     "def _slow(*a, **k):\n"
     "    time.sleep(0.3)\n"
@@ -106,7 +106,7 @@ def test_rank_killed_mid_run_restart_resume_equals_uninterrupted(setup):
     cluster.push({"cfg": _cfg(model, out)})
     # rank 1 is SIGKILLed in the loss of step 5 (after checkpoint-4): step.loss_sum runs once per micro-batch
     kill = (
-        "import os, signal, nbtrain.sft.step as T\n"
+        "import os, signal, nbtrain.recipes.step as T\n"
         "_orig = T.loss_sum\n"
         "_calls = [0]\n"
         "def _dying(*a, **k):\n"
@@ -177,7 +177,7 @@ def test_rank0_killed_during_checkpoint_save(setup):
     names = sorted(p.name for p in out.iterdir())
     assert "checkpoint-2" in names and "checkpoint-4" not in names, names
     assert "adapter" not in names  # never half written: absent until complete
-    from nbtrain.sft.checkpoint import list_checkpoints, load_checkpoint
+    from nbtrain.model.checkpoint import list_checkpoints, load_checkpoint
 
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"]
     assert load_checkpoint(out / "checkpoint-2")["state"]["global_step"] == 2

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.train import finetune
-from tests.test_generate import NEW, PROMPTS, models, refs  # noqa: F401 (fixtures)
+from nbtrain.configs.sft import SFTConfig
+from nbtrain.recipes.train import finetune
+from tests.generation.test_generate import NEW, PROMPTS, models, refs  # noqa: F401 (fixtures)
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = str(REPO / "nbtrain" / "data" / "instructions.jsonl")
+REPO = Path(__file__).resolve().parents[2]
+DATA = str(REPO / "nbtrain" / "data" / "examples" / "instructions.jsonl")
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -54,7 +54,7 @@ def test_finetune_on_a_sub_group_equals_a_two_rank_run(ip, cluster, tiny, tmp_pa
     cluster.push({"kw": _kw(tiny, tmp_path / "pair"), "res": None})
     cluster.execute(
         "import nbtrain\n"
-        "from nbtrain.sft import commtime\n"
+        "from nbtrain.telemetry import commtime\n"
         "with commtime.timing() as timer:\n"
         "    r = nbtrain.finetune(nbtrain.SFTConfig(**kw), group=group)\n"
         "res = {'history': r.history.to_dict(orient='records'), 'adapter': r.adapter_dir,\n"
@@ -77,7 +77,7 @@ def test_finetune_on_a_sub_group_equals_a_two_rank_run(ip, cluster, tiny, tmp_pa
         assert all(c["wait_s"] < r["step_time"] for c, r in zip(comm, got[rank]["history"]))
     # float32 LoRA A and B of r=8 on the tiny model's projections: a few hundred KiB at most
     assert 0 < got[0]["grad_bytes"] == got[1]["grad_bytes"] < 2**20
-    # 2 ranks x 2 rows train as 1 rank x 4 rows (tests/test_sft_distributed.py shows a 2-rank
+    # 2 ranks x 2 rows train as 1 rank x 4 rows (tests/recipes/test_distributed.py shows a 2-rank
     # cluster does the same)
     one = finetune(SFTConfig(**_kw(tiny, tmp_path / "one", per_device_train_batch_size=4)))
     torch.testing.assert_close(_losses(got[0]["history"]), _losses(one.history.to_dict("records")))
@@ -118,7 +118,7 @@ def _stopping_model(base_dir: str, out: Path) -> tuple[str, list[str], list[int]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.test_generate import _reference_ids
+    from tests.generation.test_generate import _reference_ids
 
     tok = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir).eval()

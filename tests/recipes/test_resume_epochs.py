@@ -2,8 +2,8 @@
 (every row once an epoch), or at max_steps; its epoch column and learning rate follow the data.
 
 A one-rank run is checkpointed midway and the checkpoint resumed on two real ranks (gloo), as a crash
-leaves it (tests/test_sft_distributed.py's run_ranks). Which rows each step trained is recorded on every
-rank by wrapping nbtrain.sft.step.loss_sum, through which the loop computes every micro-batch's loss.
+leaves it (tests/recipes/test_distributed.py's run_ranks). Which rows each step trained is recorded on every
+rank by wrapping nbtrain.recipes.step.loss_sum, through which the loop computes every micro-batch's loss.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from nbtrain.sft import step as one_step
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.train import finetune
-from tests import test_sft_distributed as tsd
-from tests.test_sft_distributed import DATA, _kw, run_ranks
+from nbtrain.configs.sft import SFTConfig
+from nbtrain.recipes import step as one_step
+from nbtrain.recipes.train import finetune
+from tests.recipes import test_distributed as tsd
+from tests.recipes.test_distributed import DATA, _kw, run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -59,7 +59,7 @@ def record_into(path: str) -> None:
 
 RECORDING_WORKER = (
     "import os\n"
-    "from tests.test_sft_resume_epochs import record_into\n"
+    "from tests.recipes.test_resume_epochs import record_into\n"
     "record_into(os.environ['NBTRAIN_TEST_ROWS'] + '.' + os.environ['RANK'])\n" + tsd.WORKER
 )
 

@@ -1,4 +1,4 @@
-"""The SFT recipe (nbtrain/sft/recipe.py, run_setup.py, hooks.py): its phases called one by one train as
+"""The SFT recipe (nbtrain/recipes/sft.py, run_setup.py, hooks.py): its phases called one by one train as
 `finetune` does, and the loop's hooks are called at their places with the loop's own values."""
 
 from __future__ import annotations
@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from nbtrain.errors import ConfigError
-from nbtrain.sft.hooks import Hooks
-from nbtrain.sft.recipe import SFTRecipe
-from nbtrain.sft.train import finetune
-from tests.test_sft_train import make_cfg
+from nbtrain.recipes.hooks import Hooks
+from nbtrain.recipes.sft import SFTRecipe
+from nbtrain.recipes.train import finetune
+from tests.recipes.test_train import make_cfg
 
-DATA = str(Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl")
+DATA = str(
+    Path(__file__).resolve().parents[2] / "nbtrain" / "data" / "examples" / "instructions.jsonl"
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

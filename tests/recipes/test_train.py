@@ -14,12 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 from nbtrain import runs
+from nbtrain.configs.sft import SFTConfig
 from nbtrain.errors import ConfigError
-from nbtrain.sft import checkpoint as ckpt
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.train import finetune
+from nbtrain.model import checkpoint as ckpt
+from nbtrain.recipes.train import finetune
 
-DATA = str(Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl")
+DATA = str(
+    Path(__file__).resolve().parents[2] / "nbtrain" / "data" / "examples" / "instructions.jsonl"
+)
 LINE = re.compile(
     r"^step (\d+)/(\d+) \| loss \d+\.\d{4} \| grad_norm \d+\.\d{2} \| lr \d\.\d{2}e[-+]\d{2} \| "
     r"\d+\.\d{2} s \| [\d,]+ tok/s( \| eval_loss \d+\.\d{4})?$"
@@ -56,7 +58,7 @@ def _eval_loss_by_hand(base_dir, adapter_dir, rows, max_length):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nbtrain.sft.data import encode_row
+    from nbtrain.data.loader import encode_row
 
     tok = AutoTokenizer.from_pretrained(adapter_dir)
     model = PeftModel.from_pretrained(
@@ -527,8 +529,8 @@ def test_epochs_packing_and_gradient_checkpointing(tiny, tmp_path):
             dtype="float32",
         )
     )
-    from nbtrain.sft.data import encode_row
-    from nbtrain.sft.model import load_tokenizer
+    from nbtrain.data.loader import encode_row
+    from nbtrain.model.pretrained import load_tokenizer
 
     tok = load_tokenizer(tiny)
     # packed rows are not cut at max_length: a row longer than a block continues in the next one,

@@ -1,7 +1,7 @@
 """MFU's FLOPs per token count a QLoRA base at its logical size, not its packed 4-bit storage.
 
 A real tiny model quantised to NF4 by bitsandbytes' CPU kernels, as a QLoRA run loads it
-(tests/test_sft_shard.py does the same), against the same model unquantised.
+(tests/model/test_shard.py does the same), against the same model unquantised.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbtrain.sft.config import SFTConfig
-from nbtrain.sft.quant import bnb_config, logical_numel
-from nbtrain.sft.report import flops_per_token
-from tests.test_sft_distributed import DATA
+from nbtrain.configs.sft import SFTConfig
+from nbtrain.model.quant import bnb_config
+from nbtrain.telemetry.report import flops_per_token, logical_numel
+from tests.recipes.test_distributed import DATA
 
 pytest.importorskip("bitsandbytes")
 

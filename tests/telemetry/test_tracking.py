@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from nbtrain.errors import ConfigError
-from nbtrain.sft import step as step_mod
-from nbtrain.sft import tracking
-from nbtrain.sft.train import finetune
-from tests.test_sft_train import make_cfg
+from nbtrain.recipes import step as step_mod
+from nbtrain.recipes.train import finetune
+from nbtrain.telemetry import tracking
+from tests.recipes.test_train import make_cfg
 
-DATA = str(Path(__file__).resolve().parents[1] / "nbtrain" / "data" / "instructions.jsonl")
+DATA = str(
+    Path(__file__).resolve().parents[2] / "nbtrain" / "data" / "examples" / "instructions.jsonl"
+)
 BOTH = ["tensorboard", "mlflow"]
 COLUMNS = ("loss", "grad_norm", "learning_rate", "tokens_per_s", "step_time", "epoch")
 

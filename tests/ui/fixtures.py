@@ -38,9 +38,9 @@ def scaling_report(
     name: str | None = None,
 ):
     """Save the test bed's report to `out` and record it; returns (report, scaling record id)."""
-    from nbtrain.cluster.scaling_model import efficiencies, fit, verdict
-    from nbtrain.cluster.scaling_model import predict as predict_rows
-    from nbtrain.cluster.scaling_report import ScalingReport
+    from nbtrain.cluster.scaling.model import efficiencies, fit, verdict
+    from nbtrain.cluster.scaling.model import predict as predict_rows
+    from nbtrain.cluster.scaling.report import ScalingReport
 
     rows = [
         {

@@ -11,7 +11,7 @@ and has logged its first step; exits 0 when the run ends (stopped from the UI, o
 
 With ``--sample-steps`` the run samples `SAMPLE_PROMPTS` while it trains (``SFTConfig(sample_prompts=...,
 sample_steps=...)``), into ``output_dir/samples.jsonl``. Where this checkout's finetune cannot sample
-yet (no ``nbtrain.sft.sampling``), the writer writes that file itself once the run ends: a row per
+yet (no ``nbtrain.generation.sampling``), the writer writes that file itself once the run ends: a row per
 prompt at step 0, every N steps and the last, in the same layout, completions made up from the prompt
 (a stand-in, said so in each completion), so the Lab's Samples section is tested against the file a
 run writes until finetune writes it.
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import nbtrain
 from nbtrain import runs
-from nbtrain.data import instructions_path
-from nbtrain.sft.tiny import make_tiny_model
+from nbtrain.data.examples import instructions_path
+from nbtrain.model.tiny import make_tiny_model
 
 #: prompts of very different lengths, one with a reference (the data file's completion) and one long
 #: enough that its text has to wrap
@@ -48,7 +48,7 @@ SAMPLE_PROMPTS = [
 
 def sampling_in_finetune() -> bool:
     """Whether this checkout's finetune samples while it trains (SFTConfig.sample_prompts)."""
-    return importlib.util.find_spec("nbtrain.sft.sampling") is not None
+    return importlib.util.find_spec("nbtrain.generation.sampling") is not None
 
 
 def write_stand_in_samples(out: Path, steps: int, every: int) -> None:

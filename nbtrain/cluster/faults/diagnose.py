@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbtrain.cluster.ranges import parse_ranks
+from nbtrain.cluster.ranks.ranges import parse_ranks
+from nbtrain.cluster.ranks.topology import compact, describe_ranks
 from nbtrain.cluster.session import Session
-from nbtrain.cluster.topology import compact, describe_ranks
 
 COLLECTIVES = {
     "all_reduce",

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain.cluster import group, procs, registry
-from nbtrain.cluster.diagnose import classify
+from nbtrain.cluster.faults.diagnose import classify
+from nbtrain.cluster.ranks.topology import describe_ranks
 from nbtrain.cluster.session import Session
-from nbtrain.cluster.topology import describe_ranks
 from nbtrain.errors import ClusterError, RankDiedError
 
 # how long ranks that outlived a dead one get to leave their cell after SIGINT before their engines are

@@ -10,7 +10,7 @@ After ``idle_timeout`` seconds neither attached nor busy (``NBTRAIN_IDLE_TIMEOUT
 stops the engines and the controller and removes the side file. When the cluster is stopped normally the
 side file goes away and so does the watchdog.
 
-    python -m nbtrain.cluster.watchdog <side-file>
+    python -m nbtrain.cluster.faults.watchdog <side-file>
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from nbtrain.cluster.launch import LaunchOptions
 from nbtrain.cluster.launch.network import plan_network, rendezvous_port
 from nbtrain.cluster.launch.preflight import run_preflight
 from nbtrain.cluster.options import HEARTBEAT_MS, Option, StartOptions
+from nbtrain.cluster.ranks.topology import RankInfo, assign_ranks
 from nbtrain.cluster.session import Launched, Session, close_client
-from nbtrain.cluster.topology import RankInfo, assign_ranks
 from nbtrain.engine import network, setup
 from nbtrain.errors import ClusterError
 

@@ -20,8 +20,8 @@ from nbtrain.cluster.launch.base import leave
 from nbtrain.cluster.launch.network import plan_network, rendezvous_port
 from nbtrain.cluster.launch.preflight import run_preflight
 from nbtrain.cluster.options import StartOptions
+from nbtrain.cluster.ranks.topology import assign_ranks
 from nbtrain.cluster.session import Launched, Session
-from nbtrain.cluster.topology import assign_ranks
 from nbtrain.engine import setup
 from nbtrain.errors import ClusterError, ConfigError
 

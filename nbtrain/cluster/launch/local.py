@@ -27,8 +27,8 @@ from nbtrain.cluster.options import (
     idle_timeout,
     local_gpu_count,
 )
+from nbtrain.cluster.ranks.topology import assign_ranks, compact
 from nbtrain.cluster.session import Launched, Session, adopt, close_client, new_engines
-from nbtrain.cluster.topology import assign_ranks, compact
 from nbtrain.engine import setup
 from nbtrain.errors import ClusterError
 
@@ -168,7 +168,7 @@ def spawn_watchdog(session: Session) -> int | None:
     if path is None:
         return None
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nbtrain.cluster.watchdog", str(path), str(idle_timeout())],
+        [sys.executable, "-m", "nbtrain.cluster.faults.watchdog", str(path), str(idle_timeout())],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

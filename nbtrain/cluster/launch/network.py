@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbtrain import net
-from nbtrain.cluster.topology import RankInfo
+from nbtrain.cluster.ranks.topology import RankInfo
 from nbtrain.engine import network, setup
 from nbtrain.errors import ClusterError, ConfigError
 

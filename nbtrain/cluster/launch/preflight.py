@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain.cluster.topology import RankInfo
+from nbtrain.cluster.ranks.topology import RankInfo
 from nbtrain.errors import ClusterError
 
 ALLOW_FLAG = "--allow-version-mismatch"

@@ -28,7 +28,7 @@ from nbtrain.cluster.launch.base import (
     teardown_remote,
 )
 from nbtrain.cluster.options import LAUNCH_HOST_ENV, Option, StartOptions
-from nbtrain.cluster.plan import Slot, plan_devices
+from nbtrain.cluster.ranks.plan import Slot, plan_devices
 from nbtrain.cluster.session import Launched
 from nbtrain.engine import network
 from nbtrain.errors import ClusterError, ConfigError

@@ -1,6 +1,6 @@
 """One backend and one device per rank for the whole cluster, decided here before any rank initialises.
 
-In [1]: from nbtrain.cluster.plan import Slot, plan_devices
+In [1]: from nbtrain.cluster.ranks.plan import Slot, plan_devices
 In [2]: plan_devices([Slot("vm", 0, 1), Slot("vm", 1, 1)])
 Out[2]: DevicePlan(backend='gloo', devices=('cpu', 'cpu'), why='2 ranks on vm but 1 GPU: ...')
 

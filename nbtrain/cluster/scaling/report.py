@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbtrain.cluster.scaling_model import Fit, Verdict
+from nbtrain.cluster.scaling.model import Fit, Verdict
 
 COLUMNS = (
     ("nodes", "nodes"),

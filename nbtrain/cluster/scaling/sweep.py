@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.cluster.probe import bus_bandwidth, network_warnings
-from nbtrain.cluster.scaling_model import (
+from nbtrain.cluster.scaling.model import (
     NEAR_LINEAR,
     check_predict,
     comm_terms,
@@ -26,13 +26,9 @@ from nbtrain.cluster.scaling_model import (
     fit,
     parse_sizes,
 )
-from nbtrain.cluster.scaling_model import (
-    predict as predict_rows,
-)
-from nbtrain.cluster.scaling_model import (
-    verdict as make_verdict,
-)
-from nbtrain.cluster.scaling_report import ScalingReport
+from nbtrain.cluster.scaling.model import predict as predict_rows
+from nbtrain.cluster.scaling.model import verdict as make_verdict
+from nbtrain.cluster.scaling.report import ScalingReport
 from nbtrain.errors import ConfigError
 
 # steps left out of the figures at the start of each size (DDP's bucket rebuild, warm caches)
@@ -58,7 +54,7 @@ def ranks_of_size(session: Any, size: int, unit: str) -> list[int]:
 
 def _settings(cfg: Any, steps: int, mode: str) -> dict[str, Any]:
     """`cfg` as each size runs it, checked the way finetune checks it."""
-    from nbtrain.sft.config import SFTConfig
+    from nbtrain.configs.sft import SFTConfig
 
     if not isinstance(cfg, SFTConfig):
         msg = f"scaling needs an nbtrain.SFTConfig, got {type(cfg).__name__}; build one with nbtrain.SFTConfig(...)"
@@ -98,7 +94,7 @@ def _settings(cfg: Any, steps: int, mode: str) -> dict[str, Any]:
 
 def _strong_batch(d: dict[str, Any], sizes_ranks: list[int]) -> int:
     """The global batch strong scaling keeps, checked to divide at every size."""
-    from nbtrain.sft.batch import split_global
+    from nbtrain.data.batch import split_global
 
     micro = int(d["per_device_train_batch_size"])
     fixed = (
@@ -158,7 +154,7 @@ def measure_size(
     session: Any, members: list[int], d: dict[str, Any], iters: int, timeout: float | None
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run one size; its measured row and the members' raw results."""
-    from nbtrain.sft.scaling import run_size
+    from nbtrain.recipes.scaling import run_size
 
     got = session.run(run_size, members, d, iters, timeout=timeout)
     results = [g for g in got if g is not None]

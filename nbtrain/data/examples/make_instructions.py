@@ -1,6 +1,6 @@
 """Regenerate `instructions.jsonl`, the small instruction dataset nbtrain ships for demos and tests.
 
-    python -m nbtrain.data.make_instructions
+    python -m nbtrain.data.examples.make_instructions
 
 Deterministic (fixed seed), so the committed file is reproducible byte for byte. The tasks are simple and
 rule-based (reverse a word, upper-case it, add two small numbers, name a colour's opposite...) so that a

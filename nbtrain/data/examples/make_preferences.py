@@ -1,6 +1,6 @@
 """Regenerate `preferences.jsonl`, the small preference dataset nbtrain ships for DPO demos and tests.
 
-    python -m nbtrain.data.make_preferences
+    python -m nbtrain.data.examples.make_preferences
 
 Deterministic (fixed seed). Each pair takes a task of `instructions.jsonl` (reverse a word, add two
 numbers, ...): its right answer is chosen, the answer of another task rejected. Rows cycle through
@@ -14,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from nbtrain.data.make_instructions import make_rows
+from nbtrain.data.examples.make_instructions import make_rows
 
 N_ROWS = 240
 SEED = 1

@@ -1,6 +1,6 @@
-"""Disaggregated GRPO, the parts of `nbtrain.sft.grpo_recipe.GRPORecipe` only its two rank groups run:
+"""Disaggregated GRPO, the parts of `nbtrain.recipes.grpo.recipe.GRPORecipe` only its two rank groups run:
 the handshake after set-up (both groups' set-up errors, the actor's plan, its first adapter), a rollout
-rank's set-up and loop, and the adapter sent after each actor step (`nbtrain.sft.grpo_link`).
+rank's set-up and loop, and the adapter sent after each actor step (`nbtrain.recipes.grpo.link`).
 
 The rollout group samples and scores step s + 1 with the adapter of step s while the actor group trains
 step s, then loads the adapter of step s + 1: a step's completions are one optimizer step old at most.
@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 from nbtrain.errors import ConfigError
-from nbtrain.sft import grpo_loss, grpo_rollout
-from nbtrain.sft.grpo_rollout import PromptOrder, PromptRows, RewardFunctionError, Scored
-from nbtrain.sft.preempt import Preempted
-from nbtrain.sft.recipe import SFTRecipe, TrainResult
+from nbtrain.losses import grpo as grpo_loss
+from nbtrain.recipes.grpo import rollout as grpo_rollout
+from nbtrain.recipes.grpo.rollout import PromptOrder, PromptRows, RewardFunctionError, Scored
+from nbtrain.recipes.preempt import Preempted
+from nbtrain.recipes.sft import SFTRecipe, TrainResult
 
 
 class Disaggregated(SFTRecipe):
@@ -43,7 +44,7 @@ class Disaggregated(SFTRecipe):
         optimizer, no output. Then the handshake: the actor's plan, and its adapter."""
         err: BaseException | None = None
         try:
-            from nbtrain.sft.dist import Dist
+            from nbtrain.engine.dist import Dist
 
             d = self.d = Dist(self.group)
             checked = d.agree(self._check)
@@ -60,7 +61,7 @@ class Disaggregated(SFTRecipe):
     def _handshake(self, err: BaseException | None) -> None:
         """Both groups say whether their set-up worked (all raise if one failed); the actor's plan
         reaches the rollout, then the actor's first adapter."""
-        from nbtrain.sft import grpo_link
+        from nbtrain.recipes.grpo import link as grpo_link
 
         self.link = grpo_link.Link(self.actor_ranks, self.rollout_ranks)
         mine: dict[str, Any] = {"error": None if err is None else f"{type(err).__name__}: {err}"}

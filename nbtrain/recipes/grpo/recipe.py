@@ -12,7 +12,7 @@ In [2]: recipe.run()                  # set-up, the loop, checkpoints, the expor
   the completions of step s + 1 while the actor group trains step s on those the rollout sent before,
   so a step's completions come from the adapter one optimizer step old at most (staleness 1). The
   rollout sends each step's completions from its rank 0; actor rank 0 sends the adapter after each
-  step (`nbtrain.sft.grpo_link`). The completions carry the rollout's log-probabilities, the policy
+  step (`nbtrain.recipes.grpo.link`). The completions carry the rollout's log-probabilities, the policy
   ratio's denominator, so the clipped loss corrects for the step of lag.
 
 The reference for `beta` > 0 is the same model with its adapter off (peft's `disable_adapter()`).
@@ -24,14 +24,17 @@ import math
 import time
 from typing import Any
 
+from nbtrain.configs.grpo import GRPOConfig
 from nbtrain.engine import interrupts
 from nbtrain.engine.rank import get_rank
 from nbtrain.errors import ConfigError
-from nbtrain.sft import decode, grpo_loss, grpo_rewards, grpo_rollout
-from nbtrain.sft.grpo_config import GRPOConfig
-from nbtrain.sft.grpo_disagg import Disaggregated
-from nbtrain.sft.grpo_rollout import PromptOrder, PromptRows, RewardFunctionError, Scored
-from nbtrain.sft.hooks import Hooks
+from nbtrain.generation import decode
+from nbtrain.losses import grpo as grpo_loss
+from nbtrain.losses import rewards as grpo_rewards
+from nbtrain.recipes.grpo import rollout as grpo_rollout
+from nbtrain.recipes.grpo.disagg import Disaggregated
+from nbtrain.recipes.grpo.rollout import PromptOrder, PromptRows, RewardFunctionError, Scored
+from nbtrain.recipes.hooks import Hooks
 
 #: completions per `generate` call
 GENERATE_BATCH = 64
@@ -72,7 +75,7 @@ class GRPORecipe(Disaggregated):
                 raise ConfigError(msg)
             import torch.distributed as dist
 
-            from nbtrain.sft import grpo_link
+            from nbtrain.recipes.grpo import link as grpo_link
 
             actor, rollout, actor_pg, rollout_pg = grpo_link.resolve(cfg.actor, str(cfg.rollout))
             self.role = "actor" if dist.get_rank() in actor else "rollout"

@@ -1,5 +1,5 @@
 """GRPO's rollouts: the prompt rows and their order, `num_generations` sampled completions per prompt
-(nbtrain's own generation, `nbtrain.sft.decode`: left padding, the KV cache, a seeded generator), the
+(nbtrain's own generation, `nbtrain.generation.decode`: left padding, the KV cache, a seeded generator), the
 reward functions called with TRL's signature, and the step's rewards turned into advantages.
 
 A step's completions are numbered in prompt order (prompt p's g-th is p * num_generations + g), so that
@@ -17,9 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbtrain.data.prompts import Entry
 from nbtrain.errors import ConfigError
-from nbtrain.sft import decode
-from nbtrain.sft.grpo_loss import advantages, nanstd
+from nbtrain.generation import decode
+from nbtrain.losses.grpo import advantages, nanstd
 
 _ACCEPTED = "a 'prompt' (a string or a list of {'role', 'content'} messages) and any other columns"
 
@@ -41,7 +42,7 @@ class PromptRows:
 
     @classmethod
     def read(cls, data: Any, tokenizer: Any, template_kwargs: dict | None = None) -> PromptRows:
-        from nbtrain.sft.sources import Source
+        from nbtrain.data.sources import Source
 
         src = data if isinstance(data, Source) else Source(data, "data")
         rows = [(r.value, src.row_where(r)) for r in src.part(0, 1)]
@@ -67,9 +68,7 @@ class PromptRows:
                 {k: v for k, v in value.items() if k not in ("completion", "completion_ids")}
             )
             where.append(at)
-            entries.append(
-                decode.Entry(p, None, value.get("tools"), value.get("chat_template_kwargs"))
-            )
+            entries.append(Entry(p, None, value.get("tools"), value.get("chat_template_kwargs")))
         if bad:
             raise ConfigError(_bad_rows(bad, len(rows)))
         if not prompts:

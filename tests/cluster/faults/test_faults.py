@@ -347,7 +347,7 @@ def test_engines_have_the_defaults_before_their_group(cluster):
 def test_a_collective_left_on_the_gpu_counts_as_waiting():
     # NCCL enqueues a collective and returns: the rank's Python is elsewhere (here: idle) while the
     # flight recorder still has it scheduled. The entry has the structure torch's dump gives
-    from nbtrain.cluster.diagnose import classify
+    from nbtrain.cluster.faults.diagnose import classify
     from nbtrain.engine.faults import summarize_dump
 
     dump = {

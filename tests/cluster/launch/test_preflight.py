@@ -26,7 +26,7 @@ from nbtrain.cluster.launch.preflight import (
 )
 from nbtrain.engine.preflight import INFINIBAND_SYSFS, collect, infiniband_devices
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

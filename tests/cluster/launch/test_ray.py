@@ -26,8 +26,8 @@ import pytest
 import nbtrain
 from nbtrain.cluster import procs
 from nbtrain.cluster.launch import LaunchOptions
-from nbtrain.cluster.launch.ray_placement import RayNode, bundles, explain_pending, rank_order
-from nbtrain.cluster.plan import Slot, plan_devices
+from nbtrain.cluster.launch.ray.placement import RayNode, bundles, explain_pending, rank_order
+from nbtrain.cluster.ranks.plan import Slot, plan_devices
 from nbtrain.errors import ClusterError, ConfigError, RankDiedError
 from tests import ray_testing as rt
 
@@ -179,7 +179,7 @@ def _fake_session(temp: str, raylet_out: str) -> str:
 
 def test_a_raylet_that_gave_up_on_a_slow_metrics_agent_is_named_with_its_log(tmp_path):
     from nbtrain.cluster.launch.ray import RayLaunch
-    from nbtrain.cluster.launch.ray_local import diagnose
+    from nbtrain.cluster.launch.ray.local import diagnose
 
     session = _fake_session(str(tmp_path), RAYLET_GAVE_UP)
     failure = diagnose(str(tmp_path))
@@ -205,7 +205,7 @@ def test_a_raylet_that_gave_up_on_a_slow_metrics_agent_is_named_with_its_log(tmp
 
 
 def test_other_raylet_failures_are_named_but_not_tried_again(tmp_path):
-    from nbtrain.cluster.launch.ray_local import diagnose
+    from nbtrain.cluster.launch.ray.local import diagnose
 
     assert diagnose(str(tmp_path)) is None  # no session at all: nothing to say
     _fake_session(

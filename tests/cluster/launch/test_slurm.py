@@ -26,7 +26,7 @@ from nbtrain.cluster.launch import LaunchOptions, parse_launch, slurm
 from nbtrain.errors import ClusterError, ConfigError
 from tests.conftest import cluster_processes, wait_gone
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 TESTBED = REPO / "scripts" / "slurm-testbed.sh"
 
 
@@ -441,7 +441,7 @@ def test_check_runs_the_probe_on_each_node_through_srun(ip, slurm_bed, capsys):
 def _recipe_on_the_bed(code: str, tiny: str, tmp: Path) -> str:
     import sys
 
-    from nbtrain.data import instructions_path
+    from nbtrain.data.examples import instructions_path
 
     swaps = {
         'nodes=2, gpus_per_node=4, partition="gpu", account="proj",': "nodes=1, engines_per_node=2,",
@@ -496,7 +496,7 @@ def test_preempted_job_checkpoints_and_resumes_to_the_uninterrupted_adapter(
     message; in a new job, resume='latest' ends with the uninterrupted run's adapter."""
     from safetensors.torch import load_file
 
-    from nbtrain.data import instructions_path
+    from nbtrain.data.examples import instructions_path
     from nbtrain.errors import DistributedCellError
 
     ip.run_line_magic(
@@ -513,8 +513,8 @@ def test_preempted_job_checkpoints_and_resumes_to_the_uninterrupted_adapter(
         )  # fmt: skip
         return base | kw
 
-    from tests.test_faults_resume import RUN as run
-    from tests.test_faults_resume import SLOW_RUN as slow
+    from tests.recipes.test_faults_resume import RUN as run
+    from tests.recipes.test_faults_resume import SLOW_RUN as slow
 
     try:
         cluster.push({"cfg": cfg(tmp_path / "ref")})

@@ -1,4 +1,4 @@
-"""One backend and device plan for the whole cluster (nbtrain/cluster/plan.py), decided on the client.
+"""One backend and device plan for the whole cluster (nbtrain/cluster/ranks/plan.py), decided on the client.
 
 The rules are checked on injected GPU counts; then real local engines are started with the GPU count
 their `hello()` reports injected (NBTRAIN_TEST_GPU_COUNT, read only by `setup.cuda_count`), so a
@@ -15,7 +15,7 @@ import pytest
 
 import nbtrain
 from nbtrain.cluster.options import default_engine_count
-from nbtrain.cluster.plan import DevicePlan, Slot, plan_devices
+from nbtrain.cluster.ranks.plan import DevicePlan, Slot, plan_devices
 from nbtrain.errors import ClusterError, ConfigError
 from tests.conftest import cluster_processes, wait_gone
 
@@ -120,7 +120,7 @@ def _rank_view():
     import torch.distributed as dist
     from IPython import get_ipython
 
-    from nbtrain.sft.dist import Dist
+    from nbtrain.engine.dist import Dist
 
     t = torch.tensor([1.0])
     dist.all_reduce(t)
@@ -237,7 +237,7 @@ def _cuda_sum():
     import torch.distributed as dist
     from IPython import get_ipython
 
-    from nbtrain.sft.dist import Dist
+    from nbtrain.engine.dist import Dist
 
     device = get_ipython().user_ns["device"]
     t = torch.full((4,), float(dist.get_rank() + 1), device=device)
@@ -315,7 +315,7 @@ def test_gpu_start_without_n_gives_one_engine_per_gpu():
 def test_gpu_dist_fallback_never_puts_two_ranks_on_one_gpu(monkeypatch, capsys):
     """finetune outside nbtrain (torchrun, no NBTRAIN_DEVICE): more local ranks than GPUs train on
     CPU and say so, instead of sharing a GPU."""
-    from nbtrain.sft.dist import Dist
+    from nbtrain.engine.dist import Dist
 
     gpus = _gpus()
     monkeypatch.delenv("NBTRAIN_DEVICE", raising=False)

@@ -1,5 +1,5 @@
-"""The scaling model and verdict (nbtrain/cluster/scaling_model.py) and the report
-(nbtrain/cluster/scaling_report.py) on synthetic measurements whose answers are known by hand."""
+"""The scaling model and verdict (nbtrain/cluster/scaling/model.py) and the report
+(nbtrain/cluster/scaling/report.py) on synthetic measurements whose answers are known by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from nbtrain.cluster.scaling_model import (
+from nbtrain.cluster.scaling.model import (
     check_predict,
     efficiencies,
     fit,
@@ -16,7 +16,7 @@ from nbtrain.cluster.scaling_model import (
     ring_bytes_factor,
     verdict,
 )
-from nbtrain.cluster.scaling_report import ScalingReport
+from nbtrain.cluster.scaling.report import ScalingReport
 from nbtrain.errors import ConfigError
 
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from nbtrain.configs.sft import SFTConfig
 from nbtrain.errors import ConfigError
-from nbtrain.sft.config import SFTConfig
 from tests.conftest import quiet
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = str(REPO / "nbtrain" / "data" / "instructions.jsonl")
+REPO = Path(__file__).resolve().parents[3]
+DATA = str(REPO / "nbtrain" / "data" / "examples" / "instructions.jsonl")
 
 pytestmark = pytest.mark.timeout(600)
 

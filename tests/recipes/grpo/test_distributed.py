@@ -27,7 +27,7 @@ STEPS = 20
 SETUP = """
 import nbtrain, torch
 torch.set_num_threads(1)
-from nbtrain.sft.tiny import make_tiny_model
+from nbtrain.model.tiny import make_tiny_model
 
 def digits(completions, **kw):
     out = []
@@ -229,7 +229,7 @@ def test_bad_rewards_and_batches_are_refused_on_every_rank_before_the_model_load
 
 
 ACTOR_FAILS = """
-from nbtrain.sft.hooks import Hooks
+from nbtrain.recipes.hooks import Hooks
 
 hooks = Hooks()
 

@@ -187,7 +187,7 @@ def test_preemption_records_the_run_and_names_grpoconfig(tiny, tmp_path):
     import signal
 
     from nbtrain import runs
-    from nbtrain.sft.hooks import Hooks
+    from nbtrain.recipes.hooks import Hooks
 
     hooks = Hooks()
 

@@ -87,8 +87,8 @@ def _nbtrain_step(tiny, tmp_path, monkeypatch, fixed, settings):
     from peft import get_peft_model_state_dict
 
     import nbtrain
-    from nbtrain.sft import decode
-    from nbtrain.sft.grpo_recipe import GRPORecipe
+    from nbtrain.generation import decode
+    from nbtrain.recipes.grpo.recipe import GRPORecipe
 
     def fixed_batch(model, tokenizer, batch, decoding, device, synced=False, autocast=None):
         return [{"index": p.index, "ids": list(fixed[p.index])} for p in batch]

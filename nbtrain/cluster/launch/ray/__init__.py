@@ -35,12 +35,12 @@ from nbtrain.cluster import procs
 from nbtrain.cluster.group import reinit
 from nbtrain.cluster.launch import LaunchOptions
 from nbtrain.cluster.launch.base import EngineLaunch, start_engines, stop_here
-from nbtrain.cluster.launch.ray_address import output_to, resolve, unreachable
-from nbtrain.cluster.launch.ray_engines import RayEngineSet
-from nbtrain.cluster.launch.ray_local import StartFailure, diagnose, logs_folder
+from nbtrain.cluster.launch.ray.address import output_to, resolve, unreachable
+from nbtrain.cluster.launch.ray.engines import RayEngineSet
+from nbtrain.cluster.launch.ray.local import StartFailure, diagnose, logs_folder
 
 # the launcher's options and their checks (declared with the placement they decide)
-from nbtrain.cluster.launch.ray_placement import (  # noqa: F401
+from nbtrain.cluster.launch.ray.placement import (  # noqa: F401
     HINT,
     OPTIONS,
     PLACEMENTS,
@@ -54,8 +54,8 @@ from nbtrain.cluster.launch.ray_placement import (  # noqa: F401
     validate,
 )
 from nbtrain.cluster.options import PROFILE, StartOptions
+from nbtrain.cluster.ranks.topology import describe_ranks
 from nbtrain.cluster.session import Launched, Session, adopt, close_client, new_engines
-from nbtrain.cluster.topology import describe_ranks
 from nbtrain.engine.setup import PINNED_ENV
 from nbtrain.errors import ClusterError, ConfigError
 

@@ -25,7 +25,7 @@ class RayEngineSet(EngineLauncher):
     """One actor per rank, each in its bundle of the placement group, each running one engine."""
 
     # how ipyparallel names the class in the cluster file: a dotted path it can import back
-    entrypoint_name = "nbtrain.cluster.launch.ray_engines.RayEngineSet"
+    entrypoint_name = "nbtrain.cluster.launch.ray.engines.RayEngineSet"
 
     placement_group_name = Unicode("", config=True).tag(to_dict=True)
     namespace = Unicode("nbtrain", config=True).tag(to_dict=True)

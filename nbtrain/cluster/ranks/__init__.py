@@ -1,0 +1,1 @@
+"""Ranks and where they live: node-major assignment and rank tables, the device plan, rank selections."""
