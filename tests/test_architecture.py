@@ -169,3 +169,20 @@ def test_module_names_do_not_repeat_their_folder() -> None:
         if p.stem == p.parent.name or p.stem.startswith(p.parent.name + "_")
     ]
     assert not repeated, "rename these:\n" + "\n".join(repeated)
+
+
+def test_the_public_surface_is_the_packages_names() -> None:
+    """`nbtrain.X` for every name in `__all__` resolves (lazily, PEP 562) in a fresh interpreter,
+    the training names to the new packages, and `import nbtrain` alone imports none of them."""
+    code = (
+        "import sys, nbtrain\n"
+        "heavy = [m for m in ('torch', 'transformers', 'nbtrain.recipes') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "for name in nbtrain.__all__:\n"
+        "    getattr(nbtrain, name)\n"
+        "print(nbtrain.Hooks.__module__, nbtrain.finetune.__module__, nbtrain.SFTConfig.__module__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout.split()
+    assert out == ["nbtrain.recipes.hooks", "nbtrain.recipes.train", "nbtrain.configs.sft"]
