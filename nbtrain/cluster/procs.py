@@ -301,12 +301,18 @@ def kill_on_hosts(
             list(pool.map(one, todo))
 
 
-def exit_code(proc: Any, wait: float = 1.0) -> int | None:
+def exit_code(proc: Any, wait: float = 1.0, waiter: Any = None) -> int | None:
     """The exit status of psutil process `proc` (our child; psutil caches it once reaped), waiting
-    up to `wait` seconds; None when it is unknown."""
+    up to `wait` seconds; None when it is unknown. `waiter`: a thread that already waits on `proc`
+    (ipyparallel's launchers have one): its wait reaps the process, so we wait for that thread and
+    read what psutil cached, instead of racing it (the loser's None would be what psutil keeps)."""
     import psutil
 
     deadline = time.monotonic() + wait
+    if waiter is not None and waiter.is_alive():
+        waiter.join(wait)
+        if waiter.is_alive():
+            return None  # still running, or not reaped within `wait`
     while True:
         try:
             code = proc.wait(timeout=0)

@@ -79,6 +79,14 @@ def _main_thread(info: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def in_cell(info: dict[str, Any]) -> bool:
+    """Whether the rank's main thread still runs the cell's own code (a frame of the cell is on its
+    stack): a rank that was interrupted and is writing its traceback has left it."""
+    main = _main_thread(info)
+    frames = _frames(main["stack"]) if main and main.get("stack") else []
+    return any("ipykernel_" in f or "<ipython-input" in f for f, _line, _fn in frames)
+
+
 def _user_site(frames: list[tuple[str, int, str]]) -> str:
     for file, line, fn in reversed(frames):
         if "/site-packages/" not in file and "/torch/" not in file:

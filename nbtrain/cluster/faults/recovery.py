@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain.cluster import group, procs, registry
-from nbtrain.cluster.faults.diagnose import classify
+from nbtrain.cluster.faults.diagnose import classify, in_cell
 from nbtrain.cluster.ranks.topology import describe_ranks
 from nbtrain.cluster.session import Session
 from nbtrain.errors import ClusterError, RankDiedError
@@ -162,7 +162,9 @@ def _exit_code(cluster: Session, pid: int, wait: float = 1.0) -> int | None:
     proc = getattr(launcher, "process", None)
     if proc is None:
         return None
-    return procs.exit_code(proc, wait)
+    # ipyparallel's launcher waits on the same process in a thread of its own: whichever reaps it
+    # second gets None, and psutil keeps that (CI saw "exit status unknown" for a SIGKILLed rank)
+    return procs.exit_code(proc, wait, waiter=getattr(launcher, "_wait_thread", None))
 
 
 def _how(code: int | None) -> tuple[str, str | None]:
@@ -365,12 +367,19 @@ def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
     where = {}
     if stuck:
         try:
-            kinds = {r: classify(i) for r, i in cluster.stacks(stuck, timeout=2.0).items()}
+            stacks = cluster.stacks(stuck, timeout=2.0)
         except Exception:
-            kinds = {}
-        # one that answers and is not in a collective is on its way out (under load, writing its
-        # traceback takes seconds): wait for it rather than end it and lose its variables
-        going = [r for r in stuck if kinds.get(r, ("silent", ""))[0] in ("busy", "idle")]
+            stacks = {}
+        kinds = {r: classify(i) for r, i in stacks.items()}
+        # one that answers, is not in a collective and has left the cell's code is on its way out
+        # (under load, writing its traceback takes seconds): wait for it rather than end it and lose
+        # its variables. One still in the cell's code did not take the SIGINT (a Ray-hosted engine
+        # whose peer's node was lost): ended now, so the death is named without that wait
+        going = [
+            r
+            for r in stuck
+            if kinds.get(r, ("silent", ""))[0] in ("busy", "idle") and not in_cell(stacks[r])
+        ]
         deadline = time.monotonic() + SURVIVOR_FINISH
         while pending(going) and time.monotonic() < deadline:
             run._drain()
