@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbtrain.cluster import group
 from nbtrain.cluster.failures import raise_for_failures
-from nbtrain.cluster.ranks.topology import describe_ranks
+from nbtrain.cluster.ranks.topology import agree, describe_ranks
 from nbtrain.engine import groups as engine_groups
 from nbtrain.engine.metrics import KEY_PREFIX
 from nbtrain.errors import CellTimeoutError
@@ -273,7 +273,7 @@ class CellRun:
                     self._stopped_note = self._stop_ranks(ar)
                     self._stopped_note = (
                         f"\n\n{describe_ranks(self.cluster.ranks, waiting)} kept running after the failure "
-                        f"(likely waiting for the failed rank in a collective) and {_was(waiting)} stopped. {self._stopped_note}"
+                        f"(likely waiting for the failed rank in a collective) and {agree(waiting, 'was', 'were')} stopped. {self._stopped_note}"
                     )
                     break
         except KeyboardInterrupt:
@@ -357,9 +357,9 @@ class CellRun:
                 if not told:
                     told = True
                     print(
-                        f"nbtrain: {describe_ranks(cluster.ranks, going)} {_is(going)} still finishing "
+                        f"nbtrain: {describe_ranks(cluster.ranks, going)} {agree(going, 'is', 'are')} still finishing "
                         f"(up to {HELD_GRACE:g} s after the interrupt); interrupt again to replace "
-                        f"{_it(going)} now.",
+                        f"{agree(going, 'it', 'them')} now.",
                         file=sys.stderr,
                     )
                 self._wait(ar, min(time.monotonic() + 2.0, t0 + HELD_GRACE))
@@ -371,8 +371,8 @@ class CellRun:
             cluster.restart_ranks(stuck)
             return (
                 f"{describe_ranks(cluster.ranks, stuck)} did not stop within {waited:.0f} s of the "
-                f"interrupt (blocked in a collective or in C code) and {_was(stuck)} replaced: "
-                f"{_its(stuck)} variables are gone. The process group was re-created on every rank; "
+                f"interrupt (blocked in a collective or in C code) and {agree(stuck, 'was', 'were')} replaced: "
+                f"{agree(stuck, 'its', 'their')} variables are gone. The process group was re-created on every rank; "
                 "rebuild objects that hold it (e.g. DDP models)."
             )
         return group.repair(cluster)
@@ -380,19 +380,3 @@ class CellRun:
     def _wait(self, ar: Any, deadline: float) -> None:
         while not ar.wait(0.1) and time.monotonic() < deadline:
             self._drain()
-
-
-def _was(ranks: list[int]) -> str:
-    return "was" if len(ranks) == 1 else "were"
-
-
-def _its(ranks: list[int]) -> str:
-    return "its" if len(ranks) == 1 else "their"
-
-
-def _is(ranks: list[int]) -> str:
-    return "is" if len(ranks) == 1 else "are"
-
-
-def _it(ranks: list[int]) -> str:
-    return "it" if len(ranks) == 1 else "them"

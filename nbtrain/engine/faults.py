@@ -156,13 +156,18 @@ def _recorders(backend: str) -> list[tuple[str, Any]]:
     return out
 
 
+def is_cell_file(file: str) -> bool:
+    """Whether a frame's file is a notebook cell's code (ipykernel's per-cell file names)."""
+    return "ipykernel_" in file or "<ipython-input" in file
+
+
 def _site(frames: list[dict[str, Any]] | None) -> str:
     """Where user code issued a recorded collective: the innermost frame outside torch and site-packages."""
     for f in frames or []:
         file = str(f.get("filename", ""))
         if "/site-packages/" in file or "/torch/" in file:
             continue
-        short = "<cell>" if ("ipykernel_" in file or "<ipython-input" in file) else file
+        short = "<cell>" if is_cell_file(file) else file
         return f"{short}:{f.get('line')} in {f.get('name')}"
     return ""
 

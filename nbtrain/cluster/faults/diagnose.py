@@ -16,6 +16,7 @@ from typing import Any
 from nbtrain.cluster.ranks.ranges import parse_ranks
 from nbtrain.cluster.ranks.topology import compact, describe_ranks
 from nbtrain.cluster.session import Session
+from nbtrain.engine.faults import is_cell_file
 
 COLLECTIVES = {
     "all_reduce",
@@ -84,13 +85,13 @@ def in_cell(info: dict[str, Any]) -> bool:
     stack): a rank that was interrupted and is writing its traceback has left it."""
     main = _main_thread(info)
     frames = _frames(main["stack"]) if main and main.get("stack") else []
-    return any("ipykernel_" in f or "<ipython-input" in f for f, _line, _fn in frames)
+    return any(is_cell_file(f) for f, _line, _fn in frames)
 
 
 def _user_site(frames: list[tuple[str, int, str]]) -> str:
     for file, line, fn in reversed(frames):
         if "/site-packages/" not in file and "/torch/" not in file:
-            short = "<cell>" if ("ipykernel_" in file or "<ipython-input" in file) else file
+            short = "<cell>" if is_cell_file(file) else file
             return f"{short}:{line} in {fn}"
     return ""
 

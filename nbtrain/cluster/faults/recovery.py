@@ -26,7 +26,7 @@ from typing import Any
 
 from nbtrain.cluster import group, procs, registry
 from nbtrain.cluster.faults.diagnose import classify, in_cell
-from nbtrain.cluster.ranks.topology import describe_ranks
+from nbtrain.cluster.ranks.topology import agree, describe_ranks
 from nbtrain.cluster.session import Session
 from nbtrain.errors import ClusterError, RankDiedError
 
@@ -147,7 +147,7 @@ def check_alive(cluster: Session, which: Sequence[int]) -> None:
         return
 
     msg = (
-        f"{describe_ranks(cluster.ranks, dead)} of this cluster died or {'was' if len(dead) == 1 else 'were'} "
+        f"{describe_ranks(cluster.ranks, dead)} of this cluster died or {agree(dead, 'was', 'were')} "
         "ended, so the process group "
         "is broken. Run %nbtrain restart (cluster.restart()) to replace them; then re-run your set-up "
         "cells, and continue training with finetune(SFTConfig(..., resume='latest'))."
@@ -411,7 +411,7 @@ def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
     if stopped:
         parts.append(
             f"Interrupted the other ranks ({describe_ranks(cluster.ranks, stopped)}); "
-            f"{'it keeps its' if len(stopped) == 1 else 'they keep their'} variables."
+            f"{agree(stopped, 'it keeps its', 'they keep their')} variables."
         )
     if stuck:
         parts.append(
@@ -485,7 +485,7 @@ def restart(cluster: Session, all_ranks: bool = False, timeout: float | None = N
     why = f" ({'; '.join(reasons)})" if reasons else ""
     kept = [r for r in world if r not in replace]
     kept_note = (
-        f" {describe_ranks(cluster.ranks, kept)} kept {'its' if len(kept) == 1 else 'their'} variables, "
+        f" {describe_ranks(cluster.ranks, kept)} kept {agree(kept, 'its', 'their')} variables, "
         "but rebuild objects that hold "
         "the old process group (e.g. DDP models)."
         if kept

@@ -120,6 +120,11 @@ def rank_table(ranks: Sequence[RankInfo], interfaces: bool = False) -> str:
     return format_table(rows)
 
 
+def agree(which: Sequence[int], one: str, many: str) -> str:
+    """The word that agrees with `which` after describe_ranks: agree(dead, "was", "were")."""
+    return one if len(which) == 1 else many
+
+
 def describe_ranks(ranks: Sequence[RankInfo], which: Sequence[int]) -> str:
     """`which` for a message, grouped by host: "ranks 0-2 on node1; rank 3 on node2"."""
     hosts: dict[str, list[int]] = {}
