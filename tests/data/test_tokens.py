@@ -247,7 +247,12 @@ WORKER = textwrap.dedent(
         res = {"error": str(e), "tokenized": sum(calls)}
     dist.barrier()  # rank 0 holds the group's store: no rank may leave while another still uses it
     dist.destroy_process_group()
-    json.dump(res, open(f"{out}.{os.environ['RANK']}", "w"))
+    with open(f"{out}.{os.environ['RANK']}", "w") as f:
+        json.dump(res, f)
+    # leave without the interpreter's teardown: there torch's C++ threads once aborted rank 0
+    # ("terminate called without an active exception", exit -6) after all of the above had run
+    sys.stdout.flush()
+    os._exit(0)
     """
 )
 
