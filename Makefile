@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	sh scripts/install-torch.sh $(PY) "$(TORCH)" "$(TORCH_INDEX)"
 	$(PY) -m pip install -q -e ".[test]"
+	# tinker-cookbook's declared tml-renderers>=0.4.1 is not on the index: its imports come with [test]
+	$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1
 	sh scripts/cpu-deps.sh
 	touch $(STAMP)
 
