@@ -63,6 +63,11 @@ class ScalingReport:
 
         frame = pd.DataFrame(self.rows)
         frame["kind"] = ["predicted" if p else "measured" for p in frame["predicted"]]
+        # counts stay integers: a size predicted in ranks has no node count, and one missing value
+        # made pandas show the column as floats (1.0, 2.0, NaN); pandas' nullable Int64 shows 1 and <NA>
+        for count in ("nodes", "ranks"):
+            if count in frame:
+                frame[count] = frame[count].astype("Int64")
         keep = [c for c in (*(c for c, _ in COLUMNS), "assumptions") if c in frame]
         return frame[keep].reset_index(drop=True)
 

@@ -190,3 +190,22 @@ def test_report_table_plot_and_files(tmp_path):
     data = json.loads((out / "scaling.json").read_text())
     assert [r["predicted"] for r in data["rows"]] == [False, False, False, True]
     assert data["verdict"]["limit"] == v.limit and data["machine"].startswith("4 node(s)")
+
+
+def test_report_table_keeps_counts_as_integers_when_a_predicted_size_has_no_node_count():
+    # measured in ranks on one node, predicted at 8 ranks: the prediction knows no node count
+    rows = measured(sizes=(1, 2, 4))
+    for r in rows:
+        r["nodes"] = 1
+    m = fit(rows, "weak")
+    extra = predict(m, [8], 1, 1e9, 1e-4, "as measured at 4 ranks:", unit="ranks")
+    efficiencies(extra, unit="ranks", base=rows[0])
+    report = ScalingReport(
+        rows + extra, "weak", "ranks", "1 node, test CPU", verdict(rows, m), m, 0.9
+    )
+    t = report.table
+    assert str(t["nodes"].dtype) == "Int64" and str(t["ranks"].dtype) == "Int64"
+    assert list(t["ranks"]) == [1, 2, 4, 8]
+    assert list(t["nodes"][:3]) == [1, 1, 1] and t["nodes"].isna().tolist() == [False] * 3 + [True]
+    shown = t[["nodes", "ranks"]].to_string()
+    assert "1.0" not in shown and "NaN" not in shown and "<NA>" in shown
