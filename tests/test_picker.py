@@ -426,6 +426,37 @@ def test_picker_starts_probes_and_stops_a_local_cluster(home):
     assert cluster_processes(cid) == []
 
 
+def test_picker_shows_the_cluster_already_running_and_lines_up_its_checkbox(home):
+    assert nbtrain.current_cluster() is None, "a cluster from an earlier test is still running"
+    cluster = nbtrain.start(n=2, backend="gloo", timeout=90)
+    pids, cid = list(cluster._pids), cluster.cluster_id
+    try:
+        p = pk.ClusterPicker(remember=False, background=False)
+        # the form is the running cluster's, not last time's settings (Engines 1, Start enabled)
+        assert p.cluster is cluster
+        assert p.launcher.value == "local" and p.n.value == 2 and p.backend.value == "gloo"
+        assert p.start_button.disabled
+        assert not p.stop_button.disabled and not p.probe_button.disabled
+        assert p.status.value.startswith("running: 2 rank(s) on 1 host(s), backend gloo")
+        assert p.topology.value.count("<tr>") == 1 + 2  # the head and one row per rank
+        # the version-mismatch box sits under the fields: indented by their label width
+        label = p.allow_mismatch.style.description_width
+        assert p.allow_mismatch.indent and label == p.port.style.description_width == "150px"
+        p.stop_button.click()
+    finally:
+        if not cluster.stopped:
+            cluster.stop()
+    assert nbtrain.current_cluster() is None and p.status.value == "stopped"
+    assert not p.start_button.disabled and p.stop_button.disabled
+    assert wait_gone(pids) == []
+    deadline = time.monotonic() + 10
+    while cluster_processes(cid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster_processes(cid) == []
+    # with no cluster running, a new picker leaves Start enabled
+    assert not pk.ClusterPicker(remember=False).start_button.disabled
+
+
 def test_failed_start_shows_the_message_not_a_traceback(home):
     before = nbtrain.current_cluster()
     p = pk.ClusterPicker(remember=False)

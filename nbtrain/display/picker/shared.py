@@ -49,8 +49,12 @@ class NodeNetwork:
             description="Rendezvous port",
             style=style,
         )
+        # indented by the fields' label width, so the box lines up with the fields above it
         self.allow_mismatch = w.Checkbox(
-            value=s.allow_version_mismatch, description="Allow version mismatch", indent=False
+            value=s.allow_version_mismatch,
+            description="Allow version mismatch",
+            indent=True,
+            style=dict(style),
         )
         self.box = w.VBox([self.iface, self.iface_info, self.port, self.allow_mismatch])
 

@@ -230,10 +230,36 @@ class ClusterPicker:
         self.probe_button.on_click(self._on_probe)
         self.stop_button.on_click(self._on_stop)
         self._on_launcher()
+        self._show_running()
 
     # -- display -----------------------------------------------------------------------------------
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        self._show_running()
         return self.widget._repr_mimebundle_(**kwargs)
+
+    def _show_running(self) -> None:
+        """Show the cluster that `%%distributed` cells run on, when this picker did not start it:
+        its launcher, size and tables, Probe and Stop; Start waits until it is stopped (a start
+        would refuse to replace it)."""
+        from nbtrain.cluster.facade import current_cluster
+
+        cluster = current_cluster()
+        if cluster is None or cluster is self.cluster:
+            return
+        self.cluster = cluster
+        if cluster.launcher in self.pages:
+            self.launcher.value = cluster.launcher
+        if cluster.launcher == "local":
+            self.n.value = cluster.world_size
+        if cluster.backend in BACKENDS:
+            self.backend.value = cluster.backend
+        self.status.value = html.escape(
+            f"running: {cluster.world_size} rank(s) on {len(cluster.hosts)} host(s), backend "
+            f"{cluster.backend}, started before this picker; Stop it to start another here"
+        )
+        self.results.show_cluster(cluster)
+        self.start_button.disabled = True
+        self.probe_button.disabled = self.stop_button.disabled = False
 
     # -- settings ----------------------------------------------------------------------------------
     def settings(self) -> PickerSettings:
@@ -481,6 +507,7 @@ class ClusterPicker:
             self._show_error(error_text(e))
             return
         self.status.value = "stopped"
+        self.start_button.disabled = False
         self.results.clear_cluster()
         self.probe_button.disabled = True
         self.stop_button.disabled = True
