@@ -51,7 +51,8 @@ class TrainResult:
     merged_dir: str | None = None  #: the merged model folder (merge=True, rank 0)
     metrics: dict[str, Any] = field(default_factory=dict)  #: the last logged row
     global_step: int = 0
-    state: str = "done"  #: "done" or "stopped" (a stop request from the runs sidebar)
+    #: "done" or "stopped" (a stop request from the runs sidebar); "paused" between `nbtrain.Run` spans
+    state: str = "done"
     run_id: str | None = None
     #: how the run was set up: micro-batch, accumulation steps, global batch, loss and kernels used
     plan: dict[str, Any] = field(default_factory=dict)
@@ -104,44 +105,66 @@ class SFTRecipe(RunSetup):
     def train(self) -> None:
         """Train from the start (or resumed) step to the span's end, evaluating, logging and saving as
         asked; export the adapter; stop early, with a checkpoint, on a stop request or a preemption."""
+        self.hold()
+        try:
+            self.begin()
+            self.finish(stopped=not self.advance(self.total_steps))
+        finally:
+            self.cleanup()
+
+    # the loop in parts, so that `nbtrain.Run` (`nbtrain.recipes.steppable`) can run it a span at a time
+
+    def begin(self) -> None:
+        """Once, before the first step: the live display, the meter, train mode and the on_begin hooks."""
         import torch
 
-        d, span = self.d, self.span
+        d = self.d
         live.begin(
             total_steps=self.total_steps,
             name=self.name,
             kind=self.kind,
             loss_unit=loss_unit(self.kind),
         )
-        # SIGTERM/SIGUSR1 (a preemption) is only recorded: the step's collective tells every rank
-        self.preemption = Preemption().__enter__()
-        # so is SIGINT (an interrupt), so that no rank leaves a collective its peers are in
-        self.held = interrupts.Held().__enter__()
         self.state = "failed"
-        try:
-            self.step = self.start_step
-            self.last_saved = self.start_step if self.resumed else -1
-            if d.device.type == "cuda":
-                # the peak of this run's training, not of the set-up's probes or an earlier cell's work
-                torch.cuda.reset_peak_memory_stats(d.device)
-            # LoRA training FLOPs, a 4-bit base counted at its logical shape, not its packed storage
-            token_flops = flops_per_token(self.peft_model)
-            peak = peak_flops(d.device) if self.compute_dtype is not None else None
-            self.meter = Meter(d, self.spe, token_flops, peak, step_shift=span.shift)
-            self.model.train()
-            self.grad_norm = None
-            self.hooks.call("on_begin", self, step=self.step)
-            stopped = False
-            while self.step < self.total_steps:
-                if not self.train_step():
-                    stopped = True
-                    self._stop()
-                    break
-            self.export()
-            d.barrier()
-            self.state = "stopped" if stopped else "done"
-        finally:
-            self.cleanup()
+        self.step = self.start_step
+        self.last_saved = self.start_step if self.resumed else -1
+        if d.device.type == "cuda":
+            # the peak of this run's training, not of the set-up's probes or an earlier cell's work
+            torch.cuda.reset_peak_memory_stats(d.device)
+        # LoRA training FLOPs, a 4-bit base counted at its logical shape, not its packed storage
+        token_flops = flops_per_token(self.peft_model)
+        peak = peak_flops(d.device) if self.compute_dtype is not None else None
+        self.meter = Meter(d, self.spe, token_flops, peak, step_shift=self.span.shift)
+        self.model.train()
+        self.grad_norm = None
+        self.hooks.call("on_begin", self, step=self.step)
+
+    def hold(self) -> None:
+        """While steps run: SIGTERM/SIGUSR1 (a preemption) and SIGINT (an interrupt) are only recorded,
+        and the step's collective tells every rank, so that no rank leaves a collective its peers are in."""
+        self.preemption = Preemption().__enter__()
+        self.held = interrupts.Held().__enter__()
+
+    def release(self) -> None:
+        """Put back the signal handlers `hold` replaced (twice is harmless)."""
+        self.preemption.__exit__()
+        self.held.__exit__()
+
+    def advance(self, until: int) -> bool:
+        """Optimizer steps up to step `until` (at most the run's last); False where the run stopped
+        early instead (a stop request or a preemption: `_stop` wrote the checkpoint, or raised)."""
+        self.state = "failed"  # until the span ends well
+        while self.step < min(until, self.total_steps):
+            if not self.train_step():
+                self._stop()
+                return False
+        return True
+
+    def finish(self, stopped: bool = False) -> None:
+        """The run's end: the export, every rank together, and the state it ended in."""
+        self.export()
+        self.d.barrier()
+        self.state = "stopped" if stopped else "done"
 
     def train_step(self) -> bool:
         """One optimizer step, its eval, log row and checkpoint; False where the run stops before the
@@ -385,8 +408,7 @@ class SFTRecipe(RunSetup):
 
     def cleanup(self) -> None:
         """Put back the signal handlers, close the live display, and record how the run ended."""
-        self.preemption.__exit__()
-        self.held.__exit__()
+        self.release()
         live.end(self.state)
         if self.runlog is not None:
             # a preempted run's record says where to resume from

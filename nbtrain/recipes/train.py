@@ -18,7 +18,7 @@ from nbtrain.configs.sft import SFTConfig
 from nbtrain.recipes.hooks import Hooks
 from nbtrain.recipes.sft import SFTRecipe, TrainResult
 
-__all__ = ["Hooks", "TrainResult", "finetune"]
+__all__ = ["Hooks", "TrainResult", "finetune", "recipe_for"]
 
 
 def finetune(
@@ -41,15 +41,23 @@ def finetune(
     An `nbtrain.DPOConfig` runs DPO on preference pairs instead (`nbtrain.recipes.dpo.DPORecipe`), an
     `nbtrain.GRPOConfig` GRPO on prompts and reward functions (`nbtrain.recipes.grpo.recipe.GRPORecipe`).
     """
+    return recipe_for(cfg, merge=merge, group=group, hooks=hooks).run()
+
+
+def recipe_for(
+    cfg: SFTConfig, merge: bool = False, group: Any = None, hooks: Hooks | None = None
+) -> SFTRecipe:
+    """The recipe `cfg`'s type names (SFT, DPO or GRPO), not yet set up: the one place that picks it,
+    for `finetune` and `nbtrain.Run`."""
     from nbtrain.configs.dpo import DPOConfig
     from nbtrain.configs.grpo import GRPOConfig
 
     if isinstance(cfg, GRPOConfig):
         from nbtrain.recipes.grpo.recipe import GRPORecipe
 
-        return GRPORecipe(cfg, merge=merge, group=group, hooks=hooks).run()
+        return GRPORecipe(cfg, merge=merge, group=group, hooks=hooks)
     if isinstance(cfg, DPOConfig):
         from nbtrain.recipes.dpo import DPORecipe
 
-        return DPORecipe(cfg, merge=merge, group=group, hooks=hooks).run()
-    return SFTRecipe(cfg, merge=merge, group=group, hooks=hooks).run()
+        return DPORecipe(cfg, merge=merge, group=group, hooks=hooks)
+    return SFTRecipe(cfg, merge=merge, group=group, hooks=hooks)
