@@ -25,6 +25,7 @@ __all__ = [
     "GRPOConfig",
     "Hooks",
     "Preempted",
+    "Run",
     "SFTConfig",
     "TrainResult",
     "__version__",
@@ -54,6 +55,7 @@ _LAZY = {
     "GRPOConfig": "nbtrain.configs.grpo",
     "Hooks": "nbtrain.recipes.hooks",
     "Preempted": "nbtrain.recipes.preempt",
+    "Run": "nbtrain.recipes.steppable",
     "attach": "nbtrain.cluster.api",
     "check": "nbtrain.cluster.check",
     # the module itself, which is callable: nbtrain.compare([...]) draws, nbtrain.compare.load_run reads
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
     from nbtrain.errors import ConfigError, DistributedCellError
     from nbtrain.generation.generate import generate
     from nbtrain.recipes.preempt import Preempted
+    from nbtrain.recipes.steppable import Run
     from nbtrain.recipes.train import TrainResult, finetune
 
 
