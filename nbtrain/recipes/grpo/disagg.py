@@ -4,6 +4,11 @@ rank's set-up and loop, and the adapter sent after each actor step (`nbtrain.rec
 
 The rollout group samples and scores step s + 1 with the adapter of step s while the actor group trains
 step s, then loads the adapter of step s + 1: a step's completions are one optimizer step old at most.
+
+With `engine="vllm"` the ranks that sample (every rank collocated, the rollout group disaggregated)
+start their vLLM engine at the end of set-up (`rollout.rollout_engine`); the adapter reaches it from
+the rank's own model before each step's sampling (`rollout.generate_part`), which disaggregated is the
+adapter the actor broadcast after its step. The actor group starts none.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Disaggregated(SFTRecipe):
     scale: str
     loss_settings: grpo_loss.LossSettings
     _part: Callable[..., grpo_rollout.Part]
+    decoding: Any
 
     def _setup_rollout(self) -> None:
         """A rollout rank's set-up: the checks, the prompt rows and the model with its adapter; no
@@ -52,11 +58,47 @@ class Disaggregated(SFTRecipe):
             self.rows = self.prepare_rows(checked["source"])
             self._load_model(None, [])
             self.trainable = [p for p in self.peft_model.parameters() if p.requires_grad]
+            self._start_engine()
         except BaseException as e:
             err = e
         self._handshake(err)
         if err is not None:
             raise err
+
+    def _check(self) -> dict[str, Any]:
+        # GRPORecipe's checks call this, on every rank under d.agree, before any model loads: the
+        # ranks that will sample through vLLM check it is installed in versions that work together
+        if getattr(self.cfg, "engine", "hf") == "vllm" and self.role != "actor":
+            from nbtrain.engine.rank import get_rank
+            from nbtrain.generation import engines
+
+            engines.check_vllm(get_rank(), self.d.host)
+        checked: dict[str, Any] = super()._check()
+        return checked
+
+    def setup(self) -> None:
+        # GRPORecipe's set-up of a collocated or actor rank runs this (a rollout rank's runs
+        # _setup_rollout instead); collocated, every rank samples, so every rank starts its engine
+        super().setup()
+        if self.role == "collocated":
+            self.d.agree(self._start_engine)
+
+    def _start_engine(self) -> None:
+        """With engine='vllm', this rank's vLLM engine (kept from an earlier run where it fits), carried
+        by the decoding every step's sampling reads."""
+        if getattr(self.cfg, "engine", "hf") != "vllm":
+            return
+        from dataclasses import asdict
+
+        d = self.d
+        t0 = time.perf_counter()
+        engine = grpo_rollout.rollout_engine(self.model_name, self.tokenizer, self.peft_model, d)
+        self.decoding = grpo_rollout.RolloutDecoding(**asdict(self.decoding), engine=engine)
+        if d.is_zero:
+            print(
+                f"nbtrain: vLLM rollout engine ready in {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
 
     def _handshake(self, err: BaseException | None) -> None:
         """Both groups say whether their set-up worked (all raise if one failed); the actor's plan

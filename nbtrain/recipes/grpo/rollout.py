@@ -6,6 +6,12 @@ A step's completions are numbered in prompt order (prompt p's g-th is p * num_ge
 the k-th of R ranks generates and trains completions [k N / R, (k + 1) N / R), TRL's process slice, and
 a completion's draws depend on its number and the step, not on the rank that drew it.
 
+The completions come from transformers' `generate` on the live model (`engine="hf"`, the reference), or
+from a vLLM engine beside the rank (`engine="vllm"`, `nbtrain.generation.engines`): started once per
+process and kept for the runs after it on the same base and LoRA shape (starting one takes 70-90 s on
+a CPU), given the model's current adapter in memory before each step's sampling (so after each
+optimizer step), and on a GPU woken for the sampling and put to sleep for the training after it.
+
 A reward function that raises is named with the data row it failed on and the rank it ran on
 (`RewardFunctionError`); every rank of the run raises with it, so none waits for the others.
 """
@@ -149,6 +155,79 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return found
 
 
+@dataclass
+class RolloutDecoding(decode.Decoding):
+    """GRPO's decoding with the engine that samples: None, transformers' `generate` on the live model;
+    else a `nbtrain.generation.engines` engine (vLLM), given the model's adapter before it samples."""
+
+    engine: Any = None
+
+
+#: this process's vLLM engine for rollouts, and what it was started for: (key, engine)
+_ENGINE: dict[str, Any] = {}
+
+
+def lora_spec(peft_model: Any) -> Any:
+    """The LoRA shape vLLM must be started for (rank, alpha, target modules), read off the peft model."""
+    from nbtrain.generation import engines
+
+    pc = peft_model.peft_config["default"]
+    targets = pc.target_modules
+    names = sorted(targets) if isinstance(targets, set | list | tuple) else [str(targets)]
+    return engines.LoraSpec(r=int(pc.r), alpha=float(pc.lora_alpha), target_modules=names)
+
+
+def rollout_engine(model_path: str, tokenizer: Any, peft_model: Any, d: Any) -> Any:
+    """This rank's vLLM engine for GRPO's rollouts, on `model_path`'s base with room for the peft
+    model's LoRA: the one this process started for an earlier run where the base and the LoRA shape
+    are the same (a start costs 70-90 s on a CPU), else a new one (the old one ended first: one vLLM
+    a rank, which on a GPU shares its memory with training)."""
+    from nbtrain.generation import engines
+
+    spec = lora_spec(peft_model)
+    key = repr((str(model_path), spec, str(d.device)))
+    if _ENGINE.get("key") == key:
+        return _ENGINE["engine"]
+    close_engine()
+    eng = engines.make(
+        "vllm",
+        model_path=str(model_path),
+        tokenizer=tokenizer,
+        device=d.device,
+        lora=spec,
+        rank=d.rank,
+        host=d.host,
+        options=engines.VLLMOptions(),
+    )
+    _ENGINE.update(key=key, engine=eng)
+    return eng
+
+
+def close_engine() -> None:
+    """End this process's rollout engine, if it started one (its vLLM process ends with it)."""
+    eng = _ENGINE.pop("engine", None)
+    _ENGINE.pop("key", None)
+    if eng is not None:
+        eng.close()
+
+
+def _engine_rows(
+    engine: Any, model: Any, todo: list[decode.Prompt], decoding: decode.Decoding
+) -> dict[int, list[int]]:
+    """The prompts' completions from `engine`, all at once (it batches by itself), with the model's
+    adapter as it is now; on a GPU the engine is awake for this alone."""
+    from dataclasses import fields
+
+    plain = decode.Decoding(**{f.name: getattr(decoding, f.name) for f in fields(decode.Decoding)})
+    engine.wake()
+    try:
+        engine.set_adapter(model)
+        out = engine.generate(todo, plain)
+    finally:
+        engine.sleep()  # the GPU's memory back to training (nothing on a CPU)
+    return {c.index: list(c.ids) for c in out}
+
+
 def generate_part(
     model: Any,
     tokenizer: Any,
@@ -161,25 +240,30 @@ def generate_part(
     autocast: Any,
 ) -> Part:
     """Completions `span` of the step (prompt `step_prompts[c // group]` for completion c), sampled in
-    batches of `decoding.batch_size` from `model` in eval mode (train mode put back after)."""
+    batches of `decoding.batch_size` from `model` in eval mode (train mode put back after), or, where
+    `decoding` carries an engine (`RolloutDecoding`), all at once by that engine with `model`'s adapter."""
     start, end = span
     todo = [
         decode.Prompt(c, rows.prompts[step_prompts[c // group]], rows.ids[step_prompts[c // group]])
         for c in range(start, end)
     ]
     t0 = time.perf_counter()
-    was_training = model.training
-    model.eval()
+    engine = getattr(decoding, "engine", None)
     got: dict[int, list[int]] = {}
-    try:
-        size = decoding.batch_size
-        for b in range(0, len(todo), size):
-            out = decode.generate_batch(
-                model, tokenizer, todo[b : b + size], decoding, device, False, autocast
-            )
-            got.update({r["index"]: list(r["ids"]) for r in out})
-    finally:
-        model.train(was_training)
+    if engine is not None:
+        got = _engine_rows(engine, model, todo, decoding)
+    else:
+        was_training = model.training
+        model.eval()
+        try:
+            size = decoding.batch_size
+            for b in range(0, len(todo), size):
+                out = decode.generate_batch(
+                    model, tokenizer, todo[b : b + size], decoding, device, False, autocast
+                )
+                got.update({r["index"]: list(r["ids"]) for r in out})
+        finally:
+            model.train(was_training)
     eos = eos_ids(model, tokenizer) | {tokenizer.pad_token_id}
     completion_ids = [got[p.index] for p in todo]
     return Part(
