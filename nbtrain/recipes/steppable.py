@@ -61,14 +61,14 @@ class Run:
     ) -> None:
         from nbtrain.recipes.train import recipe_for
 
-        recipe = recipe_for(cfg, merge=merge, group=group, hooks=hooks)
-        if getattr(recipe, "role", "collocated") != "collocated":
+        if getattr(cfg, "actor", None) is not None:
             msg = (
                 "nbtrain.Run trains GRPO collocated only: a disaggregated GRPOConfig (actor=, rollout=) "
                 "keeps its rollout ranks in a loop of their own; drop actor= and rollout=, or use "
                 "nbtrain.finetune(cfg)"
             )
             raise ConfigError(msg)
+        recipe = recipe_for(cfg, merge=merge, group=group, hooks=hooks)
         self.recipe: SFTRecipe = recipe
         # an interrupt during set-up (whose ranks meet in collectives) waits for its end, as finetune's
         with interrupts.Held():
