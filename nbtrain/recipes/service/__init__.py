@@ -1,0 +1,44 @@
+"""The engine side of nbtrain's Tinker-compatible service: the verbs the kernel's HTTP server runs on
+every rank with the same arguments (or in one process, with no process group).
+
+In [1]: from nbtrain.recipes import service
+In [2]: service.create_model("m1", "/models/tiny", {"rank": 8})
+In [3]: service.forward_backward("m1", datums, "cross_entropy", None, False)["metrics"]["loss:sum"]
+In [4]: service.optim_step("m1", {"learning_rate": 1e-4})
+
+State lives in this process (`registry`): each base model loaded once, a LoRA adapter and an AdamW per
+training model, sampler snapshots. Plain data crosses (dicts, lists, numbers, numpy arrays), so a call
+pickles cheaply through ipyparallel. A model id this process does not hold raises `UnknownModelError`
+(the server's 404); a bad request raises `nbtrain.errors.ConfigError` (its 400).
+"""
+
+from __future__ import annotations
+
+from nbtrain.recipes.service.lifecycle import create_model, status, unload
+from nbtrain.recipes.service.registry import UnknownModelError
+from nbtrain.recipes.service.sample import sample
+from nbtrain.recipes.service.state import (
+    checkpoint_all,
+    load_state,
+    save_sampler,
+    save_state,
+    snapshot,
+    weights,
+)
+from nbtrain.recipes.service.train import forward_backward, optim_step
+
+__all__ = [
+    "UnknownModelError",
+    "checkpoint_all",
+    "create_model",
+    "forward_backward",
+    "load_state",
+    "optim_step",
+    "sample",
+    "save_sampler",
+    "save_state",
+    "snapshot",
+    "status",
+    "unload",
+    "weights",
+]
