@@ -10,16 +10,25 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import time
 from typing import Any
 
-# metrics drawn as curves: (key, axis title)
-PLOTS = (("loss", "loss"), ("tokens_per_s", "tokens/s"))
-# a third curve where the rows have it: DPO's reward margin (nbtrain.recipes.dpo)
-REWARD_PLOT = ("rewards/margins", "reward margin")
-# or GRPO's mean reward (nbtrain.recipes.grpo.recipe)
-GRPO_PLOT = ("reward", "reward")
+from nbtrain.plots import (
+    Chart,
+    format_cell,
+    format_duration,
+    format_value,
+    numeric_keys,
+    overview,
+    series_colour,
+    unit,
+)
+
+# the charts of the live display: the Lab's overview of the run's kind (`nbtrain.plots.overview`:
+# SFT's loss, DPO's loss, reward margin and accuracy, GRPO's rewards, completion length, KL and
+# loss), then throughput; at most this many, two to a row
+LIVE_CHARTS = 6
+THROUGHPUT = Chart("tokens_per_s", ("tokens_per_s",))
 TABLE_KEYS = (
     "step",
     "epoch",
@@ -39,51 +48,25 @@ SAMPLE_CHARS = 240
 SAMPLE_PROMPTS_SHOWN = 16
 
 
-# each curve's y axis title, with its unit, as the Lab run panel writes them; a run's `begin` may
-# title its loss otherwise (DPO's and GRPO's losses are not nats/token: `nbtrain.runs.loss_unit`)
-Y_TITLES = {"loss": "nats/token", "tokens_per_s": "tokens/s"}
 # what the final output says of a run that ended so (the run's state, as its record and the Lab say
 # it); "finished" for a run of `log` rows that no recipe ended with a state
 ENDED = {"done": "finished", "stopped": "stopped", "preempted": "preempted", "failed": "failed"}
+# a completion with nothing but blanks, as the Lab writes it
+EMPTY = "(empty)"
 
 
-def _fmt(value: Any) -> str:
-    """A metric in the final table: in full (six significant digits), so a learning rate of 1.5e-05
-    reads 1.5e-05, not 0.0000."""
+def _fmt(key: str, value: Any) -> str:
+    """A metric in the final table, as the Lab writes it (`nbtrain.plots.format_cell`): 4.85, 3.22k,
+    1.5e-5; a step as an integer and the wall-clock time as a date, never 1.79575e+09."""
     if value is None:
         return "–"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
+    return format_cell(key, value)
 
 
-def _tick(value: float, _pos: Any = None) -> str:
-    """An axis label as the Lab panel writes it: three significant digits, k and M from a thousand."""
-    if value == 0:
-        return "0"
-    for div, suffix in ((1e6, "M"), (1e3, "k")):
-        if abs(value) >= div:
-            return f"{value / div:.3g}{suffix}"
-    if abs(value) < 1e-2:
-        return f"{value:.2g}"
-    return f"{value:.3g}"
-
-
-def _fmt_rate(value: float | None) -> str:
-    if value is None:
-        return "–"
-    if value >= 1000:
-        return f"{value / 1000:.1f}k"
-    return f"{value:.0f}"
-
-
-def _fmt_eta(seconds: float | None) -> str:
-    if seconds is None or seconds != seconds:
-        return "–"
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+def completion_text(text: str) -> str:
+    """A sampled completion as shown: without the U+FFFD replacement characters its decoding left
+    where the sample was cut inside a multi-byte character."""
+    return text.rstrip("\ufffd")
 
 
 class LiveDisplay:
@@ -96,8 +79,9 @@ class LiveDisplay:
         self.samples: dict[int, list[dict[str, Any]]] = {}
         self.total: int | None = None
         self.name: str | None = None
-        #: the loss axis' title (the run's `loss_unit`) and how the run ended (its state)
-        self.loss_unit: str | None = None
+        #: what the run trains (sft, dpo, grpo; None for rows of your own `nbtrain.log`), and how
+        #: it ended (its state)
+        self.run_kind: str | None = None
         self.ended: str | None = None
         self.t0 = time.monotonic()
         self.closed = False
@@ -113,7 +97,7 @@ class LiveDisplay:
         if kind == "begin":
             self.total = payload.get("total_steps")
             self.name = payload.get("name")
-            self.loss_unit = payload.get("loss_unit")
+            self.run_kind = payload.get("run_kind")
             self.ended = None
             self.t0 = time.monotonic()
             self.rows = []
@@ -156,72 +140,39 @@ class LiveDisplay:
         parts = []
         if step is not None:
             parts.append(f"step {step}/{self.total}" if self.total else f"step {step}")
-        if last.get("loss") is not None:
-            parts.append(f"loss {last['loss']:.4f}")
-        if last.get("reward") is not None:  # GRPO's mean reward
-            parts.append(f"reward {last['reward']:.3f}")
-        if last.get("eval_loss") is not None:
-            parts.append(f"eval {last['eval_loss']:.4f}")
+        for key, label in (("loss", "loss"), ("reward", "reward"), ("eval_loss", "eval")):
+            if last.get(key) is not None:  # GRPO's mean reward: not only a loss near 0
+                parts.append(f"{label} {format_value(last[key])}")
         if last.get("tokens_per_s") is not None:
-            parts.append(f"{_fmt_rate(last['tokens_per_s'])} tok/s")
+            parts.append(f"{format_value(last['tokens_per_s'])} tok/s")
         if not self.closed:
-            parts.append(f"ETA {_fmt_eta(eta)}")
+            parts.append(f"ETA {format_duration(eta)}")
         return step, eta, " · ".join(parts)
 
     def _png(self) -> bytes | None:
         if not self.rows:
             return None
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter, MaxNLocator
+        from nbtrain.plots import legend, new_figure, png_bytes, style_axes
 
         plots = self._plots()
         if self._fig is None or len(self._axes) != len(plots):
-            # 100 dpi and 9-11 pt text: the panel's sizes, readable where the notebook shows it
-            self._fig = Figure(figsize=(4.4 * len(plots), 3.0), dpi=100)
-            FigureCanvasAgg(self._fig)
-            self._axes = self._fig.subplots(1, len(plots))
-        fig, axes = self._fig, self._axes
-        for ax, (key, title) in zip(axes, plots):
+            # two charts to a row, never wider than the output area (three in a row were 1320 px,
+            # shown scaled down to 7 px text), on a transparent background for either theme
+            self._fig, self._axes = new_figure(len(plots))
+        for ax, chart in zip(self._axes, plots, strict=True):
             ax.clear()
-            pts = [
-                (r["step"], r[key])
-                for r in self.rows
-                if r.get(key) is not None and r.get("step") is not None
-            ]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=title, color="#1f77b4")
-            if key == "loss":
-                ev = [
-                    (r["step"], r["eval_loss"])
-                    for r in self.rows
-                    if r.get("eval_loss") is not None and r.get("step") is not None
-                ]
-                if ev:
-                    ax.plot(
-                        [p[0] for p in ev],
-                        [p[1] for p in ev],
-                        "o-",
-                        label="eval loss",
-                        color="#ff7f0e",
-                    )
-                if pts or ev:
-                    ax.legend(loc="upper right", fontsize=9, frameon=False)
-            ax.set_title(title, fontsize=11, loc="left")
-            ax.set_xlabel("step", fontsize=10)
-            ax.set_ylabel(self._y_title(key, title), fontsize=10)
-            ax.tick_params(labelsize=9, colors="#555555")
-            ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
-            ax.yaxis.set_major_locator(MaxNLocator(nbins=5))
-            ax.yaxis.set_major_formatter(FuncFormatter(_tick))
-            ax.xaxis.set_major_formatter(FuncFormatter(_tick))
-            for side in ("top", "right"):
-                ax.spines[side].set_visible(False)
-            ax.grid(alpha=0.25)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
+            ax.patch.set_alpha(0.0)
+            for i, key in enumerate(chart.keys):
+                pts = _points(self.rows, key)
+                if pts:
+                    # eval loss is sparse: its points marked
+                    style = "o-" if key.startswith("eval_") else "-"
+                    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                    ax.plot(xs, ys, style, color=series_colour(i), label=key, lw=1.5, ms=3)
+            style_axes(ax, title=chart.title, ylabel=self._y_title(chart.keys[0]), xlabel="step")
+            if len(chart.keys) > 1 and ax.get_lines():
+                legend(ax, loc="upper right")
+        return png_bytes(self._fig)
 
     def _svg(self) -> str:
         """The live curves as inline SVG: a few KB of text that the browser draws.
@@ -229,28 +180,37 @@ class LiveDisplay:
         Drawing with matplotlib once a second cost the training ranks ~15% of their throughput on a
         2-core machine (the kernel competes with them for CPU); this costs well under a millisecond.
         """
-        panels = []
         plots = self._plots()
-        for i, (key, title) in enumerate(plots):
-            series = [(key, "#1f77b4")]
-            if key == "loss":
-                series.append(("eval_loss", "#ff7f0e"))
-            panels.append(_svg_panel(self.rows, series, title, x0=i * 330))
-        return f"<svg xmlns='http://www.w3.org/2000/svg' width='{330 * len(plots)}' height='190' font-family='sans-serif' font-size='10'>{''.join(panels)}</svg>"
+        panels = [
+            _svg_panel(
+                self.rows,
+                [(k, series_colour(j)) for j, k in enumerate(chart.keys)],
+                chart.title,
+                x0=(i % 2) * SVG_W,
+                y0=(i // 2) * SVG_H,
+            )
+            for i, chart in enumerate(plots)
+        ]
+        width = SVG_W * min(2, len(plots))
+        height = SVG_H * ((len(plots) + 1) // 2)
+        return f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' font-family='sans-serif' font-size='11' fill='{_INK}'>{''.join(panels)}</svg>"
 
-    def _y_title(self, key: str, title: str) -> str:
-        if key == "loss" and self.loss_unit:
-            return self.loss_unit
-        return Y_TITLES.get(key, title)
+    def _y_title(self, key: str) -> str:
+        """The axis title of `key`: its unit where it has one (an SFT loss's nats/token; a DPO or
+        GRPO loss has none), as the Lab titles it."""
+        return unit(key, self.run_kind)
 
-    def _plots(self) -> tuple[tuple[str, str], ...]:
-        """The curves to draw: PLOTS, and the reward margin (a DPO run) or the mean reward (GRPO)
-        once a row has it."""
-        if any(REWARD_PLOT[0] in r for r in self.rows):
-            return (*PLOTS, REWARD_PLOT)
-        if any(GRPO_PLOT[0] in r for r in self.rows):
-            return (*PLOTS, GRPO_PLOT)
-        return PLOTS
+    def _plots(self) -> list[Chart]:
+        """The charts to draw: the overview of the run's kind as the Lab draws it (its loss first),
+        then throughput, as the rows have them."""
+        keys = numeric_keys(self.rows)
+        kind = self.run_kind
+        if kind is None:  # rows of your own nbtrain.log: told by what they hold
+            kind = "dpo" if "rewards/margins" in keys else "grpo" if "reward" in keys else "sft"
+        charts = overview(kind, keys)
+        if "tokens_per_s" in keys:
+            charts.append(THROUGHPUT)
+        return charts[:LIVE_CHARTS]
 
     def _table_html(self) -> str:
         if not self.rows:
@@ -258,7 +218,7 @@ class LiveDisplay:
         last = self.rows[-1]
         keys = [k for k in TABLE_KEYS if k in last] + [k for k in last if k not in TABLE_KEYS]
         cells = "".join(
-            f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(_fmt(last[k]))}</td></tr>"
+            f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(_fmt(k, last[k]))}</td></tr>"
             for k in keys
         )
         return f"<table>{cells}</table>"
@@ -267,7 +227,7 @@ class LiveDisplay:
         if not self.rows:
             return ""
         last = self.rows[-1]
-        return "\n".join(f"{k:>14}  {_fmt(v)}" for k, v in last.items())
+        return "\n".join(f"{k:>14}  {_fmt(k, v)}" for k, v in last.items())
 
     def _samples_html(self) -> str:
         """Each prompt's completion by step, the newest step first (the newest SAMPLE_STEPS_SHOWN)."""
@@ -280,11 +240,16 @@ class LiveDisplay:
                 prompts[r.get("index", 0)] = r
         has_ref = any(r.get("reference") is not None for r in prompts.values())
 
-        def cell(value: Any) -> str:
+        def cell(value: Any, completion: bool = False) -> str:
             text = "" if value is None else str(value)
+            style = "text-align:left;vertical-align:top;white-space:pre-wrap"
+            if completion and value is not None:
+                text = completion_text(text)
+                if not text.strip():  # the model wrote nothing: say so, as the Lab does
+                    return f"<td style='{style};opacity:.6;font-style:italic'>{EMPTY}</td>"
             cut = text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS] + "…"
             return (
-                f"<td style='text-align:left;vertical-align:top;white-space:pre-wrap' "
+                f"<td style='{style}' "
                 f"title='{html.escape(text, quote=True)}'>{html.escape(cut)}</td>"
             )
 
@@ -300,7 +265,7 @@ class LiveDisplay:
                 for s in steps
             }
             cells = cell(prompts[index].get("prompt")) + "".join(
-                cell(r.get("completion") if r else None) for r in by_step.values()
+                cell(r.get("completion") if r else None, completion=True) for r in by_step.values()
             )
             if has_ref:
                 cells += cell(prompts[index].get("reference"))
@@ -316,7 +281,9 @@ class LiveDisplay:
         step = max(self.samples)
         lines = [f"samples at step {step}:"]
         for r in self.samples[step]:
-            lines.append(f"  [{r.get('index')}] {r.get('prompt')!r} -> {r.get('completion')!r}")
+            text = completion_text(str(r.get("completion") or ""))
+            shown = repr(text) if text.strip() else EMPTY
+            lines.append(f"  [{r.get('index')}] {r.get('prompt')!r} -> {shown}")
         return "\n".join(lines)
 
     def bundle(self, final: bool = False) -> dict[str, Any]:
@@ -361,25 +328,35 @@ class LiveDisplay:
         self._dirty = False
 
 
+def _points(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+    """(step, value) of the rows that have a number for `key`; MFU as a percentage, as titled."""
+    scale = 100.0 if key == "mfu" else 1.0
+    return [
+        (r["step"], float(r[key]) * scale)
+        for r in rows
+        if isinstance(r.get(key), int | float)
+        and not isinstance(r.get(key), bool)
+        and r.get("step") is not None
+    ]
+
+
+# one live SVG chart's box; two to a row, 860 px wide in all, inside the output area
+SVG_W, SVG_H = 430, 200
+_INK = "#808080"
+
+
 def _svg_panel(
-    rows: list[dict[str, Any]], series: list[tuple[str, str]], title: str, x0: int
+    rows: list[dict[str, Any]], series: list[tuple[str, str]], title: str, x0: int, y0: int = 0
 ) -> str:
     """One chart: `series` (key, colour) against step, with min/max labels on both axes."""
-    w, h, left, top, bottom = 310, 150, 45, 18, 22
-    pts = {
-        key: [
-            (r["step"], r[key])
-            for r in rows
-            if r.get(key) is not None and r.get("step") is not None
-        ]
-        for key, _ in series
-    }
+    w, h, left, top, bottom = SVG_W - 20, SVG_H - 40, 50, 18, 22
+    pts = {key: _points(rows, key) for key, _ in series}
     every = [p for ps in pts.values() for p in ps]
     out = [
-        f"<g transform='translate({x0},0)'><text x='{left + w / 2}' y='12' text-anchor='middle'>{html.escape(title)}</text>"
+        f"<g transform='translate({x0},{y0})'><text x='{left}' y='12'>{html.escape(title)}</text>"
     ]
     out.append(
-        f"<rect x='{left}' y='{top}' width='{w - left}' height='{h - bottom}' fill='none' stroke='#ccc'/>"
+        f"<rect x='{left}' y='{top}' width='{w - left}' height='{h - bottom}' fill='none' stroke='{_INK}' stroke-opacity='0.4'/>"
     )
     if every:
         xs = [p[0] for p in every]
@@ -401,11 +378,13 @@ def _svg_panel(
                 out.append(
                     f"<polyline points='{path}' fill='none' stroke='{colour}' stroke-width='1.5'/>"
                 )
-        out.append(f"<text x='{left - 3}' y='{top + 8}' text-anchor='end'>{_tick(ymax)}</text>")
         out.append(
-            f"<text x='{left - 3}' y='{top + h - bottom}' text-anchor='end'>{_tick(ymin)}</text>"
+            f"<text x='{left - 3}' y='{top + 8}' text-anchor='end'>{format_value(ymax)}</text>"
         )
-        out.append(f"<text x='{left}' y='{h + 10}'>{xmin}</text>")
-        out.append(f"<text x='{w}' y='{h + 10}' text-anchor='end'>step {xmax}</text>")
+        out.append(
+            f"<text x='{left - 3}' y='{top + h - bottom}' text-anchor='end'>{format_value(ymin)}</text>"
+        )
+        out.append(f"<text x='{left}' y='{h + 12}'>{xmin}</text>")
+        out.append(f"<text x='{w}' y='{h + 12}' text-anchor='end'>step {xmax}</text>")
     out.append("</g>")
     return "".join(out)

@@ -23,16 +23,23 @@ from typing import Any
 #: how a run ends: "stopped" on a stop request, "preempted" by SIGTERM/SIGUSR1 (with a checkpoint)
 STATES = ("running", "done", "failed", "stopped", "preempted")
 
-#: what a training run's record says it trained ("finetune" in records written before kinds)
-RUN_KINDS = ("sft", "dpo", "grpo")
-#: the unit of each kind's `loss`, as the run panel, compare and the notebook plot title its axis:
-#: SFT's is the mean token cross-entropy, DPO's the mean over pairs, GRPO's a policy loss per token
-LOSS_UNITS = {"sft": "nats/token", "dpo": "DPO loss/pair", "grpo": "GRPO loss/token"}
+#: what a training run's record says it trained ("finetune" in records written before kinds);
+#: "tinker" is a model trained through the Tinker service (`nbtrain.serve_tinker`)
+RUN_KINDS = ("sft", "dpo", "grpo", "tinker")
+#: what a scaling report's record says it is (`record_scaling`)
+SCALING_KIND = "scaling"
+#: the unit of a kind's `loss` where it has a true one, as the run panel, compare and the notebook
+#: plot title its axis: SFT's is the mean token cross-entropy; DPO's (a mean over pairs of a
+#: log-sigmoid) and GRPO's (a policy objective) have none, and their axes say "loss"
+LOSS_UNITS = {"sft": "nats/token"}
 
 
 def loss_unit(kind: str | None) -> str:
-    """The y axis title of a run's loss: "nats/token" for SFT (and records from before kinds)."""
-    return LOSS_UNITS.get(kind or "sft", LOSS_UNITS["sft"])
+    """The y axis title of a run's loss: "nats/token" for SFT (and records from before kinds),
+    "loss" for the kinds whose loss has no unit."""
+    if kind in (None, "finetune"):
+        kind = "sft"
+    return LOSS_UNITS.get(kind, "loss")
 
 
 # the files of a run folder (a finetune's output_dir) that more than one side reads
@@ -110,6 +117,9 @@ def register_run(
     """Record a run as running and return its id; clears any stale stop request.
 
     `kind` is what it trains: one of `RUN_KINDS` (its loss's unit is `loss_unit(kind)`)."""
+    if kind not in RUN_KINDS:
+        msg = f"run kind {kind!r}: a training run is one of {', '.join(RUN_KINDS)}"
+        raise ValueError(msg)
     out = Path(output_dir).expanduser().resolve()
     record = _new_record(
         out,
@@ -189,7 +199,7 @@ def record_scaling(
     if scaling_id == linked and get_run(linked) is not None:
         # the report was saved into the run's own folder: that run's record already links it
         return scaling_id
-    record = _new_record(Path(folder), name=name, kind="scaling")
+    record = _new_record(Path(folder), name=name, kind=SCALING_KIND)
     # written finished in one go: the sidebar never sees a scaling report "running"
     measured = str(Path(run_dir).expanduser().resolve()) if run_dir is not None else None
     record.update(state="done", ended=record["started"], scaling=folder, measured=measured)
@@ -198,7 +208,8 @@ def record_scaling(
 
 
 def forget_run(run_id: str) -> None:
-    """Remove a run's record (a scratch run whose folder is gone, such as a scaling size's)."""
+    """Remove a run's record and any stop request (a scratch run whose folder is gone, such as a
+    scaling size's, or a record the Lab's sidebar deletes); the run folder itself stays."""
     if not run_id.isalnum():
         return
     for name in (f"{run_id}.json", f"{run_id}.stop"):
