@@ -1,0 +1,120 @@
+"""Where the verbs run: on every rank of a cluster (`ClusterBackend`), or in this kernel
+(`InProcessBackend`). Both call the engine-side functions of `nbtrain.recipes.service` with plain
+data (dicts, lists, numpy arrays) and return rank 0's answer."""
+
+from __future__ import annotations
+
+import socket
+from typing import TYPE_CHECKING, Any
+
+from nbtrain.errors import ConfigError, DistributedCellError, RankDiedError
+
+if TYPE_CHECKING:
+    from nbtrain.cluster.session import Session
+
+#: the engine-side verbs a backend passes on (nbtrain/recipes/service, /tmp contract of issue 36)
+VERBS = (
+    "create_model",
+    "forward_backward",
+    "optim_step",
+    "save_state",
+    "load_state",
+    "snapshot",
+    "save_sampler",
+    "sample",
+    "unload",
+    "status",
+    "checkpoint_all",
+)
+
+
+def _service() -> Any:
+    from nbtrain.recipes import service
+
+    return service
+
+
+class Backend:
+    """The engine-side service's verbs, each a method of the same name and arguments."""
+
+    where = "here"
+
+    def call(self, verb: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def __getattr__(self, verb: str) -> Any:
+        if verb not in VERBS:
+            raise AttributeError(verb)
+        return lambda *args: self.call(verb, *args)
+
+    def classify(self, error: BaseException) -> tuple[str, str, bool]:
+        """(category, message, fatal): "user" for a refused setting, else "server"; `fatal` when
+        the service cannot go on (a dead rank) and every pending request must fail."""
+        if isinstance(error, ConfigError):
+            return "user", str(error), False
+        return (
+            "server",
+            f"{type(error).__name__}: {error} (in the kernel on {socket.gethostname()})",
+            False,
+        )
+
+    def dead(self) -> str | None:
+        """A message naming dead ranks, or None when every rank is alive."""
+        return None
+
+
+class InProcessBackend(Backend):
+    """The verbs in this process (world size 1, no process group): a laptop, or a test."""
+
+    where = "in this kernel"
+
+    def call(self, verb: str, *args: Any) -> Any:
+        return getattr(_service(), verb)(*args)
+
+
+class ClusterBackend(Backend):
+    """The verbs on every rank of `session` (a `Cluster`); rank 0's answer."""
+
+    def __init__(self, session: Session, timeout: float | None = None):
+        self.session = session
+        self.timeout = timeout
+
+    @property
+    def where(self) -> str:  # type: ignore[override]
+        return f"on {self.session.world_size} rank(s) of cluster {self.session.cluster_id}"
+
+    def call(self, verb: str, *args: Any) -> Any:
+        return self.session.run(getattr(_service(), verb), *args, timeout=self.timeout)[0]
+
+    def classify(self, error: BaseException) -> tuple[str, str, bool]:
+        if isinstance(error, RankDiedError):
+            return "server", str(error), True
+        if isinstance(error, DistributedCellError):
+            names = {f.get("ename") for f in error.failures}
+            if names == {"ConfigError"}:
+                # the engine refused a setting on every rank alike: the user's to fix
+                return "user", error.failures[0].get("evalue") or str(error), False
+            dead = self.dead()
+            if dead:
+                return "server", f"{error}\n{dead}", True
+            return "server", str(error), False
+        dead = self.dead()
+        return (
+            "server",
+            f"{type(error).__name__}: {error}" + (f"\n{dead}" if dead else ""),
+            bool(dead),
+        )
+
+    def dead(self) -> str | None:
+        try:
+            rows = self.session.status()
+        except Exception as e:  # noqa: BLE001 - a cluster we cannot even ask is as good as dead
+            return f"the cluster cannot be reached ({type(e).__name__}: {e}); %nbtrain restart brings it back."
+        gone = [r for r in rows if r.get("state") == "dead"]
+        if not gone:
+            return None
+        where = ", ".join(f"rank {r['rank']} on {r['host']}" for r in gone)
+        return (
+            f"{where} died; every pending request failed. %nbtrain restart (Cluster.restart()) "
+            "replaces the rank and reloads the service's models from their last saved state."
+        )

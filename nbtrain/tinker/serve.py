@@ -1,0 +1,205 @@
+"""`TinkerService`: the HTTP server in a thread of this kernel, over a backend on the cluster's
+ranks (or in this kernel), and `tinker_url()`, the URL of the one running now.
+
+In [1]: svc = nbtrain.current_cluster().serve_tinker()      # or %nbtrain serve tinker
+In [2]: import tinker; sc = tinker.ServiceClient(base_url=svc.url)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import secrets
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from nbtrain.errors import ConfigError
+from nbtrain.tinker.backend import Backend, ClusterBackend, InProcessBackend
+from nbtrain.tinker.verbs import Verbs
+
+_current: TinkerService | None = None
+#: the environment variables serve_tinker set in this kernel (and may set again)
+_ENV_SET: dict[str, str] = {}
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_key(host: str, api_key: str | None) -> None:
+    """Beyond the loopback a key is required; a key has the SDK's shape (it starts with tml-)."""
+    if api_key is not None and (
+        not isinstance(api_key, str) or not api_key.startswith("tml-") or len(api_key) < 12
+    ):
+        msg = (
+            f"api_key {api_key!r} does not have the tinker SDK's shape: it must start with 'tml-' "
+            "and be at least 12 characters, e.g. 'tml-' + secrets.token_hex(16)."
+        )
+        raise ConfigError(msg)
+    if api_key is None and not _loopback(host):
+        msg = (
+            f"serving on {host} exposes the cluster beyond this machine; give an api_key "
+            "(serve_tinker(host=..., api_key='tml-...'), or %nbtrain serve tinker --host H --api-key "
+            "tml-...), which every request must then send as X-API-Key (TINKER_API_KEY)."
+        )
+        raise ConfigError(msg)
+
+
+class TinkerService:
+    """A Tinker-compatible service: `.url`, `.api_key`, `.status()`, `.reload()`, `.stop()`."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        root: str | os.PathLike[str] | None = None,
+        cluster_id: str | None = None,
+        world: int = 1,
+    ):
+        import tornado.httpserver
+        import tornado.netutil
+        import tornado.web
+
+        from nbtrain.tinker import wire
+        from nbtrain.tinker.handlers import routes
+
+        check_key(host, api_key)
+        wire.pb()  # the SDK's messages: a clear ImportError now, not a 400 per request later
+        from nbtrain.runs import nbtrain_home
+
+        self.root = Path(root) if root is not None else nbtrain_home() / "tinker"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.host = host
+        #: enforced on every request when given (or when bound beyond the loopback)
+        self.checked = api_key is not None
+        self.api_key = api_key or f"tml-nbtrain-{secrets.token_hex(12)}"
+        self.backend = backend
+        self.verbs = Verbs(backend, self.root, cluster_id=cluster_id, world=world)
+        # no access log: a training loop makes thousands of requests, and refusals are the client's to show
+        app = tornado.web.Application(
+            routes(self.verbs, api_key), log_function=lambda handler: None
+        )
+        sockets = tornado.netutil.bind_sockets(port, address=host, family=socket.AF_UNSPEC)
+        self.port = sockets[0].getsockname()[1]
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def serve() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._server = tornado.httpserver.HTTPServer(
+                app, max_body_size=1 << 30, idle_connection_timeout=300
+            )
+            self._server.add_sockets(sockets)
+            started.set()
+            self._loop.run_forever()
+            self._loop.close()
+
+        self._thread = threading.Thread(
+            target=serve, name=f"nbtrain-tinker-{self.port}", daemon=True
+        )
+        self._thread.start()
+        started.wait(10)
+        self.stopped = False
+
+    @property
+    def url(self) -> str:
+        """The base_url to give tinker.ServiceClient (or TINKER_BASE_URL)."""
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        elif ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def __repr__(self) -> str:
+        state = "stopped" if self.stopped else "serving"
+        return f"<nbtrain TinkerService {state} at {self.url} {self.backend.where}, folder {self.root}>"
+
+    def status(self) -> list[dict[str, Any]]:
+        """Every live model on the ranks: model_id, base_model, lora_rank, steps, memory_bytes."""
+        return self.verbs.status()
+
+    def reload(self) -> list[str]:
+        """After `%nbtrain restart`: every model back from its last saved state; what was done."""
+        return self.verbs.reload()
+
+    def stop(self) -> None:
+        """Stop serving; pending requests fail, models are left on the ranks until unloaded."""
+        global _current
+        if self.stopped:
+            return
+        self.stopped = True
+        self.verbs.close()
+
+        def halt() -> None:
+            self._server.stop()
+            self._loop.stop()
+
+        self._loop.call_soon_threadsafe(halt)
+        self._thread.join(timeout=10)
+        if _current is self:
+            _current = None
+        for name, value in list(_ENV_SET.items()):
+            if os.environ.get(name) == value:
+                del os.environ[name]
+            del _ENV_SET[name]
+
+
+def _export(service: TinkerService) -> None:
+    # `tinker.ServiceClient()` in this kernel then finds the service with no arguments; a value the
+    # user set themselves is kept
+    for name, value in (("TINKER_BASE_URL", service.url), ("TINKER_API_KEY", service.api_key)):
+        if name not in os.environ or _ENV_SET.get(name) == os.environ[name]:
+            os.environ[name] = value
+            _ENV_SET[name] = value
+
+
+def serve(
+    session: Any = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    root: str | os.PathLike[str] | None = None,
+) -> TinkerService:
+    """Serve the Tinker protocol over `session`'s ranks (a `Cluster`), or in this kernel when None.
+
+    One service at a time: a running one is stopped first."""
+    global _current
+    if _current is not None:
+        _current.stop()
+    backend: Backend = ClusterBackend(session) if session is not None else InProcessBackend()
+    service = TinkerService(
+        backend,
+        host=host,
+        port=port,
+        api_key=api_key,
+        root=root,
+        cluster_id=getattr(session, "cluster_id", None),
+        world=getattr(session, "world_size", 1),
+    )
+    _current = service
+    _export(service)
+    return service
+
+
+def current_service() -> TinkerService | None:
+    """The service running in this kernel, or None."""
+    return _current
+
+
+def tinker_url() -> str:
+    """The base_url of the Tinker service running in this kernel (%nbtrain serve tinker)."""
+    if _current is None:
+        msg = "no Tinker service is running in this kernel: start one with %nbtrain serve tinker (or Cluster.serve_tinker())."
+        raise ConfigError(msg)
+    return _current.url

@@ -1,0 +1,505 @@
+"""What each endpoint does, without HTTP: sessions, models, samplers, and the futures of the verbs.
+
+Requests are checked here, where they enter, so a bad one is a 400 (or an unknown model a 404)
+before anything is queued; what the ranks refuse later (a `ConfigError`) fails its future with
+category "user", anything else with category "server" and the cluster's message (rank, host, cause).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbtrain.tinker import protocol as proto
+from nbtrain.tinker import wire
+from nbtrain.tinker.backend import Backend
+from nbtrain.tinker.futures import Executor, Future, Payload
+from nbtrain.tinker.protocol import RequestError, bad
+from nbtrain.tinker.tracking import ModelRun, write_json
+
+MODEL_FILE = "model.json"  # in a model's folder: its base model and LoRA settings, for loads
+ADAM_DEFAULTS = {
+    "learning_rate": 1e-4,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "eps": 1e-12,
+    "weight_decay": 0.0,
+    "grad_clip_norm": 0.0,
+}
+SAMPLE_DEFAULTS = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None}
+
+
+@dataclass
+class Model:
+    model_id: str
+    session_id: str
+    base_model: str
+    lora: dict[str, Any]
+    info: dict[str, Any] | None = None
+    failed: str | None = None
+    run: ModelRun | None = None
+    #: the tinker path of its last save_state, what a restart reloads
+    last_state: str | None = None
+
+
+@dataclass
+class Session:
+    session_id: str
+    created: float = field(default_factory=time.time)
+    heartbeat: float = field(default_factory=time.time)
+    finished: str | None = None
+
+
+def _get(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    value = body.get(key, default)
+    if value is ...:
+        raise bad(f"the request lacks {key!r}.")
+    if value is not None and not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise bad(f"{key!r} has the wrong type ({type(value).__name__}).")
+    return value
+
+
+class Verbs:
+    """The service's state and its endpoints' logic; `backend` runs the verbs."""
+
+    def __init__(self, backend: Backend, root: Path, cluster_id: str | None = None, world: int = 1):
+        self.backend = backend
+        self.root = root
+        self.cluster_id = cluster_id
+        self.world = world
+        self.executor = Executor(backend.classify)
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    # --- sessions -------------------------------------------------------------------------------
+    def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        sid = secrets.token_hex(8)
+        with self._lock:
+            self.sessions[sid] = Session(sid)
+        return {"type": "create_session", "session_id": sid}
+
+    def session(self, sid: Any) -> Session:
+        s = self.sessions.get(sid) if isinstance(sid, str) else None
+        if s is None:
+            raise RequestError(
+                404, f"session {sid!r} is not known to this service (create_session first)."
+            )
+        return s
+
+    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        s = self.session(body.get("session_id"))
+        if s.finished is not None:
+            raise RequestError(410, f"session {s.session_id} has finished ({s.finished}).")
+        s.heartbeat = time.time()
+        return {"type": "session_heartbeat"}
+
+    def finish_session(self, sid: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Mark the session finished, free its models on the ranks, finish their runs."""
+        s = self.session(sid)
+        if s.finished is not None:
+            return {}
+        reason: dict[str, Any] = body["reason"] if isinstance(body.get("reason"), dict) else {}
+        s.finished = str(reason.get("type") or "success")
+        state = {"success": "done", "errored": "failed", "interrupted": "stopped"}.get(
+            s.finished, "done"
+        )
+        for m in [m for m in self.models.values() if m.session_id == sid]:
+            self.executor.submit(f"unload {m.model_id}", self._unloader(m, state))
+        return {}
+
+    def _unloader(self, m: Model, state: str) -> Any:
+        def run() -> Payload:
+            if m.info is not None:
+                self.backend.unload(m.model_id)
+            if m.run is not None:
+                m.run.finish(state)
+            with self._lock:
+                self.models.pop(m.model_id, None)
+            self.executor.forget(m.model_id)
+            return ("json", {"type": "unload_model", "model_id": m.model_id})
+
+        return run
+
+    # --- models ---------------------------------------------------------------------------------
+    def model(self, mid: Any) -> Model:
+        m = self.models.get(mid) if isinstance(mid, str) else None
+        if m is None:
+            raise RequestError(
+                404, f"model {mid!r} is not held by this service; create_model or load it first."
+            )
+        return m
+
+    def _folder(self, mid: str) -> Path:
+        return self.root / proto.folder_name(mid)
+
+    def _lora(self, body: Any) -> dict[str, Any]:
+        lora = body if isinstance(body, dict) else {}
+        rank = lora.get("rank", 32)
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise bad(f"lora_config.rank must be a positive integer, not {rank!r}.")
+        out = {"rank": rank, "seed": lora.get("seed")}
+        for key in ("train_mlp", "train_attn", "train_unembed"):
+            out[key] = bool(lora.get(key, True))
+        if not (out["train_mlp"] or out["train_attn"] or out["train_unembed"]):
+            raise bad(
+                "lora_config: at least one of train_mlp, train_attn, train_unembed must be true."
+            )
+        return out
+
+    @staticmethod
+    def _check_optimizer(config: Any) -> None:
+        kind = config.get("type", "adamw") if isinstance(config, dict) else "adamw"
+        if kind != "adamw":
+            raise bad(
+                f"optimizer {kind!r} is not supported by nbtrain's Tinker service; use AdamW (the default)."
+            )
+
+    def _new_model(self, mid: str, sid: str, base: str, lora: dict[str, Any]) -> Model:
+        with self._lock:
+            if mid in self.models and self.models[mid].failed is None:
+                raise bad(f"model {mid} already exists in this session (model_seq_id reused).")
+            m = self.models[mid] = Model(mid, sid, base, lora)
+        self.executor.expect(mid, 1)
+        return m
+
+    def _made(self, m: Model, info: dict[str, Any]) -> None:
+        """A model now held by the ranks: its info, its folder's model.json, its run."""
+        m.info = dict(info or {})
+        write_json(
+            self._folder(m.model_id) / MODEL_FILE, {"base_model": m.base_model, "lora": m.lora}
+        )
+        if m.run is None:
+            m.run = ModelRun(
+                self._folder(m.model_id), m.model_id, m.base_model, self.cluster_id, self.world
+            )
+
+    def create_model(self, body: dict[str, Any]) -> Future:
+        s = self.session(body.get("session_id"))
+        seq = _get(body, "model_seq_id", int)
+        base = _get(body, "base_model", str)
+        if not base:
+            raise bad("base_model is empty; name a model folder the ranks can read.")
+        self._check_optimizer(body.get("optimizer_config"))
+        lora = self._lora(body.get("lora_config"))
+        mid = proto.model_id(s.session_id, seq)
+        m = self._new_model(mid, s.session_id, base, lora)
+
+        def run() -> Payload:
+            try:
+                info = self.backend.create_model(mid, base, lora)
+            except BaseException as e:
+                m.failed = str(e)
+                raise
+            self._made(m, info)
+            return ("json", {"type": "create_model", "model_id": mid})
+
+        return self.executor.submit(f"create_model {mid}", run, model_id=None)
+
+    def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
+        m = self.model(body.get("model_id"))
+        if m.info is None:
+            why = f"its creation failed: {m.failed}" if m.failed else "it is still being created"
+            raise RequestError(404, f"model {m.model_id} is not ready ({why}).")
+        tokenizer = m.info.get("tokenizer_id") or m.base_model
+        return {
+            "type": "get_info",
+            "model_id": m.model_id,
+            "model_data": {"arch": None, "model_name": m.base_model, "tokenizer_id": tokenizer},
+            "is_lora": True,
+            "lora_rank": m.lora["rank"],
+            "model_name": m.base_model,
+        }
+
+    def capabilities(self) -> dict[str, Any]:
+        bases = sorted({m.base_model for m in self.models.values()})
+        return {
+            "supported_models": [
+                {"model_name": b, "trainable": True, "sampleable": True} for b in bases
+            ]
+        }
+
+    # --- training verbs -------------------------------------------------------------------------
+    def forward_backward(self, body: bytes) -> Future:
+        req = wire.decode_forward_backward(body)
+        m = self.model(req["model_id"])
+        tokens = sum(len(d["tokens"]) for d in req["datums"])
+        what = "forward" if req["forward_only"] else "forward_backward"
+
+        def run() -> Payload:
+            result = self.backend.forward_backward(
+                m.model_id,
+                req["datums"],
+                req["loss_fn"],
+                req["loss_fn_config"],
+                req["forward_only"],
+            )
+            if not req["forward_only"] and m.run is not None:
+                m.run.forward_backward(result.get("metrics") or {}, tokens)
+            return ("proto", wire.encode_forward_backward(result))
+
+        return self.executor.submit(f"{what} {m.model_id}", run, m.model_id, req["seq_id"])
+
+    def optim_step(self, body: dict[str, Any]) -> Future:
+        m = self.model(body.get("model_id"))
+        params = body.get("adam_params") or body.get("optim_params") or body.get("optimizer_params")
+        if not isinstance(params, dict):
+            raise bad(
+                "optim_step needs adam_params {learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm}."
+            )
+        self._check_optimizer(params)
+        adam = dict(ADAM_DEFAULTS)
+        for key in ADAM_DEFAULTS:
+            value = params.get(key, ADAM_DEFAULTS[key])
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise bad(f"adam_params.{key} must be a number >= 0, not {value!r}.")
+            adam[key] = float(value)
+        if not (adam["beta1"] < 1 and adam["beta2"] < 1):
+            raise bad("adam_params: beta1 and beta2 must be below 1.")
+
+        def run() -> Payload:
+            metrics = self.backend.optim_step(m.model_id, adam) or {}
+            if m.run is not None:
+                m.run.optim_step(adam["learning_rate"], metrics)
+            return (
+                "json",
+                {"type": "optim_step", "metrics": {k: float(v) for k, v in metrics.items()}},
+            )
+
+        return self.executor.submit(f"optim_step {m.model_id}", run, m.model_id, body.get("seq_id"))
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def save_weights(self, body: dict[str, Any]) -> Future:
+        m = self.model(body.get("model_id"))
+        seq = body.get("seq_id")
+        name = proto.check_name(body.get("path") or f"state-{seq or int(time.time())}")
+        folder = proto.local_folder(self.root, m.model_id, "weights", name)
+        path = proto.tinker_path(m.model_id, "weights", name)
+
+        def run() -> Payload:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            self.backend.save_state(m.model_id, str(folder), True)
+            m.last_state = path
+            return ("json", {"type": "save_weights", "path": path})
+
+        return self.executor.submit(f"save_weights {m.model_id}", run, m.model_id, seq)
+
+    def _checkpoint(self, path: Any, kind: str) -> tuple[Path, dict[str, Any]]:
+        """A saved checkpoint's folder and its model's settings; 404 when it is not there."""
+        owner, found_kind, name = proto.parse_path(path)
+        if found_kind != kind:
+            use = "save_state / load_state" if found_kind == "weights" else "sampling"
+            raise bad(f"{path} is a {found_kind} path, for {use}; this call takes a {kind} path.")
+        folder = proto.local_folder(self.root, owner, kind, name)
+        meta_file = self._folder(owner) / MODEL_FILE
+        if not folder.exists() or not meta_file.is_file():
+            raise RequestError(
+                404, f"checkpoint {path} is not in this service's folder {self.root}."
+            )
+        return folder, json.loads(meta_file.read_text())
+
+    def load_weights(self, body: dict[str, Any]) -> Future:
+        optimizer = bool(body.get("optimizer", False))
+        folder, meta = self._checkpoint(body.get("path"), "weights")
+        path = body["path"]
+        if body.get("session_id") is not None:
+            # create-via-load: the load is the new model's first request
+            s = self.session(body.get("session_id"))
+            seq = _get(body, "model_seq_id", int)
+            self._check_optimizer(body.get("optimizer_config"))
+            base = body.get("base_model") or meta["base_model"]
+            mid = proto.model_id(s.session_id, seq)
+            m = self._new_model(mid, s.session_id, base, dict(meta["lora"]))
+
+            def create() -> Payload:
+                try:
+                    info = self.backend.load_state(mid, str(folder), optimizer, base, m.lora)
+                except BaseException as e:
+                    m.failed = str(e)
+                    raise
+                self._made(m, info)
+                m.last_state = path
+                return ("json", {"type": "load_weights", "path": path, "model_id": mid})
+
+            return self.executor.submit(f"load_weights {mid}", create)
+        m = self.model(body.get("model_id"))
+
+        def load() -> Payload:
+            self.backend.load_state(m.model_id, str(folder), optimizer, m.base_model, m.lora)
+            return ("json", {"type": "load_weights", "path": path, "model_id": m.model_id})
+
+        return self.executor.submit(
+            f"load_weights {m.model_id}", load, m.model_id, body.get("seq_id")
+        )
+
+    def save_for_sampler(self, body: dict[str, Any]) -> Future:
+        m = self.model(body.get("model_id"))
+        seq = body.get("seq_id")
+        if body.get("path"):
+            name = proto.check_name(body["path"])
+            folder = proto.local_folder(self.root, m.model_id, "sampler_weights", name)
+            path = proto.tinker_path(m.model_id, "sampler_weights", name)
+
+            def named() -> Payload:
+                folder.parent.mkdir(parents=True, exist_ok=True)
+                self.backend.save_sampler(m.model_id, str(folder))
+                return ("json", {"type": "save_weights_for_sampler", "path": path})
+
+            return self.executor.submit(
+                f"save_weights_for_sampler {m.model_id}", named, m.model_id, seq
+            )
+        sseq = body.get("sampling_session_seq_id")
+        if not isinstance(sseq, int):
+            raise bad(
+                "save_weights_for_sampler needs a path (a name) or a sampling_session_seq_id."
+            )
+        sampler = proto.sampler_id(m.session_id, sseq)
+
+        def snapshot() -> Payload:
+            self.backend.snapshot(m.model_id, sampler)
+            self.samplers[sampler] = {
+                "base_model": m.base_model,
+                "model_path": None,
+                "source": {"sampler_id": sampler},
+            }
+            return ("json", {"type": "save_weights_for_sampler", "sampling_session_id": sampler})
+
+        return self.executor.submit(f"snapshot {m.model_id}", snapshot, m.model_id, seq)
+
+    # --- sampling -------------------------------------------------------------------------------
+    def _source(self, model_path: Any, base_model: Any) -> dict[str, Any]:
+        if model_path:
+            folder, meta = self._checkpoint(model_path, "sampler_weights")
+            base = base_model or meta["base_model"]
+            return {
+                "base_model": base,
+                "model_path": model_path,
+                "source": {"path": str(folder), "base_model": base},
+            }
+        if not isinstance(base_model, str) or not base_model:
+            raise bad(
+                "a sampler needs model_path (a tinker://.../sampler_weights/... path) or base_model."
+            )
+        return {"base_model": base_model, "model_path": None, "source": {"base_model": base_model}}
+
+    def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        s = self.session(body.get("session_id"))
+        seq = _get(body, "sampling_session_seq_id", int)
+        entry = self._source(body.get("model_path"), body.get("base_model"))
+        sampler = proto.sampler_id(s.session_id, seq)
+        self.samplers[sampler] = entry
+        return {"type": "create_sampling_session", "sampling_session_id": sampler}
+
+    def get_sampler(self, sampler: str) -> dict[str, Any]:
+        entry = self.samplers.get(sampler)
+        if entry is None:
+            raise RequestError(404, f"sampler {sampler!r} is not known to this service.")
+        return {
+            "sampler_id": sampler,
+            "base_model": entry["base_model"],
+            "model_path": entry["model_path"],
+        }
+
+    def asample(self, body: dict[str, Any]) -> tuple[Future, int]:
+        if body.get("sampling_session_id"):
+            sampler = body["sampling_session_id"]
+            if sampler not in self.samplers:
+                raise RequestError(404, f"sampler {sampler!r} is not known to this service.")
+            source = self.samplers[sampler]["source"]
+        else:
+            source = self._source(body.get("model_path"), body.get("base_model"))["source"]
+        prompt = wire.model_input_tokens(body.get("prompt"))
+        n = _get(body, "num_samples", int, 1)
+        if n < 1:
+            raise bad(f"num_samples must be at least 1, not {n}.")
+        for key, what in (
+            ("topk_prompt_logprobs", "top-k prompt log-probabilities"),
+            ("topk_sample_logprobs", "top-k sample log-probabilities"),
+            ("prompt_alt_tokens_k", "prompt alternative tokens"),
+        ):
+            if body.get(key):
+                raise bad(f"{key} ({what}) is not supported by nbtrain's Tinker service.")
+        if body.get("target_prompt_logprobs") is not None:
+            raise bad("target_prompt_logprobs is not supported by nbtrain's Tinker service.")
+        params = self._sampling_params(body.get("sampling_params"))
+        want_plp = bool(body.get("prompt_logprobs"))
+        last_n = body.get("prompt_logprobs_last_n")
+
+        def run() -> Payload:
+            result = self.backend.sample(source, prompt, n, params, want_plp, 0)
+            return ("proto", wire.encode_sample(result, last_n if want_plp else None))
+
+        return self.executor.submit("sample", run), n
+
+    @staticmethod
+    def _sampling_params(raw: Any) -> dict[str, Any]:
+        if not isinstance(raw, dict):
+            raise bad(
+                "sampling_params must be an object (max_tokens, temperature, top_p, top_k, seed, stop)."
+            )
+        params: dict[str, Any] = dict(SAMPLE_DEFAULTS)
+        for key in SAMPLE_DEFAULTS:
+            if raw.get(key) is not None:
+                params[key] = raw[key]
+        if not isinstance(params["max_tokens"], int) or params["max_tokens"] < 1:
+            raise bad(
+                f"sampling_params.max_tokens must be a positive integer, not {params['max_tokens']!r}."
+            )
+        if float(params["temperature"]) < 0 or not 0 < float(params["top_p"]) <= 1:
+            raise bad("sampling_params: temperature must be >= 0 and top_p in (0, 1].")
+        stop = raw.get("stop")
+        params["stop"] = (
+            [stop] if isinstance(stop, str) else (list(stop) if stop is not None else None)
+        )
+        return params
+
+    # --- the kernel's view ----------------------------------------------------------------------
+    def wait(self, what: str, fn: Any, timeout: float = 600.0) -> Any:
+        """Run `fn` on the worker (after what is queued) and wait for it, in the kernel's thread."""
+        fut = self.executor.submit(what, lambda: ("json", {"value": fn()}))
+        kind, answer = fut.done.result(timeout)
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer["value"]
+
+    def status(self) -> list[dict[str, Any]]:
+        """Every live model, as the ranks hold it (memory, steps), with its run folder."""
+        rows = self.wait("status", self.backend.status) or []
+        for row in rows:
+            m = self.models.get(row.get("model_id"))
+            row["folder"] = str(m.run.folder) if m is not None and m.run is not None else None
+            row["last_state"] = m.last_state if m is not None else None
+        return rows
+
+    def reload(self) -> list[str]:
+        """After a restart: every model back on the ranks, from its last saved state (or fresh)."""
+        self.executor.broken = None
+        said = []
+
+        def run() -> list[str]:
+            for m in list(self.models.values()):
+                if m.info is None:
+                    continue
+                if m.last_state:
+                    folder, _ = self._checkpoint(m.last_state, "weights")
+                    self.backend.load_state(m.model_id, str(folder), True, m.base_model, m.lora)
+                    said.append(f"{m.model_id}: reloaded from {m.last_state}")
+                else:
+                    self.backend.create_model(m.model_id, m.base_model, m.lora)
+                    said.append(f"{m.model_id}: never saved, recreated with fresh LoRA weights")
+            return said
+
+        return self.wait("reload", run)
+
+    def close(self) -> None:
+        for m in list(self.models.values()):
+            if m.run is not None:
+                m.run.finish("stopped")
+        self.executor.fail_all("the Tinker service was stopped.")
+        self.executor.stop()
