@@ -119,7 +119,36 @@ class Cluster(Session):
         """
         from nbtrain.cluster.faults.recovery import restart
 
-        return restart(self, all_ranks=all_ranks, timeout=timeout)
+        said = restart(self, all_ranks=all_ranks, timeout=timeout)
+        service = self._tinker_service()
+        if service is not None:
+            # the replaced ranks lost the service's models: back from their last saved states
+            reloaded = service.reload()
+            said += "".join(f"\nnbtrain: Tinker model {line}" for line in reloaded)
+        return said
+
+    def serve_tinker(
+        self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, root: Any = None
+    ) -> Any:
+        """Serve the Tinker protocol on this cluster's ranks; twin of %nbtrain serve tinker.
+
+        In [1]: svc = cluster.serve_tinker()          # svc.url, svc.api_key, svc.status(), svc.stop()
+        In [2]: tc = tinker.ServiceClient(base_url=svc.url).create_lora_training_client(
+           ...:     base_model="/models/Qwen3-8B", rank=32).result()
+
+        Listens on the loopback unless `host` says otherwise, which needs an `api_key` ("tml-...")
+        that every request must then send. Checkpoints go under `root` (default
+        $NBTRAIN_HOME/tinker).
+        """
+        from nbtrain.tinker import serve
+
+        return serve(self, host=host, port=port, api_key=api_key, root=root)
+
+    def _tinker_service(self) -> Any:
+        serving = sys.modules.get("nbtrain.tinker.serve")  # never served: nothing to import or stop
+        service = serving.current_service() if serving is not None else None
+        backend = getattr(service, "backend", None)
+        return service if getattr(backend, "session", None) is self else None
 
     def diagnose(self, ranks: Any = None, timeout: float = 8.0) -> Any:
         """Every rank's Python stacks (all threads) and which ranks wait in a collective; never stops a cell.
@@ -135,6 +164,9 @@ class Cluster(Session):
         global _current
         if _current is self:
             _current = None
+        service = self._tinker_service()
+        if service is not None:
+            service.stop()
         super().stop()
         group.remove_store_files(self.cluster_id)
 
