@@ -41,7 +41,9 @@ __all__ = [
     "log",
     "log_end",
     "scaling",
+    "serve_tinker",
     "start",
+    "tinker_url",
     "unload_ipython_extension",
 ]
 
@@ -64,6 +66,9 @@ _LAZY = {
     "current_cluster": "nbtrain.cluster.facade",
     "start": "nbtrain.cluster.api",
     "scaling": "nbtrain.cluster.api",
+    # the Tinker-compatible service: serve_tinker(cluster=None) serves in this kernel (issue 36)
+    "serve_tinker": "nbtrain.tinker.serve",
+    "tinker_url": "nbtrain.tinker.serve",
     "SFTConfig": "nbtrain.configs.sft",
     "TrainResult": "nbtrain.recipes.train",
     "finetune": "nbtrain.recipes.train",
@@ -89,6 +94,7 @@ if TYPE_CHECKING:
     from nbtrain.recipes.preempt import Preempted
     from nbtrain.recipes.steppable import Run
     from nbtrain.recipes.train import TrainResult, finetune
+    from nbtrain.tinker.serve import serve_tinker, tinker_url
 
 
 def __getattr__(name: str) -> Any:
