@@ -10,7 +10,7 @@ themselves are engine-side, in `nbtrain.recipes.service`.
 from __future__ import annotations
 
 from nbtrain.tinker.backend import ClusterBackend, InProcessBackend
-from nbtrain.tinker.serve import TinkerService, current_service, serve, tinker_url
+from nbtrain.tinker.serve import TinkerService, current_service, serve, serve_tinker, tinker_url
 
 __all__ = [
     "ClusterBackend",
@@ -18,5 +18,6 @@ __all__ = [
     "TinkerService",
     "current_service",
     "serve",
+    "serve_tinker",
     "tinker_url",
 ]

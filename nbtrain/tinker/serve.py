@@ -203,3 +203,18 @@ def tinker_url() -> str:
         msg = "no Tinker service is running in this kernel: start one with %nbtrain serve tinker (or Cluster.serve_tinker())."
         raise ConfigError(msg)
     return _current.url
+
+
+def serve_tinker(
+    cluster: Any = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    root: str | os.PathLike[str] | None = None,
+) -> TinkerService:
+    """`nbtrain.serve_tinker()`: the Tinker service on `cluster`'s ranks, or in this kernel (None).
+
+    In [1]: svc = nbtrain.serve_tinker()            # no cluster: the models live in this kernel
+    In [2]: sc = tinker.ServiceClient(base_url=nbtrain.tinker_url())
+    """
+    return serve(cluster, host=host, port=port, api_key=api_key, root=root)
