@@ -454,3 +454,30 @@ def test_preference_notebook_runs(tmp_path, monkeypatch):
         )
         assert got and float(got[2]) > float(got[1]) + 0.3, text[-3000:]
         assert (tmp_path / "out" / "runs" / folder / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_steppable_notebook_runs(tmp_path, monkeypatch):
+    """notebooks/12-steppable-run.ipynb top to bottom in a real kernel: nbtrain.Run on two ranks, 30
+    steps, a look, a lower learning rate, 30 more on one curve; GRPO with its reward swapped."""
+    monkeypatch.setenv("NBTRAIN_DEMO_OUT", str(tmp_path / "out"))
+    nb = nbformat.read(ROOT / "notebooks" / "12-steppable-run.ipynb", as_version=4)
+    _execute(nb, tmp_path)
+    text = _all_text(nb)
+    assert "state='paused', global_step=30" in text and "state='done', global_step=60" in text
+    assert "steps logged: [5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55, 60]" in text, text[-3000:]
+    run = tmp_path / "out" / "runs" / "stepped"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(5, 65, 5))
+    # linear decay after 5 warmup steps; the peak went from 5e-3 to 2e-3 after step 30
+    assert rows[5]["learning_rate"] == pytest.approx(5e-3 * (60 - 29) / 55, rel=1e-9)
+    assert rows[6]["learning_rate"] == pytest.approx(2e-3 * (60 - 34) / 55, rel=1e-9)
+    assert (run / "adapter" / "adapter_config.json").is_file()
+    grpo = [
+        json.loads(x)
+        for x in (tmp_path / "out" / "runs" / "grpo-stepped" / "metrics.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    assert ["rewards/digits/mean" in r for r in grpo] == [True] * 4 + [False] * 4
+    assert ["rewards/brief/mean" in r for r in grpo] == [False] * 4 + [True] * 4
