@@ -12,7 +12,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbtrain.errors import ConfigError, NbtrainError
-from nbtrain.magics import check, faults, groups, scaling
+from nbtrain.magics import check, faults, groups, scaling, serve
 from nbtrain.magics.args import (
     HelpShown,
     Parser,
@@ -69,6 +69,7 @@ def build_parser() -> Parser:
     groups.add_group_commands(sub)
     check.add_check_command(sub)
     scaling.add_scaling_command(sub)
+    serve.add_serve_command(sub)
     return parser
 
 
@@ -244,6 +245,9 @@ class NbtrainMagics(Magics):
     def _cmd_scaling(self, args: argparse.Namespace) -> Any:
         return scaling.cmd_scaling(args, self.shell.user_ns if self.shell else {})
 
+    def _cmd_serve(self, args: argparse.Namespace) -> Any:
+        return serve.cmd_serve(args)
+
     def _cmd_status(self, args: argparse.Namespace) -> None:
         from nbtrain.cluster.facade import current_cluster
         from nbtrain.cluster.ranks.topology import format_table
@@ -269,6 +273,7 @@ class NbtrainMagics(Magics):
             f"nbtrain: {cluster.world_size} rank(s), backend {cluster.backend}, cluster {cluster.cluster_id}"
         )
         print(format_table(table))
+        serve.print_models()
 
     @magic_arguments()
     @argument("--ranks", default=None, help="run on these ranks only: 0, 0,2 or 1-3 (default: all)")
