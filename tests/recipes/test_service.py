@@ -336,3 +336,51 @@ def test_snapshot_does_not_change_as_training_goes_on(cluster, base, tmp_path):
     from_path = run(cluster, service.sample, {"path": str(path)}, prompt, 1, params, True)
     assert from_path["prompt_logprobs"][1:] == pytest.approx(now["prompt_logprobs"][1:], abs=1e-5)
     run(cluster, service.unload, "snap")
+
+
+def _steps(cluster, model_id, seeds):
+    for s in seeds:
+        run(
+            cluster, service.forward_backward, model_id, _datums(3, s), "cross_entropy", None, False
+        )
+        run(cluster, service.optim_step, model_id, {"learning_rate": 5e-3, "weight_decay": 0.01})
+
+
+def test_state_resumes_as_uninterrupted_and_models_stay_apart(cluster, base, tmp_path):
+    run(cluster, service.create_model, "r1", base, {**LORA, "seed": 9})
+    _steps(cluster, "r1", [30, 31])
+    saved = run(cluster, service.save_state, "r1", str(tmp_path / "r1-step2"), True)
+    assert saved["steps"] == 2 and (tmp_path / "r1-step2" / "service.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+    _steps(cluster, "r1", [32, 33])
+    uninterrupted = run(cluster, service.weights, "r1")
+
+    # a second model on the same base, loaded from the save with its AdamW state; r1's pending
+    # gradients must neither reach r2 nor be touched by r2's steps
+    run(cluster, service.forward_backward, "r1", _datums(2, 40), "cross_entropy", None, False)
+    pending = run(cluster, service.weights, "r1", True)
+    loaded = run(cluster, service.load_state, "r2", str(tmp_path / "r1-step2"), True, None, None)
+    assert loaded["steps"] == 2
+    _steps(cluster, "r2", [32, 33])
+    resumed = run(cluster, service.weights, "r2")
+    assert resumed.keys() == uninterrupted.keys()
+    for k in resumed:
+        np.testing.assert_array_equal(resumed[k], uninterrupted[k], err_msg=k)
+    _close(run(cluster, service.weights, "r1", True), pending, atol=0, rtol=0)
+
+    # without the optimizer state the same steps end elsewhere (AdamW's moments start afresh)
+    run(cluster, service.load_state, "r3", str(tmp_path / "r1-step2"), False, None, None)
+    _steps(cluster, "r3", [32, 33])
+    fresh = run(cluster, service.weights, "r3")
+    assert any(not np.array_equal(fresh[k], uninterrupted[k]) for k in fresh)
+
+    folders = run(cluster, service.checkpoint_all, str(tmp_path / "preempted"))
+    live = {r["model_id"] for r in run(cluster, service.status)}
+    assert {"r1", "r2", "r3"} <= live and len(folders) == len(live)
+    assert all((tmp_path / "preempted" / f / "optimizer.pt").is_file() for f in folders)
+    for m in ("r1", "r2", "r3"):
+        run(cluster, service.unload, m)
+    with pytest.raises(Exception, match="holds no model 'r1'"):
+        cluster.run(service.optim_step, "r1", {})
+    with pytest.raises(Exception, match="no saved training state"):
+        cluster.run(service.load_state, "r4", str(tmp_path / "nowhere"), True, base, LORA)

@@ -24,7 +24,7 @@ from nbtrain.recipes.service import registry, state
 
 def check_params(params: dict[str, Any]) -> dict[str, Any]:
     """Tinker's SamplingParams with its defaults, checked."""
-    out = {
+    out: dict[str, Any] = {
         "max_tokens": 64,
         "temperature": 1.0,
         "top_p": 1.0,
