@@ -3,7 +3,7 @@
  * against step or time, TensorBoard's smoothing, the value nearest a hovered x, and the CSV of
  * what is shown. No DOM here, so it is unit-tested in Node.
  */
-import { nearestByX } from './charts';
+import { nearestByX } from './format';
 import { PolledModel, Standby } from './polled';
 import { ICompareRun, IComparePage, IMetricsRow, Requester } from './tokens';
 
@@ -119,7 +119,9 @@ export function compareCSV(
   runs: ICompareRun[],
   x: XAxis,
   weight: number,
-  metrics: string[] = COMPARE_METRICS.map(m => m.key)
+  metrics: string[] = COMPARE_METRICS.map(m => m.key),
+  smoothable: (metric: string, points: number, rows: number) => boolean = () =>
+    true
 ): string {
   const header = ['run', x];
   for (const m of metrics) {
@@ -133,9 +135,10 @@ export function compareCSV(
       const rows = run.rows.filter(
         r => typeof r[m] === 'number' && Number.isFinite(r[m])
       );
+      // as drawn: a metric never smoothed (learning rate) or too sparse (eval) is its raw value
       const values = ema(
         rows.map(r => r[m] as number),
-        weight
+        smoothable(m, rows.length, run.rows.length) ? weight : 0
       );
       smoothed.set(m, new Map(rows.map((r, i) => [r, values[i]])));
     }

@@ -1,38 +1,51 @@
 /**
- * The comparison panel: the chosen runs' loss, eval loss, tokens/s and learning-rate curves over
- * each other (a colour per run), against step or time, smoothed as TensorBoard smooths, on a
- * linear or log y axis, with a tooltip of each run's smoothed and raw value at the hovered step;
- * under them, full width, a table of each run with the settings that differ, its last metrics and
- * its adapter folder, then the runs' last samples side by side; a CSV download of what is drawn.
+ * The comparison panel: every metric the chosen runs logged, a chart each with a line per run (each
+ * run in its own colour, the same as in the sidebar and every view), grouped by prefix with the most
+ * watched first, against step or time, smoothed as TensorBoard smooths where that does not lie, on
+ * a linear or log y axis, zoomed together; under them a table: the run (fixed while the table
+ * scrolls sideways), its final metrics, then the settings that differ and its adapter; then the
+ * runs' last samples side by side; a CSV download of what is drawn.
  */
 import { Widget } from '@lumino/widgets';
 
-import { formatValue, ISeries, LineChart } from './charts';
+import { ChartBoard, IRawSeries, label } from './board';
+import { colourOf, formatValue } from './charts';
 import {
-  COMPARE_METRICS,
   CompareModel,
   compareCSV,
   finalValue,
-  formatSetting,
   runPoints,
-  smooth,
   XAxis
 } from './compare';
-import { lossTitle, shortPath } from './model';
-import { blankClass, COLOURS } from './panel';
+import {
+  chartGroups,
+  denseEnough,
+  IChartSpec,
+  numericKeys,
+  overviewKeys,
+  runColour,
+  runStyles
+} from './metrics';
+import { shortPath } from './model';
+import { blankClass, settingNode } from './panel';
 import { sideBySide } from './samples';
-import { IComparePage } from './tokens';
+import { ICompareRun, IComparePage } from './tokens';
 
-/** Each compared metric's y axis title, with its unit. */
-const Y_TITLES: Record<string, string> = {
-  loss: 'nats/token',
-  eval_loss: 'nats/token',
-  tokens_per_s: 'tokens/s',
-  learning_rate: 'learning rate'
-};
-
-/** TensorBoard's default smoothing. */
-const DEFAULT_SMOOTHING = 0.6;
+/** The metrics of a comparison table: loss and the kinds' most watched, tokens/s, steps. */
+export function finalMetrics(runs: ICompareRun[]): string[] {
+  const keys = new Set<string>();
+  for (const run of runs) {
+    for (const k of overviewKeys(run.kind, Object.keys(run.final))) {
+      keys.add(k);
+    }
+  }
+  for (const k of ['tokens_per_s', 'step']) {
+    if (runs.some(run => run.final[k] !== undefined)) {
+      keys.add(k);
+    }
+  }
+  return [...keys];
+}
 
 export class ComparePanel extends Widget {
   constructor(model: CompareModel) {
@@ -56,42 +69,18 @@ export class ComparePanel extends Widget {
       option.textContent = text;
       this._x.appendChild(option);
     }
-    this._smoothing = document.createElement('input');
-    this._smoothing.type = 'range';
-    this._smoothing.className = 'nbtrain-Compare-smoothing';
-    this._smoothing.min = '0';
-    this._smoothing.max = '0.99';
-    this._smoothing.step = '0.01';
-    this._smoothing.value = String(DEFAULT_SMOOTHING);
-    this._smoothing.setAttribute('aria-label', 'smoothing');
-    this._smoothingValue = document.createElement('span');
-    this._smoothingValue.className = 'nbtrain-Compare-smoothingValue';
-    this._log = document.createElement('input');
-    this._log.type = 'checkbox';
-    this._log.className = 'nbtrain-Compare-log';
     const download = document.createElement('button');
     download.className = 'jp-Button jp-mod-styled nbtrain-Compare-csv';
     download.textContent = 'Download CSV';
     download.title =
       'The curves as drawn (smoothed) and raw, one line per run and step';
     download.addEventListener('click', () => this.downloadCSV());
-    controls.append(
-      label('x axis ', this._x),
-      label('smoothing ', this._smoothing, this._smoothingValue),
-      label('', this._log, ' log y'),
-      download
-    );
+    this._board = new ChartBoard('compare');
+    this._board.changed = () => this._render();
+    controls.append(label('x axis ', this._x), download);
+    // one row of controls: x axis, then the board's smoothing and log y, then the CSV
+    this._board.controls.prepend(...Array.from(controls.childNodes));
 
-    this._charts = COMPARE_METRICS.map(
-      m =>
-        new LineChart(m.title, m.key, {
-          hover: true,
-          yTitle: Y_TITLES[m.key] ?? m.key
-        })
-    );
-    const grid = document.createElement('div');
-    grid.className = 'nbtrain-RunPanel-charts';
-    grid.append(...this._charts.map(c => c.node));
     this._table = document.createElement('table');
     this._table.className = 'nbtrain-Compare-table';
     this._status = document.createElement('div');
@@ -99,16 +88,16 @@ export class ComparePanel extends Widget {
     // the table and the samples under the charts, full width: a column beside them clipped it
     const side = document.createElement('section');
     side.className = 'nbtrain-Compare-side';
-    side.append(this._table);
+    // the table scrolls sideways inside its own box; the run column stays (position: sticky)
+    const scroller = document.createElement('div');
+    scroller.className = 'nbtrain-Compare-scroll';
+    scroller.append(this._table);
+    side.append(scroller);
     this._samples = document.createElement('section');
     this._samples.className = 'nbtrain-Compare-samples';
     this._samples.hidden = true;
-    this.node.append(controls, this._status, grid, side, this._samples);
-
-    for (const input of [this._x, this._smoothing, this._log]) {
-      input.addEventListener('input', () => this._render());
-      input.addEventListener('change', () => this._render());
-    }
+    this.node.append(this._status, this._board.node, side, this._samples);
+    this._x.addEventListener('change', () => this._render());
     model.changed.connect(this._render, this);
     this._render();
   }
@@ -120,7 +109,7 @@ export class ComparePanel extends Widget {
   }
 
   get smoothing(): number {
-    return Number(this._smoothing.value);
+    return this._board.smoothing;
   }
 
   /** The shown curves as a CSV file download. */
@@ -129,7 +118,19 @@ export class ComparePanel extends Widget {
     if (!page) {
       return;
     }
-    const csv = compareCSV(page.runs, this.xAxis, this.smoothing);
+    const specs = new Map(
+      this._groups(page)
+        .flatMap(g => g.charts)
+        .map(c => [c.key, c] as [string, IChartSpec])
+    );
+    const csv = compareCSV(
+      page.runs,
+      this.xAxis,
+      this.smoothing,
+      [...specs.keys()],
+      (m, points, rows) =>
+        Boolean(specs.get(m)?.smoothable) && denseEnough(points, rows)
+    );
     const url = URL.createObjectURL(new Blob([csv], { type: 'text/csv' }));
     const a = document.createElement('a');
     a.href = url;
@@ -148,15 +149,18 @@ export class ComparePanel extends Widget {
       return;
     }
     this.model.dispose();
-    for (const chart of this._charts) {
-      chart.dispose();
-    }
+    this._board.dispose();
     super.dispose();
   }
 
+  private _groups(page: IComparePage) {
+    const keys = [...new Set(page.runs.flatMap(run => numericKeys(run.rows)))];
+    const kinds = new Set(page.runs.map(r => r.kind ?? 'sft'));
+    // the kinds' most watched first when they agree; mixed kinds: SFT's (loss) first
+    return chartGroups(keys, kinds.size === 1 ? [...kinds][0] : 'sft', false);
+  }
+
   private _render(): void {
-    const weight = this.smoothing;
-    this._smoothingValue.textContent = weight.toFixed(2);
     const page = this.model.page;
     this._status.textContent = this.model.error
       ? `Server: ${this.model.error}`
@@ -168,30 +172,20 @@ export class ComparePanel extends Widget {
     }
     this.title.label = `Compare: ${page.runs.map(r => r.label).join(' vs ')}`;
     const x = this.xAxis;
-    for (const [i, metric] of COMPARE_METRICS.entries()) {
-      const chart = this._charts[i];
-      const loss = metric.key === 'loss' || metric.key === 'eval_loss';
-      chart.setOptions({
-        // DPO's and GRPO's losses are not nats/token: each run's kind says its unit
-        ...(loss ? { yTitle: lossTitle(page.runs.map(r => r.kind)) } : {}),
-        logY: this._log.checked,
-        xTitle: x === 'step' ? 'step' : 'seconds',
-        note: weight > 0 ? `smoothed ${weight.toFixed(2)}` : ''
-      });
-      const series: ISeries[] = page.runs.map((run, r) => {
-        const className = COLOURS[r % COLOURS.length];
-        const points = runPoints(run, metric.key, x);
-        return weight > 0
-          ? {
-              label: run.label,
-              className,
-              points: smooth(points, weight),
-              raw: points
-            }
-          : { label: run.label, className, points };
-      });
-      chart.update(series);
-    }
+    const styles = runStyles(page.runs);
+    this._board.render(
+      this._groups(page),
+      (spec: IChartSpec) =>
+        page.runs.map((run, r): IRawSeries => ({
+          label: run.label,
+          ...styles[r],
+          points: runPoints(run, spec.key, x).map(
+            ([px, py]) => [px, py * spec.scale] as [number, number]
+          ),
+          rows: run.rows.length
+        })),
+      x === 'step' ? 'step' : 'seconds'
+    );
     this._renderTable(page);
     this._renderSamples(page);
   }
@@ -227,7 +221,8 @@ export class ComparePanel extends Widget {
         .filter((s): s is number => s !== undefined);
       const cell = th('', 'nbtrain-Compare-runHead');
       const key = document.createElement('span');
-      key.className = `nbtrain-Chart-key ${COLOURS[r % COLOURS.length]}`;
+      key.className = 'nbtrain-Chart-key';
+      key.style.color = colourOf(runColour(run.id));
       key.textContent = run.label;
       const step = document.createElement('span');
       step.className = 'nbtrain-Compare-sampleStep';
@@ -262,52 +257,57 @@ export class ComparePanel extends Widget {
 
   private _renderTable(page: IComparePage): void {
     const fields = Object.keys(page.diff);
-    const metrics: Array<[string, string]> = [
-      ['loss', 'loss'],
-      ['eval_loss', 'eval loss'],
-      ['tokens_per_s', 'tokens/s'],
-      ['step', 'steps']
-    ];
+    const metrics = finalMetrics(page.runs);
     const head = document.createElement('thead');
     const top = head.insertRow();
-    // the run, what differs, how it ended; then where its adapter is
-    for (const title of [
-      'run',
-      ...fields,
-      ...metrics.map(m => m[1]),
-      'adapter'
-    ]) {
-      const th = document.createElement('th');
-      th.textContent = title;
-      if (fields.includes(title)) {
-        th.dataset.field = title;
-        th.className = 'nbtrain-Compare-field';
+    // the run, how it ended, what differs; then where its adapter is
+    const th = (title: string, className: string, data?: string) => {
+      const cell = document.createElement('th');
+      cell.textContent = title;
+      cell.className = className;
+      if (data) {
+        cell.dataset.field = data;
       }
-      top.appendChild(th);
+      top.appendChild(cell);
+    };
+    th('run', 'nbtrain-Compare-run');
+    for (const m of metrics) {
+      th(
+        m === 'step' ? 'steps' : m.replace(/_/g, ' '),
+        'nbtrain-Compare-metric'
+      );
     }
+    for (const f of fields) {
+      th(f, 'nbtrain-Compare-field', f);
+    }
+    th('adapter', 'nbtrain-Compare-adapterHead');
     const body = document.createElement('tbody');
     page.runs.forEach((run, r) => {
       const tr = body.insertRow();
       tr.dataset.runId = run.id;
       const name = tr.insertCell();
+      const dot = document.createElement('span');
+      dot.className = 'nbtrain-Dot';
+      dot.style.backgroundColor = colourOf(runColour(run.id));
       const key = document.createElement('span');
-      key.className = `nbtrain-Chart-key ${COLOURS[r % COLOURS.length]}`;
+      key.className = 'nbtrain-Chart-key';
+      key.style.color = colourOf(runColour(run.id));
       key.textContent = run.label;
       name.className = 'nbtrain-Compare-run';
-      name.append(key);
+      name.append(dot, key);
       name.title = `${run.name}\n${run.output_dir}`;
-      for (const field of fields) {
-        const td = tr.insertCell();
-        td.dataset.field = field;
-        td.textContent = formatSetting(page.diff[field][r]);
-      }
-      for (const [metric] of metrics) {
+      for (const metric of metrics) {
         const td = tr.insertCell();
         td.dataset.metric = metric;
         td.className = 'nbtrain-Compare-number';
         const value = finalValue(run, metric);
         td.textContent =
           metric === 'step' ? String(value ?? '–') : formatValue(value);
+      }
+      for (const field of fields) {
+        const td = tr.insertCell();
+        td.dataset.field = field;
+        td.append(settingNode(page.diff[field][r]));
       }
       const adapter = tr.insertCell();
       adapter.className = 'nbtrain-Compare-adapter';
@@ -325,17 +325,8 @@ export class ComparePanel extends Widget {
   }
 
   private _x: HTMLSelectElement;
-  private _smoothing: HTMLInputElement;
-  private _smoothingValue: HTMLElement;
-  private _log: HTMLInputElement;
-  private _charts: LineChart[];
+  private _board: ChartBoard;
   private _table: HTMLTableElement;
   private _samples: HTMLElement;
   private _status: HTMLElement;
-}
-
-function label(text: string, ...children: Array<Node | string>): HTMLElement {
-  const node = document.createElement('label');
-  node.append(text, ...children);
-  return node;
 }

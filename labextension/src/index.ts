@@ -135,6 +135,31 @@ const plugin: JupyterFrontEndPlugin<void> = {
       return true;
     };
 
+    /** Forget a run's record, after asking; its folder (metrics, checkpoints, adapter) stays. */
+    const deleteRun = async (id: string): Promise<boolean> => {
+      const run = model.getRun(id);
+      const name = run?.name ?? id;
+      const answer = await showDialog({
+        title: `Delete run ${name} from the list?`,
+        body: `Its record leaves the Training sidebar. Its folder stays on disk: ${run?.output_dir ?? ''}`,
+        buttons: [
+          Dialog.cancelButton(),
+          Dialog.warnButton({ label: 'Delete record' })
+        ]
+      });
+      if (!answer.button.accept) {
+        return false;
+      }
+      try {
+        await model.deleteRun(id);
+        tracker.find(w => w.content.metrics.runId === id)?.dispose();
+      } catch (error) {
+        Notification.error(`nbtrain: could not delete run ${name}: ${error}`);
+        return false;
+      }
+      return true;
+    };
+
     const openRun = (id: string) => {
       const open = tracker.find(w => w.content.metrics.runId === id);
       if (open) {
@@ -222,6 +247,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     const sidebar = new TrainingSidebar(model, {
       openRun: id => void app.commands.execute(CommandIDs.openRun, { id }),
       stopRun: id => void app.commands.execute(CommandIDs.stopRun, { id }),
+      deleteRun: id => void deleteRun(id),
       compareRuns: ids =>
         void app.commands.execute(CommandIDs.compareRuns, { ids })
     });

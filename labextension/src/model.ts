@@ -12,31 +12,26 @@ import {
   IMetricsRow,
   IRun,
   IScalingPage,
+  IRunConfig,
   IScalingReport,
   Requester,
   RunKind
 } from './tokens';
-import { formatValue } from './charts';
+import { formatValue } from './format';
+import { unitOf } from './metrics';
 import { PolledModel, Standby } from './polled';
 
-/** The unit of each kind's loss, as nbtrain/runs.py LOSS_UNITS (the notebook plot says the same). */
-export const LOSS_UNITS: Record<string, string> = {
-  sft: 'nats/token',
-  dpo: 'DPO loss/pair',
-  grpo: 'GRPO loss/token'
-};
-
-/** The loss axis' title for a run of `kind`: nats/token for SFT and records from before kinds. */
+/** The loss axis' title for a run of `kind`: nats/token for SFT only; "loss" for the others. */
 export function lossUnit(kind?: RunKind | string | null): string {
-  return LOSS_UNITS[kind ?? 'sft'] ?? LOSS_UNITS.sft;
+  return unitOf('loss', kind);
 }
 
-/** The loss axes' title for runs compared: their kind's unit, or a neutral title for mixed kinds. */
+/** The loss axes' title for runs compared: their one unit, or a neutral title for mixed kinds. */
 export function lossTitle(
   kinds: (RunKind | string | null | undefined)[]
 ): string {
   const units = new Set(kinds.map(k => lossUnit(k)));
-  return units.size === 1 ? [...units][0] : "loss (each run's own unit)";
+  return units.size === 1 ? [...units][0] : 'loss (nats/token for SFT runs)';
 }
 
 /** A run's state pill's tooltip: for a preempted run, the step and the checkpoint to resume from. */
@@ -173,6 +168,36 @@ export async function fetchScaling(
   }
 }
 
+/** A run's settings, kind and cluster (GET runs/<id>/config). */
+export function fetchRunConfig(
+  request: Requester,
+  runId: string
+): Promise<IRunConfig> {
+  return request<IRunConfig>(`runs/${encodeURIComponent(runId)}/config`);
+}
+
+/** `ui-test.ipynb` for `/home/me/work/ui-test.ipynb`: a notebook's name without its folder. */
+export function baseName(path: string): string {
+  const parts = path.split('/').filter(p => p);
+  return parts.length ? parts[parts.length - 1] : path;
+}
+
+/** Runs whose name, kind, state or folder contains every word of `query` (case-insensitive). */
+export function filterRuns(runs: IRun[], query: string): IRun[] {
+  const words = query
+    .toLowerCase()
+    .split(/\s+/)
+    .filter(w => w);
+  if (!words.length) {
+    return runs;
+  }
+  return runs.filter(run => {
+    const text =
+      `${run.name} ${run.kind ?? ''} ${run.state} ${run.output_dir}`.toLowerCase();
+    return words.every(w => text.includes(w));
+  });
+}
+
 /** Sidebar state: the runs and clusters on this server, refreshed on a Poll. */
 export class TrainingModel implements IDisposable {
   constructor(options: TrainingModel.IOptions) {
@@ -231,6 +256,12 @@ export class TrainingModel implements IDisposable {
   async refresh(): Promise<void> {
     await Promise.all([this._runsPoll.refresh(), this._clustersPoll.refresh()]);
     await Promise.all([this._runsPoll.tick, this._clustersPoll.tick]);
+  }
+
+  /** Forget a run's record (DELETE runs/<id>); its folder stays on disk. */
+  async deleteRun(id: string): Promise<void> {
+    await this._request(`runs/${encodeURIComponent(id)}`, { method: 'DELETE' });
+    await this._runsPoll.refresh();
   }
 
   /** Ask a running run to checkpoint and end at its next step. */

@@ -8,28 +8,34 @@
  */
 import { Widget } from '@lumino/widgets';
 
-import { formatValue, ISeries, LineChart } from './charts';
+import { ChartBoard, IRawSeries } from './board';
+import { formatValue, LineChart } from './charts';
+import { chartGroups, IChartSpec, numericKeys } from './metrics';
 import {
   fetchScaling,
+  fetchRunConfig,
   formatDuration,
-  hasMetric,
-  rankMemoryKeys,
-  lossUnit,
   RunMetrics,
   scalingLines,
   shortPath,
   stateTitle
 } from './model';
+import { formatSetting } from './compare';
 import { ISampledStep, RunSamples } from './samples';
-import { IMetricsRow, IScalingPage, ISample, Requester } from './tokens';
+import {
+  IMetricsRow,
+  IRunConfig,
+  IScalingPage,
+  ISample,
+  Requester
+} from './tokens';
 
-function series(
+/** The (step, value) points of `key` in `rows`, times `scale`. */
+export function seriesPoints(
   rows: IMetricsRow[],
   key: string,
-  label: string,
-  className: string,
   scale = 1
-): ISeries {
+): Array<[number, number]> {
   const points: Array<[number, number]> = [];
   for (const row of rows) {
     const value = row[key];
@@ -37,20 +43,21 @@ function series(
       points.push([row.step, value * scale]);
     }
   }
-  return { label, className, points };
+  return points;
 }
 
-/** Colour classes, in order (style/base.css). */
-export const COLOURS = [
-  'nbtrain-c1',
-  'nbtrain-c2',
-  'nbtrain-c3',
-  'nbtrain-c4',
-  'nbtrain-c5',
-  'nbtrain-c6',
-  'nbtrain-c7',
-  'nbtrain-c8'
-];
+/** A line's label in a run panel: `eval loss`, `rank 1`, or the key. */
+function lineLabel(key: string): string {
+  const rank = /^peak_memory_gb_rank(\d+)$/.exec(key);
+  if (rank) {
+    return `rank ${rank[1]}`;
+  }
+  return key === 'eval_loss'
+    ? 'eval loss'
+    : key === 'peak_memory_gb'
+      ? 'peak'
+      : key;
+}
 
 export class RunPanel extends Widget {
   constructor(
@@ -86,37 +93,16 @@ export class RunPanel extends Widget {
     this._summary = document.createElement('div');
     this._summary.className = 'nbtrain-RunPanel-summary';
     this._header.append(titleLine, this._about, this._summary);
-    this._loss = new LineChart('Loss', 'loss', {
-      hover: true,
-      yTitle: 'nats/token'
-    });
-    this._throughput = new LineChart('Tokens/s', 'tokens_per_s', {
-      hover: true,
-      yTitle: 'tokens/s'
-    });
-    this._lr = new LineChart('Learning rate', 'learning_rate', {
-      hover: true,
-      yTitle: 'learning rate'
-    });
-    this._memory = new LineChart('GPU peak memory', 'peak_memory_gb', {
-      hover: true,
-      yTitle: 'GB'
-    });
-    this._mfu = new LineChart('MFU', 'mfu', { hover: true, yTitle: '%' });
-    this._grid = document.createElement('div');
-    this._grid.className = 'nbtrain-RunPanel-charts';
-    this._grid.append(
-      this._loss.node,
-      this._throughput.node,
-      this._lr.node,
-      this._memory.node,
-      this._mfu.node
-    );
+    this._board = new ChartBoard('run');
+    this._board.changed = () => this._render();
+    this._grid = this._board.node;
+    this._config = new ConfigView();
     this._samplesView = new SamplesView();
     this._scaling = new ScalingView();
     this.node.append(
       this._header,
       this._grid,
+      this._config.node,
       this._samplesView.node,
       this._scaling.node
     );
@@ -139,15 +125,7 @@ export class RunPanel extends Widget {
     this.metrics.dispose();
     this.samples.dispose();
     this._scaling.dispose();
-    for (const chart of [
-      this._loss,
-      this._throughput,
-      this._lr,
-      this._memory,
-      this._mfu
-    ]) {
-      chart.dispose();
-    }
+    this._board.dispose();
     super.dispose();
   }
 
@@ -222,7 +200,10 @@ export class RunPanel extends Widget {
       this.node.dataset.state = run.state;
     }
     if (isScaling && run) {
-      this.title.label = `Scaling: ${run.name}`;
+      // a scaling record's name already says "scaling: ..."
+      this.title.label = /^scaling\b/i.test(run.name)
+        ? run.name
+        : `Scaling: ${run.name}`;
       this.node.dataset.kind = 'scaling';
       this._about.textContent = `scaling report in ${run.scaling ?? run.output_dir}${run.measured ? ` · measured ${run.measured}` : ''}`;
       this._about.title = run.scaling ?? run.output_dir;
@@ -233,8 +214,10 @@ export class RunPanel extends Widget {
     }
     if (run) {
       this.title.label = `Run: ${run.name}`;
-      // DPO's and GRPO's losses are not nats/token: the run's kind says its unit
-      this._loss.setOptions({ yTitle: lossUnit(run.kind) });
+      if (!this._configAsked) {
+        this._configAsked = true;
+        void this._loadConfig();
+      }
       this._renderAbout();
       const last = rows.length ? rows[rows.length - 1] : null;
       const step = last ? last.step : run.step;
@@ -252,35 +235,31 @@ export class RunPanel extends Widget {
     if (this.metrics.error) {
       this._summary.title = `last poll failed: ${this.metrics.error}`;
     }
-    this._loss.update([
-      series(rows, 'loss', 'loss', 'nbtrain-c1'),
-      series(rows, 'eval_loss', 'eval loss', 'nbtrain-c2')
-    ]);
-    this._throughput.update([
-      series(rows, 'tokens_per_s', 'tokens/s', 'nbtrain-c3')
-    ]);
-    this._lr.update([series(rows, 'learning_rate', 'lr', 'nbtrain-c4')]);
-    // GPU runs only: the charts stay out of the way of CPU runs
-    const ranks = rankMemoryKeys(rows);
-    this._memory.node.hidden =
-      !ranks.length && !hasMetric(rows, 'peak_memory_gb');
-    if (!this._memory.node.hidden) {
-      this._memory.update(
-        ranks.length
-          ? ranks.map((key, i) =>
-              series(
-                rows,
-                key,
-                `rank ${key.slice('peak_memory_gb_rank'.length)}`,
-                COLOURS[i % COLOURS.length]
-              )
-            )
-          : [series(rows, 'peak_memory_gb', 'peak', 'nbtrain-c1')]
-      );
-    }
-    this._mfu.node.hidden = !hasMetric(rows, 'mfu');
-    if (!this._mfu.node.hidden) {
-      this._mfu.update([series(rows, 'mfu', 'MFU', 'nbtrain-c2', 100)]);
+    const keys = numericKeys(rows);
+    const groups = chartGroups(keys, run?.kind, true);
+    this._board.render(groups, (spec: IChartSpec) =>
+      spec.keys.map((key, i): IRawSeries => ({
+        label: lineLabel(key),
+        colour: i,
+        points: seriesPoints(rows, key, spec.scale),
+        rows: rows.length
+      }))
+    );
+    this.node.dataset.charts = groups
+      .flatMap(g => g.charts.map(c => c.key))
+      .join(',');
+  }
+
+  private async _loadConfig(): Promise<void> {
+    try {
+      const config = await fetchRunConfig(this._request, this.metrics.runId);
+      if (!this.isDisposed) {
+        this._config.show(config);
+      }
+    } catch (error) {
+      if (!this.isDisposed) {
+        this._config.showError(String(error));
+      }
     }
   }
 
@@ -312,16 +291,14 @@ export class RunPanel extends Widget {
   private _about: HTMLElement;
   private _samplesView: SamplesView;
   private _grid: HTMLElement;
-  private _memory: LineChart;
-  private _mfu: LineChart;
+  private _board: ChartBoard;
+  private _config: ConfigView;
+  private _configAsked = false;
   private _scaling: ScalingView;
   private _scalingFolder: string | null = null;
   private _header: HTMLElement;
   private _summary: HTMLElement;
   private _stop: HTMLButtonElement;
-  private _loss: LineChart;
-  private _throughput: LineChart;
-  private _lr: LineChart;
 }
 
 /**
@@ -469,7 +446,6 @@ class ScalingView {
       ['efficiency', 'Efficiency', 'efficiency']
     ]) {
       const chart = new LineChart(title, `scaling_${key}`, {
-        hover: true,
         xTitle: unit,
         yTitle
       });
@@ -485,10 +461,11 @@ class ScalingView {
       grid.appendChild(chart.node);
       this._charts.push(chart);
       chart.update([
-        { label: 'measured', className: 'nbtrain-c1', points: measured },
+        { label: 'measured', colour: 0, points: measured },
         {
           label: 'predicted',
-          className: 'nbtrain-c2 nbtrain-Chart-dashed',
+          colour: 1,
+          dashed: true,
           // from the largest measured size on, so the two lines meet
           points: predicted.length ? [...measured.slice(-1), ...predicted] : []
         }
@@ -532,6 +509,94 @@ class ScalingView {
   }
 
   private _charts: LineChart[] = [];
+}
+
+/**
+ * The "Config" section: what the run trained (its kind), where (its cluster: id, ranks, hosts,
+ * backend, the notebook that started it) and every setting it ran with, long lists folded and
+ * paths shortened (the whole on hover).
+ */
+class ConfigView {
+  constructor() {
+    this.node = document.createElement('section');
+    this.node.className = 'nbtrain-Config';
+    this.node.hidden = true;
+  }
+
+  readonly node: HTMLElement;
+
+  show(page: IRunConfig): void {
+    const head = document.createElement('h3');
+    head.textContent = 'Config';
+    const table = document.createElement('table');
+    table.className = 'nbtrain-Config-table';
+    const row = (key: string, value: unknown) => {
+      const tr = table.insertRow();
+      tr.dataset.setting = key;
+      const th = document.createElement('th');
+      th.textContent = key;
+      tr.appendChild(th);
+      tr.insertCell().append(settingNode(value));
+    };
+    row('kind', page.kind ?? 'sft');
+    const c = page.cluster;
+    if (c) {
+      const hosts = c.hosts.length ? c.hosts.join(', ') : c.host;
+      row(
+        'cluster',
+        `${c.cluster_id ?? 'no cluster'} · ${c.world_size} rank${c.world_size === 1 ? '' : 's'} on ${hosts}${c.backend ? ` · ${c.backend}` : ''}`
+      );
+      if (c.notebook) {
+        row('notebook', c.notebook);
+      }
+    }
+    if (page.config_file) {
+      row('config file', page.config_file);
+    }
+    for (const [key, value] of Object.entries(page.config ?? {})) {
+      row(key, value);
+    }
+    this.node.replaceChildren(head, table);
+    this.node.hidden = false;
+  }
+
+  showError(message: string): void {
+    const p = document.createElement('p');
+    p.className = 'nbtrain-Config-error';
+    p.textContent = `config: ${message}`;
+    this.node.replaceChildren(p);
+    this.node.hidden = false;
+  }
+}
+
+/**
+ * A setting's value as a node: a path shortened (the whole on hover), a long list or object
+ * folded under its first items, anything else as formatSetting writes it.
+ */
+export function settingNode(value: unknown): Node {
+  if (typeof value === 'string' && value.includes('/') && value.length > 32) {
+    const span = document.createElement('span');
+    span.className = 'nbtrain-Path';
+    span.textContent = shortPath(value, 2);
+    span.title = value;
+    return span;
+  }
+  if (value !== null && typeof value === 'object') {
+    const text = JSON.stringify(value);
+    if (text.length <= 60) {
+      return document.createTextNode(text);
+    }
+    const details = document.createElement('details');
+    details.className = 'nbtrain-Fold';
+    const summary = document.createElement('summary');
+    const n = Array.isArray(value) ? value.length : Object.keys(value).length;
+    summary.textContent = `${text.slice(0, 40)}… (${n} ${Array.isArray(value) ? 'items' : 'keys'})`;
+    const pre = document.createElement('pre');
+    pre.textContent = JSON.stringify(value, null, 1);
+    details.append(summary, pre);
+    return details;
+  }
+  return document.createTextNode(formatSetting(value));
 }
 
 /** `14:05` today, `Nov 25 14:05` another day: when a run started. */

@@ -3,13 +3,23 @@
  */
 import { Widget } from '@lumino/widgets';
 
-import { progressParts, stateTitle, TrainingModel } from './model';
+import { colourOf } from './charts';
+import { runColour } from './metrics';
+import {
+  baseName,
+  filterRuns,
+  progressParts,
+  stateTitle,
+  TrainingModel
+} from './model';
 import { ICluster, IRun } from './tokens';
 
 /** What the sidebar asks of the application: open a run's panel, stop a run, compare runs. */
 export interface ISidebarActions {
   openRun(id: string): void;
   stopRun(id: string): void;
+  /** Forget a run's record (asks first); its folder stays. */
+  deleteRun(id: string): void;
   compareRuns(ids: string[]): void;
 }
 
@@ -32,10 +42,15 @@ export class TrainingSidebar extends Widget {
           <button class="jp-Button jp-mod-styled nbtrain-CompareButton" disabled
             title="Tick two runs or more to draw them over each other">Compare</button>
         </h3>
+        <input type="search" class="nbtrain-RunFilter jp-mod-styled"
+          placeholder="Filter runs (name, kind, state, folder)" aria-label="filter runs">
         <ul class="nbtrain-RunList"></ul>
       </section>`;
     this.node.addEventListener('click', this._onClick);
     this.node.addEventListener('change', this._onChange);
+    this._filter =
+      this.node.querySelector<HTMLInputElement>('.nbtrain-RunFilter')!;
+    this._filter.addEventListener('input', () => this._render());
     model.changed.connect(this._render, this);
     this._render();
   }
@@ -70,12 +85,17 @@ export class TrainingSidebar extends Widget {
         this._selected.delete(id);
       }
     }
+    const shown = filterRuns(this._model.runs, this._filter.value);
     runs.replaceChildren(
-      ...(this._model.runs.length
-        ? this._model.runs.map(run =>
-            renderRun(run, this._selected.has(run.id))
-          )
-        : [emptyItem('No runs yet. finetune() registers each run here.')])
+      ...(shown.length
+        ? shown.map(run => renderRun(run, this._selected.has(run.id)))
+        : [
+            emptyItem(
+              this._model.runs.length
+                ? `No run matches "${this._filter.value}".`
+                : 'No runs yet. finetune() registers each run here.'
+            )
+          ])
     );
     this._renderCompare();
   }
@@ -125,6 +145,12 @@ export class TrainingSidebar extends Widget {
       this._actions.stopRun(stop.dataset.stopRun!);
       return;
     }
+    const del = target.closest<HTMLElement>('[data-delete-run]');
+    if (del) {
+      event.stopPropagation();
+      this._actions.deleteRun(del.dataset.deleteRun!);
+      return;
+    }
     const item = target.closest<HTMLElement>('[data-run-id]');
     if (item) {
       this._actions.openRun(item.dataset.runId!);
@@ -134,6 +160,7 @@ export class TrainingSidebar extends Widget {
   private _model: TrainingModel;
   private _actions: ISidebarActions;
   private _selected = new Set<string>();
+  private _filter: HTMLInputElement;
 }
 
 function emptyItem(text: string): HTMLElement {
@@ -172,7 +199,14 @@ function renderCluster(cluster: ICluster): HTMLElement {
   const detail = el('div', 'nbtrain-Item-detail', parts.join(' · '));
   li.append(head, detail);
   if (cluster.notebook) {
-    li.append(el('div', 'nbtrain-Item-detail', `from ${cluster.notebook}`));
+    // the notebook's name; its folder on hover
+    const from = el(
+      'div',
+      'nbtrain-Item-detail',
+      `from ${baseName(cluster.notebook)}`
+    );
+    from.title = cluster.notebook;
+    li.append(from);
   }
   if (cluster.hosts.length) {
     li.title = cluster.ranks.length
@@ -199,7 +233,14 @@ function renderRun(run: IRun, selected: boolean): HTMLElement {
     box.title = 'Select to compare with other runs';
     box.setAttribute('aria-label', `select ${run.name} to compare`);
     head.append(box);
+  } else {
+    // a report cannot be compared: an empty box keeps its name in line with the runs' names
+    head.append(el('span', 'nbtrain-Run-select nbtrain-Run-noSelect'));
   }
+  // the run's colour in every chart
+  const dot = el('span', 'nbtrain-Dot');
+  dot.style.backgroundColor = colourOf(runColour(run.id));
+  dot.dataset.colour = String(runColour(run.id));
   const name = el('span', 'nbtrain-Item-name', run.name);
   // a name cut by the sidebar's width reads whole on hover
   name.title = run.name;
@@ -209,29 +250,26 @@ function renderRun(run: IRun, selected: boolean): HTMLElement {
     run.state
   );
   state.title = stateTitle(run);
-  head.append(name, state);
+  head.append(dot, name, state);
+  const detail = el('div', 'nbtrain-Item-detail nbtrain-Run-progress');
+  const text = el('span', 'nbtrain-Run-text');
+  detail.append(text);
+  li.append(head, detail);
   if (run.kind === 'scaling') {
     li.dataset.kind = 'scaling';
     li.title = `${run.name}\n${run.output_dir}\nopen the scaling report`;
-    li.append(head, el('div', 'nbtrain-Item-detail', 'scaling report'));
-    return li;
-  }
-  // each part stays on one line: a narrow sidebar wraps between parts, never inside one
-  const detail = el('div', 'nbtrain-Item-detail nbtrain-Run-progress');
-  progressParts(run).forEach((part, i) => {
-    if (i) {
-      detail.append(' · ');
+    text.textContent = 'scaling report';
+  } else {
+    li.dataset.kind = run.kind ?? 'sft';
+    const parts = progressParts(run);
+    if (run.kind && run.kind !== 'sft' && run.kind !== 'finetune') {
+      parts.unshift(run.kind.toUpperCase());
     }
-    detail.append(el('span', 'nbtrain-Run-part', part));
-  });
-  li.append(head, detail);
-  if (run.total_steps) {
-    const bar = el('div', 'nbtrain-Run-bar');
-    const fill = el('div', 'nbtrain-Run-barFill');
-    fill.style.width = `${Math.min(100, (100 * run.step) / run.total_steps)}%`;
-    bar.append(fill);
-    li.append(bar);
+    // one line: cut with an ellipsis, the whole on hover
+    text.textContent = parts.join(' · ');
+    text.title = parts.join(' · ');
   }
+  // the buttons sit on the second line: the name keeps the first line's width
   if (run.state === 'running') {
     const stop = el(
       'button',
@@ -240,7 +278,20 @@ function renderRun(run: IRun, selected: boolean): HTMLElement {
     );
     stop.dataset.stopRun = run.id;
     stop.title = 'Checkpoint and end this run at its next step (asks first)';
-    head.append(stop);
+    detail.append(stop);
+    if (run.total_steps) {
+      const bar = el('div', 'nbtrain-Run-bar');
+      const fill = el('div', 'nbtrain-Run-barFill');
+      fill.style.width = `${Math.min(100, (100 * run.step) / run.total_steps)}%`;
+      bar.append(fill);
+      li.append(bar);
+    }
+  } else {
+    const del = el('button', 'nbtrain-DeleteButton', '×');
+    del.dataset.deleteRun = run.id;
+    del.title = 'Delete this run from the list (asks first; its folder stays)';
+    del.setAttribute('aria-label', `delete ${run.name} from the list`);
+    detail.append(del);
   }
   return li;
 }

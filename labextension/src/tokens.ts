@@ -6,7 +6,7 @@
 export type RunState = 'running' | 'done' | 'failed' | 'stopped' | 'preempted';
 
 /** What a run trained (nbtrain/runs.py RUN_KINDS), `finetune` in records from before kinds. */
-export type RunKind = 'sft' | 'dpo' | 'grpo' | 'finetune';
+export type RunKind = 'sft' | 'dpo' | 'grpo' | 'finetune' | 'tinker' | string;
 
 /** One training run from the per-user runs registry (nbtrain/runs.py). */
 export interface IRun {
@@ -173,3 +173,18 @@ export interface ICluster {
  * How the data layer talks to the server: `requestAPI` in the extension, a fake in unit tests.
  */
 export type Requester = <T>(endPoint: string, init?: RequestInit) => Promise<T>;
+
+/** GET runs/<id>/config: the settings a run ran with, its kind, and its cluster. */
+export interface IRunConfig {
+  kind: string | null;
+  config: Record<string, unknown>;
+  config_file: string | null;
+  cluster: {
+    cluster_id: string | null;
+    world_size: number;
+    host: string;
+    hosts: string[];
+    backend: string | null;
+    notebook: string | null;
+  } | null;
+}

@@ -270,17 +270,19 @@ describe('RunMetrics', () => {
 describe("issue 34: a run's kind and a preempted run", () => {
   it("titles the loss with the unit of the run's kind", () => {
     expect(lossUnit('sft')).toBe('nats/token');
-    expect(lossUnit('dpo')).toBe('DPO loss/pair');
-    expect(lossUnit('grpo')).toBe('GRPO loss/token');
+    // DPO's and GRPO's losses have no unit: their axis says what it is
+    expect(lossUnit('dpo')).toBe('loss');
+    expect(lossUnit('grpo')).toBe('loss');
+    expect(lossUnit('tinker')).toBe('loss');
     // records from before kinds were SFT runs
     expect(lossUnit('finetune')).toBe('nats/token');
     expect(lossUnit(undefined)).toBe('nats/token');
   });
 
   it('titles compared losses with their one unit, or neutrally for mixed kinds', () => {
-    expect(lossTitle(['dpo', 'dpo'])).toBe('DPO loss/pair');
+    expect(lossTitle(['dpo', 'dpo'])).toBe('loss');
     expect(lossTitle(['sft', 'finetune'])).toBe('nats/token');
-    expect(lossTitle(['sft', 'dpo'])).toBe("loss (each run's own unit)");
+    expect(lossTitle(['sft', 'dpo'])).toBe('loss (nats/token for SFT runs)');
   });
 
   it('says where a preempted run can resume from', () => {

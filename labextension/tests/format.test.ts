@@ -2,54 +2,15 @@ import { describe, expect, it } from 'vitest';
 
 import {
   axisLabels,
-  downsample,
-  extent,
-  leftMargin,
-  linePath,
+  formatValue,
   logAxisLabels,
   logTicks,
+  niceLogRange,
+  niceRange,
   niceTicks
-} from '../src/charts';
-
-describe('downsample', () => {
-  it('keeps short series as they are', () => {
-    const points: Array<[number, number]> = [
-      [1, 1],
-      [2, 2]
-    ];
-    expect(downsample(points, 10)).toBe(points);
-  });
-
-  it('keeps spikes, the last point, and stays near the budget', () => {
-    const points: Array<[number, number]> = [];
-    for (let i = 0; i < 10_000; i++) {
-      points.push([i, i === 4321 ? 50 : 1 + (i % 7) / 100]);
-    }
-    const thin = downsample(points, 200);
-    expect(thin.length).toBeLessThanOrEqual(201);
-    expect(thin).toContainEqual([4321, 50]);
-    expect(thin[thin.length - 1]).toEqual([9999, points[9999][1]]);
-    // still in step order
-    expect(thin.every((p, i) => i === 0 || p[0] > thin[i - 1][0])).toBe(true);
-  });
-});
+} from '../src/format';
 
 describe('axes', () => {
-  it('pads a flat line so it is not drawn on the edge', () => {
-    const box = extent([
-      {
-        label: 'x',
-        className: '',
-        points: [
-          [1, 2],
-          [2, 2]
-        ]
-      }
-    ]);
-    expect(box).toEqual({ x0: 1, x1: 2, y0: 1.8, y1: 2.2 });
-    expect(extent([{ label: 'x', className: '', points: [] }])).toBeNull();
-  });
-
   it('picks round ticks', () => {
     expect(niceTicks(0, 1, 4)).toEqual([0, 0.5, 1]);
     expect(niceTicks(0, 200, 5)).toEqual([0, 50, 100, 150, 200]);
@@ -74,14 +35,20 @@ describe('axes', () => {
     expect(axisLabels([0, 1, 2, 3])).toEqual(['0', '1', '2', '3']);
     expect(axisLabels([0.92, 0.94, 0.96])).toEqual(['0.92', '0.94', '0.96']);
     expect(axisLabels([0, 1e-4, 2e-4])).toEqual(['0', '1e-4', '2e-4']);
-    expect(axisLabels([1.5e-4, 2e-4])).toEqual(['1.5e-4', '2e-4']);
+    // one format per axis: the same mantissa decimals on every tick
+    expect(axisLabels([1.5e-4, 2e-4])).toEqual(['1.5e-4', '2.0e-4']);
+    expect(axisLabels([1.9e-3, 1.95e-3, 2e-3])).toEqual([
+      '1.90e-3',
+      '1.95e-3',
+      '2.00e-3'
+    ]);
   });
 
   it('gives a narrow range of ticks distinct labels', () => {
     const ticks = niceTicks(0.0049, 0.00506, 4);
     const labels = axisLabels(ticks);
     expect(new Set(labels).size).toBe(ticks.length);
-    expect(labels).toContain('5e-3');
+    expect(labels).toContain('5.00e-3');
     expect(labels).toContain('4.95e-3');
   });
 
@@ -105,27 +72,29 @@ describe('axes', () => {
     }
   });
 
-  it('widens the left margin for long y labels only', () => {
-    const short = leftMargin(['0', '1', '2']);
-    expect(leftMargin(['4.998e-3', '4.999e-3', '5e-3'])).toBeGreaterThan(short);
-    // the longest label and the rotated y title fit between the SVG's left edge and the plot
-    expect(leftMargin(['4.998e-3'])).toBeGreaterThanOrEqual(
-      '4.998e-3'.length * 6.6 + 6 + 14
-    );
+  it('ends an axis on a tick: no data above the last label', () => {
+    expect(niceRange(0.93, 2.49)).toEqual([0.5, 2.5]);
+    expect(niceRange(2.2, 2.61)).toEqual([2.2, 2.7]);
+    const [lo, hi] = niceRange(4.61, 8.13);
+    const ticks = niceTicks(lo, hi, 5);
+    expect(ticks[0]).toBe(lo);
+    expect(ticks[ticks.length - 1]).toBe(hi);
+    // a flat series gets some height
+    expect(niceRange(2, 2)[1]).toBeGreaterThan(2);
+    expect(niceLogRange(0.013, 7.5)).toEqual([0.01, 10]);
+    expect(niceLogRange(2.3, 3.9)).toEqual([2, 5]);
   });
 });
 
-describe('linePath', () => {
-  it('maps data corners to the box corners, y up', () => {
-    const d = linePath(
-      [
-        [0, 0],
-        [10, 5]
-      ],
-      { x0: 0, x1: 10, y0: 0, y1: 5 },
-      100,
-      50
-    );
-    expect(d).toBe('M0.0,50.0L100.0,0.0');
+describe('formatValue', () => {
+  it('writes 3 significant digits, k/M/G, e-notation under 1e-2', () => {
+    expect(formatValue(4.8547)).toBe('4.85');
+    expect(formatValue(3216.6)).toBe('3.22k');
+    expect(formatValue(999.7)).toBe('1.00k');
+    expect(formatValue(0.00195)).toBe('1.95e-3');
+    expect(formatValue(0.0002)).toBe('2e-4');
+    expect(formatValue(12)).toBe('12.0');
+    expect(formatValue(null)).toBe('–');
+    expect(formatValue(0)).toBe('0');
   });
 });

@@ -1,0 +1,221 @@
+import { describe, expect, it } from 'vitest';
+
+import {
+  chartGroups,
+  fnv1a,
+  groupOf,
+  numericKeys,
+  PALETTE_DARK,
+  PALETTE_LIGHT,
+  runColour,
+  runStyles,
+  smoothed,
+  unitOf
+} from '../src/metrics';
+
+/** WCAG contrast of two #rrggbb colours. */
+function contrast(a: string, b: string): number {
+  const lum = (h: string) => {
+    const [r, g, bl] = [1, 3, 5].map(
+      i => parseInt(h.slice(i, i + 2), 16) / 255
+    );
+    const f = (c: number) =>
+      c <= 0.03928 ? c / 12.92 : Math.pow((c + 0.055) / 1.055, 2.4);
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(bl);
+  };
+  const [x, y] = [lum(a), lum(b)].sort((p, q) => q - p);
+  return (x + 0.05) / (y + 0.05);
+}
+
+// metric names as the recipes log them (nbtrain/losses/dpo.py METRICS, grpo rollout.finish)
+const DPO = [
+  'loss',
+  'grad_norm',
+  'learning_rate',
+  'tokens_per_s',
+  'step_time',
+  'epoch',
+  'rewards/chosen',
+  'rewards/rejected',
+  'rewards/accuracies',
+  'rewards/margins',
+  'logps/chosen',
+  'logps/rejected',
+  'eval_loss',
+  'eval_rewards/margins'
+];
+const GRPO = [
+  'loss',
+  'reward',
+  'reward_std',
+  'frac_reward_zero_std',
+  'completions/mean_length',
+  'completions/clipped_ratio',
+  'rewards/length/mean',
+  'rewards/length/std',
+  'rewards/exact/mean',
+  'rewards/exact/std',
+  'kl',
+  'clip_ratio/low_mean',
+  'learning_rate',
+  'tokens_per_s'
+];
+
+describe('chart groups', () => {
+  it('groups keys by prefix as TensorBoard does', () => {
+    expect(groupOf('rewards/margins')).toBe('rewards');
+    expect(groupOf('eval_rewards/margins')).toBe('eval');
+    expect(groupOf('eval_loss')).toBe('eval');
+    expect(groupOf('peak_memory_gb_rank1')).toBe('memory');
+    expect(groupOf('step_time')).toBe('timings');
+    expect(groupOf('tokens_per_s')).toBe('tokens_per_s');
+    expect(groupOf('reward_std')).toBe('reward');
+  });
+
+  it('charts every numeric key but step and time', () => {
+    const keys = numericKeys([
+      { step: 1, loss: 2, time: 5, note: 'x' as unknown as number },
+      { step: 2, loss: 1, 'rewards/margins': 0.3, kl: null }
+    ]);
+    expect(keys).toEqual(['loss', 'rewards/margins']);
+  });
+
+  it("puts a DPO run's loss, reward margin and accuracy first, and charts every metric", () => {
+    const groups = chartGroups(DPO, 'dpo', true);
+    expect(groups[0].name).toBe('overview');
+    expect(groups[0].charts.map(c => c.key)).toEqual([
+      'loss',
+      'rewards/margins',
+      'rewards/accuracies'
+    ]);
+    // eval loss is drawn over loss in a run panel
+    expect(groups[0].charts[0].keys).toEqual(['loss', 'eval_loss']);
+    const charted = groups.flatMap(g => g.charts.flatMap(c => c.keys));
+    expect([...charted].sort()).toEqual([...DPO].sort());
+    // no unit claimed for a DPO loss
+    expect(groups[0].charts[0].yTitle).toBe('loss');
+    expect(groups.map(g => g.name)).toEqual([
+      'overview',
+      'eval',
+      'rewards',
+      'logps',
+      'grad_norm',
+      'learning_rate',
+      'tokens_per_s',
+      'timings',
+      'epoch'
+    ]);
+  });
+
+  it("puts a GRPO run's reward per function, completion length and KL first", () => {
+    const groups = chartGroups(GRPO, 'grpo', false);
+    expect(groups[0].charts.map(c => c.key)).toEqual([
+      'rewards/length/mean',
+      'rewards/exact/mean',
+      'reward',
+      'completions/mean_length',
+      'kl',
+      'loss'
+    ]);
+    expect(groups[0].charts[3].yTitle).toBe('tokens');
+    const charted = groups.flatMap(g => g.charts.flatMap(c => c.keys));
+    expect([...charted].sort()).toEqual([...GRPO].sort());
+    // within a group the means come before their std
+    const rewards = groups.find(g => g.name === 'rewards')!;
+    expect(rewards.charts.map(c => c.key)).toEqual([
+      'rewards/exact/std',
+      'rewards/length/std'
+    ]);
+  });
+
+  it('gives SFT its loss in nats/token, and a unit only where one is true', () => {
+    expect(unitOf('loss', 'sft')).toBe('nats/token');
+    expect(unitOf('eval_loss', undefined)).toBe('nats/token');
+    expect(unitOf('loss', 'grpo')).toBe('loss');
+    expect(unitOf('grad_norm', 'sft')).toBe('grad_norm');
+    expect(unitOf('mfu')).toBe('%');
+    expect(unitOf('logps/chosen')).toBe('nats');
+    const memory = chartGroups(
+      [
+        'loss',
+        'peak_memory_gb',
+        'peak_memory_gb_rank1',
+        'peak_memory_gb_rank0'
+      ],
+      'sft',
+      true
+    ).find(g => g.name === 'memory')!;
+    expect(memory.charts[0].keys).toEqual([
+      'peak_memory_gb_rank0',
+      'peak_memory_gb_rank1'
+    ]);
+  });
+});
+
+describe('smoothing that never lies', () => {
+  const dense: Array<[number, number]> = [
+    [1, 1],
+    [2, 3],
+    [3, 1],
+    [4, 3]
+  ];
+  const spec = (key: string) =>
+    chartGroups([key], 'sft', false)[0].charts.find(c => c.key === key)!;
+
+  it('smooths a dense series and keeps its raw points', () => {
+    const [line] = smoothed(
+      spec('loss'),
+      [{ label: 'a', colour: 0, points: dense, rows: 4 }],
+      0.6
+    );
+    expect(line.raw).toBe(dense);
+    expect(line.points[1][1]).not.toBe(3);
+    expect(line.points.map(p => p[0])).toEqual([1, 2, 3, 4]);
+  });
+
+  it('never smooths the learning rate, nor a sparse (eval) series', () => {
+    const [lr] = smoothed(
+      spec('learning_rate'),
+      [{ label: 'a', colour: 0, points: dense, rows: 4 }],
+      0.9
+    );
+    expect(lr.raw).toBeUndefined();
+    expect(lr.points).toBe(dense);
+    // 4 eval points over 100 logged rows
+    const [evalLine] = smoothed(
+      spec('eval_loss'),
+      [{ label: 'a', colour: 0, points: dense, rows: 100 }],
+      0.9
+    );
+    expect(evalLine.raw).toBeUndefined();
+  });
+});
+
+describe('colours', () => {
+  it('hashes a run id with FNV-1a, as the notebook does', () => {
+    // the published FNV-1a 32-bit test vectors
+    expect(fnv1a('')).toBe(0x811c9dc5);
+    expect(fnv1a('a')).toBe(0xe40c292c);
+    expect(fnv1a('foobar')).toBe(0xbf9cf968);
+    expect(runColour('3f2a9c')).toBe(fnv1a('3f2a9c') % 8);
+  });
+
+  it('keeps a run its colour whatever runs it is compared with', () => {
+    const a = runStyles([{ id: 'aa' }, { id: 'bb' }]);
+    const b = runStyles([{ id: 'cc' }, { id: 'bb' }, { id: 'dd' }]);
+    expect(a[1].colour).toBe(b[1].colour);
+    // two runs with one colour: the later is dashed
+    const same = runStyles([{ id: 'aa' }, { id: 'aa' }]);
+    expect(same.map(s => s.dashed)).toEqual([false, true]);
+  });
+
+  it('reads on the background: >= 4.5:1 on dark (#111111 and #212121) and on white', () => {
+    for (const c of PALETTE_DARK) {
+      expect(contrast(c, '#111111')).toBeGreaterThanOrEqual(4.5);
+      expect(contrast(c, '#212121')).toBeGreaterThanOrEqual(4.5);
+    }
+    for (const c of PALETTE_LIGHT) {
+      expect(contrast(c, '#ffffff')).toBeGreaterThanOrEqual(4.5);
+    }
+  });
+});
