@@ -14,7 +14,9 @@ import time
 from typing import Any
 
 from nbtrain.plots import (
+    EMPTY,
     Chart,
+    completion_text,
     format_cell,
     format_duration,
     format_value,
@@ -51,8 +53,6 @@ SAMPLE_PROMPTS_SHOWN = 16
 # what the final output says of a run that ended so (the run's state, as its record and the Lab say
 # it); "finished" for a run of `log` rows that no recipe ended with a state
 ENDED = {"done": "finished", "stopped": "stopped", "preempted": "preempted", "failed": "failed"}
-# a completion with nothing but blanks, as the Lab writes it
-EMPTY = "(empty)"
 
 
 def _fmt(key: str, value: Any) -> str:
@@ -61,12 +61,6 @@ def _fmt(key: str, value: Any) -> str:
     if value is None:
         return "–"
     return format_cell(key, value)
-
-
-def completion_text(text: str) -> str:
-    """A sampled completion as shown: without the U+FFFD replacement characters its decoding left
-    where the sample was cut inside a multi-byte character."""
-    return text.rstrip("\ufffd")
 
 
 class LiveDisplay:
@@ -245,7 +239,7 @@ class LiveDisplay:
             style = "text-align:left;vertical-align:top;white-space:pre-wrap"
             if completion and value is not None:
                 text = completion_text(text)
-                if not text.strip():  # the model wrote nothing: say so, as the Lab does
+                if text == EMPTY:  # the model wrote nothing: say so, as the Lab does
                     return f"<td style='{style};opacity:.6;font-style:italic'>{EMPTY}</td>"
             cut = text if len(text) <= SAMPLE_CHARS else text[:SAMPLE_CHARS] + "…"
             return (
@@ -282,7 +276,7 @@ class LiveDisplay:
         lines = [f"samples at step {step}:"]
         for r in self.samples[step]:
             text = completion_text(str(r.get("completion") or ""))
-            shown = repr(text) if text.strip() else EMPTY
+            shown = text if text == EMPTY else repr(text)
             lines.append(f"  [{r.get('index')}] {r.get('prompt')!r} -> {shown}")
         return "\n".join(lines)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import nbtrain
+from nbtrain import plots
 from nbtrain.compare import (
     IGNORED_FIELDS,
     config_diff,
@@ -139,6 +140,10 @@ def test_parse_samples_keeps_only_sample_rows():
         "[1]",
         "",
     ]
+    # a completion cut inside a multi-byte character loses the replacement characters its
+    # decoding left, not the rest
+    cut = _sample(2, 0, "caf\u00e9 \u2603\ufffd\ufffd")
+    assert parse_samples([cut])[0]["completion"] == "caf\u00e9 \u2603"
     assert parse_samples(lines) == [
         json.loads(good),
         {
@@ -314,12 +319,35 @@ def test_compare_draws_and_tables_two_real_runs(two_lr_runs, tmp_path):
 
     # one subplot per metric, each run a line with its name in the legend
     ax = plain.figure.axes[0]
-    assert ax.get_title() == "loss"
+    assert ax.get_title(loc="left") == "loss" and ax.get_ylabel() == "nats/token"
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["lr-0.01", "lr-0.001"]
     drawn = [list(line.get_ydata()) for line in ax.lines]
     assert drawn == [[y for _, y in s] for s in series(plain.runs, "loss")]
+    # issue 38, 8: each run in its Lab colour, the figure within the output area, transparent,
+    # one x range for every chart, ticks ending each axis
+    assert [line.get_color() for line in ax.lines] == [
+        plots.run_colour(r.run_id) for r in plain.runs
+    ]
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(plain.png()))
+    assert img.size[0] <= plots.MAX_WIDTH_PX and img.mode == "RGBA"
+    assert img.getpixel((img.size[0] - 1, img.size[1] - 1))[3] == 0  # transparent
+    shown = [a for a in plain.figure.axes if a.get_visible()]
+    assert len({a.get_xlim() for a in shown}) == 1 and shown[0].get_xlim() == (1, 6)
+    ymin, ymax = ax.get_ylim()
+    assert ymin in ax.get_yticks() and ymax in ax.get_yticks()
+    assert ymax >= max(max(d) for d in drawn)
+    # the learning rate is never smoothed, and its ticks share one e-notation format
+    lr_ax = shown[plain.metrics.index("learning_rate")]
+    labels = [t.get_text() for t in lr_ax.get_yticklabels()]
+    assert len({len(lbl.split("e")[0]) for lbl in labels if lbl != "0"}) == 1, labels
 
     smooth = nbtrain.compare(paths, smooth=0.8, logy=True)
+    lr = smooth.curves["learning_rate"][0]
+    assert lr.smoothed == lr.raw  # a schedule is drawn as it is
+    ev = smooth.curves["eval_loss"][0]
+    assert ev.smoothed == ev.raw  # eval loss is on 2 of the 6 rows: not smoothed
     ax = smooth.figure.axes[0]
     assert ax.get_yscale() == "log"
     raw_1, smooth_1 = (list(line.get_ydata()) for line in ax.lines[:2])
@@ -331,7 +359,12 @@ def test_compare_draws_and_tables_two_real_runs(two_lr_runs, tmp_path):
     assert Path(written["png"]).read_bytes().startswith(PNG)
     assert Path(written["csv"]).read_text() == smooth.csv()
     md = Path(written["md"]).read_text()
-    assert "| learning_rate | 0.01 | 0.001 |" in md
+    assert "| learning_rate | 0.0100 | 1e-3 |" in md
+    # the Lab's number format in the table: 3 significant digits, the step an integer
+    page = smooth._repr_html_()
+    final_loss = smooth.runs[0].final["loss"]
+    assert f"<td>{plots.format_value(final_loss)}</td>" in page
+    assert "<td>6</td>" in page and "6.0" not in page
 
     # a folder of run folders stands for all of them; one run is drawn, with a note
     assert nbtrain.compare(two_lr_runs["root"]).labels == ["lr-0.001", "lr-0.01"]

@@ -127,7 +127,7 @@ def parse_samples(lines: Iterable[str | bytes]) -> list[dict[str, Any]]:
                 "step": step,
                 "index": index,
                 "prompt": row["prompt"],
-                "completion": row["completion"],
+                "completion": clean_completion(row["completion"]),
                 "reference": reference if isinstance(reference, str) else None,
                 "tokens": tokens
                 if isinstance(tokens, int) and not isinstance(tokens, bool)
@@ -138,6 +138,13 @@ def parse_samples(lines: Iterable[str | bytes]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def clean_completion(text: str) -> str:
+    """A completion without the U+FFFD replacement characters at its end: a sample cut at its token
+    limit inside a multi-byte character decodes to them, and the character is not there to show
+    (the blanks a model wrote stay: `nbtrain.plots.completion_text` writes those "(empty)")."""
+    return text.rstrip("\ufffd")
 
 
 def load_samples(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -190,12 +197,14 @@ def side_by_side(runs: Sequence[RunData]) -> list[dict[str, Any]]:
 
 
 def final_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The last value (not None) of each key in `rows`, except the row's wall-clock time."""
+    """The last number of each key in `rows` (every metric, and the step), except the row's
+    wall-clock time; text and booleans are not metrics and are left out."""
     final: dict[str, Any] = {}
     for row in rows:
         for key, value in row.items():
-            if value is not None and key not in _NOT_FINAL:
-                final[key] = value
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                if key not in _NOT_FINAL:
+                    final[key] = value
     return final
 
 
@@ -421,6 +430,7 @@ __all__ = [
     "COMPARE_METRICS",
     "IGNORED_FIELDS",
     "RunData",
+    "clean_completion",
     "config_diff",
     "ema",
     "labels",

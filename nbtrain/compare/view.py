@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import math
 import os
 from collections.abc import Sequence
@@ -35,23 +34,26 @@ from nbtrain.compare.data import (
     side_by_side,
 )
 from nbtrain.errors import NotARunError
-from nbtrain.runs import loss_unit
+from nbtrain.plots import (
+    RAW_ALPHA,
+    completion_text,
+    format_cell,
+    legend,
+    new_figure,
+    nice_ticks,
+    overview,
+    png_bytes,
+    run_colour,
+    smoothed,
+    style_axes,
+    unit,
+)
+from nbtrain.runs import run_id_for
 
 #: the last values a comparison's table shows, where any run has them
 FINAL_COLUMNS = ("step", "loss", "eval_loss", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gb")
-_TITLES = {"tokens_per_s": "tokens/s", "learning_rate": "learning rate", "eval_loss": "eval loss"}
-#: each metric's y axis title, with its unit (the Lab's charts say the same)
-Y_TITLES = {
-    "loss": "nats/token",
-    "eval_loss": "nats/token",
-    "tokens_per_s": "tokens/s",
-    "learning_rate": "learning rate",
-    "grad_norm": "L2 norm",
-    "mfu": "MFU",
-    "peak_memory_gb": "GB",
-}
-# a faint raw curve under the smoothed one, as TensorBoard draws it
-_RAW_ALPHA = 0.25
+#: drawn after the overview of the runs' kind, where the runs have them
+ALWAYS_DRAWN = ("tokens_per_s", "learning_rate")
 
 
 def _expand(runs: Any) -> list[RunData]:
@@ -104,10 +106,8 @@ class Comparison:
     samples: Any = None
 
     def png(self) -> bytes:
-        """The figure as PNG bytes."""
-        buf = io.BytesIO()
-        self.figure.savefig(buf, format="png", bbox_inches="tight")
-        return buf.getvalue()
+        """The figure as PNG bytes, on a transparent background (the notebook's theme shows)."""
+        return png_bytes(self.figure)
 
     def csv(self) -> str:
         """Every run's curves as CSV: columns run, x, then each metric."""
@@ -119,7 +119,7 @@ class Comparison:
         head = ["", *map(str, t.columns)]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for name, row in t.iterrows():
-            cells = [str(name), *(_fmt(v) for v in row)]
+            cells = [str(name), *(_fmt(v, str(name)) for v in row)]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         return "\n".join(lines) + "\n" + self._samples_markdown()
 
@@ -163,7 +163,7 @@ class Comparison:
     def _repr_html_(self) -> str:
         img = base64.b64encode(self.png()).decode()
         notes = "".join(f"<p><i>{html.escape(n)}</i></p>" for n in self.notes)
-        table = self.table.T.to_html(escape=True, na_rep="–", float_format=_fmt)
+        table = _shown(self.table).to_html(escape=True)
         return f'<div><img src="data:image/png;base64,{img}"/>{notes}{table}{self._samples_html()}</div>'
 
     def _samples_html(self) -> str:
@@ -203,20 +203,29 @@ def _sample_cell(style: str, value: Any) -> str:
 
 
 def _text(value: Any) -> str:
-    """A samples table cell: the text, or a dash where the run did not sample that prompt."""
-    return value if isinstance(value, str) else "–"
+    """A samples table cell: the text, "(empty)" where the model wrote only blanks, or a dash
+    where the run did not sample that prompt."""
+    return completion_text(value) if isinstance(value, str) else "–"
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: Any, key: str = "") -> str:
+    """A table cell as the Lab writes it (`nbtrain.plots.format_cell`): 4.85, 3.22k, 1.5e-5, a step
+    as an integer, a time as a date; text as it is."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
-    if isinstance(value, float):
-        return (
-            f"{value:.3e}"
-            if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5)
-            else f"{value:.4g}"
-        )
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return format_cell(key.removeprefix("final "), value)
     return str(value)
+
+
+def _shown(table: Any) -> Any:
+    """The table as its cells are written: a row per column of `table` (setting or metric), a
+    column per run."""
+    import pandas as pd
+
+    t = table.T
+    cells = [[_fmt(v, str(name)) for v in row] for name, row in t.iterrows()]
+    return pd.DataFrame(cells, index=t.index, columns=t.columns)
 
 
 def _tables(runs: list[RunData], names: list[str]) -> tuple[Any, Any]:
@@ -263,9 +272,21 @@ def _samples(runs: list[RunData], names: list[str]) -> Any:
     return frame
 
 
+def default_metrics(runs: Sequence[RunData]) -> list[str]:
+    """What a comparison draws unless told: the Lab's overview of the runs' kind (SFT's loss and
+    eval loss; DPO's reward margin and accuracy; GRPO's rewards, completion length, KL), then
+    throughput and the learning rate; COMPARE_METRICS where the runs are of several kinds."""
+    kinds = {r.kind for r in runs}
+    if len(kinds) != 1:
+        return list(COMPARE_METRICS)
+    keys = [k for r in runs for k in r.metrics]
+    shown = [k for chart in overview(kinds.pop(), keys) for k in chart.keys]
+    return list(dict.fromkeys([*shown, *ALWAYS_DRAWN]))
+
+
 def compare(
     runs: Any,
-    metrics: Sequence[str] = COMPARE_METRICS,
+    metrics: Sequence[str] | None = None,
     x: str = "step",
     smooth: float = 0.0,
     logy: bool = False,
@@ -275,9 +296,12 @@ def compare(
     In [1]: nbtrain.compare(["runs/a", "runs/b"], smooth=0.6, logy=True)
 
     `runs` are run folders (a finetune output_dir; a folder of run folders stands for all of them),
-    registered run ids or names, or `RunData`. `x` is "step" or "time" (seconds since each run's first
-    row). `smooth` is TensorBoard's smoothing weight in [0, 1): the smoothed curve is drawn over a faint
-    raw one. `logy` draws every y axis on a log scale (values <= 0 left out).
+    registered run ids or names, or `RunData`. `metrics` are row keys; by default the Lab's overview
+    of the runs' kind, tokens/s and the learning rate (`default_metrics`). `x` is "step" or "time"
+    (seconds since each run's first row). `smooth` is TensorBoard's smoothing weight in [0, 1): the
+    smoothed curve is drawn over a faint raw one (never for the learning rate, epoch, memory or MFU,
+    nor a series on fewer than half the rows, such as eval loss). `logy` draws every y axis on a log
+    scale (values <= 0 left out). Each run has its colour of the Lab (`nbtrain.plots.run_colour`).
     """
     if isinstance(metrics, str):
         metrics = [metrics]
@@ -285,6 +309,8 @@ def compare(
     if not loaded:
         msg = "nbtrain.compare needs run folders to compare, e.g. nbtrain.compare(['runs/a', 'runs/b'])"
         raise NotARunError(msg)
+    if metrics is None:
+        metrics = default_metrics(loaded)
     ema([], smooth)  # a bad weight fails here, before any drawing
     names = labels(loaded)
     notes = []
@@ -308,8 +334,13 @@ def compare(
         raise ValueError(msg)
     curves = {
         m: [
-            Curve(name, [p[0] for p in pts], [p[1] for p in pts], ema([p[1] for p in pts], smooth))
-            for name, pts in zip(names, series(loaded, m, x), strict=True)
+            Curve(
+                name,
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                ema([p[1] for p in pts], smooth if smoothed(m, len(pts), len(run.rows)) else 0.0),
+            )
+            for name, run, pts in zip(names, loaded, series(loaded, m, x), strict=True)
         ]
         for m in drawn
     }
@@ -322,7 +353,7 @@ def compare(
         smooth=smooth,
         diff=diff,
         table=table,
-        figure=_draw(curves, x, smooth, logy, loss_title(loaded)),
+        figure=_draw(curves, x, smooth, logy, loss_title(loaded), _colours(loaded)),
         curves=curves,
         notes=notes,
         samples=_samples(loaded, names),
@@ -330,45 +361,51 @@ def compare(
 
 
 def loss_title(runs: Sequence[RunData]) -> str:
-    """The loss axes' title: the unit of the runs' kind (`nbtrain.runs.loss_unit`), or "loss" where
-    runs of different kinds (SFT's nats/token beside DPO's loss per pair) share the axes."""
+    """The loss axes' title: "nats/token" where every run is SFT, "loss" otherwise (a DPO or GRPO
+    loss has no unit), as the Lab titles it."""
     kinds = {r.kind for r in runs}
-    return loss_unit(kinds.pop()) if len(kinds) == 1 else "loss (each run's own unit)"
+    return unit("loss", kinds.pop()) if len(kinds) == 1 else "loss"
+
+
+def _colours(runs: Sequence[RunData]) -> list[str]:
+    """Each run's colour in the Lab: its registry id's (the id the registry gives its folder)."""
+    return [run_colour(r.run_id or run_id_for(r.path)) for r in runs]
 
 
 def _draw(
-    curves: dict[str, list[Curve]], x: str, smooth: float, logy: bool, loss: str = "nats/token"
+    curves: dict[str, list[Curve]],
+    x: str,
+    smooth: float,
+    logy: bool,
+    loss: str = "nats/token",
+    colours: Sequence[str] = (),
 ) -> Any:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    n = len(curves)
-    ncols = min(2, n)
-    nrows = math.ceil(n / ncols)
-    # a plain Figure, not pyplot: the inline backend would show it a second time
-    fig = Figure(figsize=(6.0 * ncols, 3.4 * nrows), dpi=80, layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for ax, (metric, runs) in zip(axes, curves.items(), strict=False):
+    # two charts to a row, never wider than the output area, on a transparent background
+    fig, axes = new_figure(len(curves))
+    xs = [v for runs in curves.values() for c in runs for v in c.x]
+    # one x range for the whole view, so the charts line up step for step
+    xticks = nice_ticks(min(xs), max(xs), 6, integer=x == "step") if xs else []
+    for ax, (metric, runs) in zip(axes, curves.items(), strict=True):
+        scale = 100.0 if metric == "mfu" else 1.0
         for i, c in enumerate(runs):
-            color = f"C{i % 10}"
-            if smooth > 0:
-                ax.plot(c.x, c.raw, color=color, alpha=_RAW_ALPHA, linewidth=1, zorder=1)
-                ax.plot(c.x, c.smoothed, color=color, label=c.run, linewidth=1.6, zorder=2)
-            else:
-                ax.plot(c.x, c.raw, color=color, label=c.run, linewidth=1.6)
+            color = colours[i] if i < len(colours) else f"C{i % 10}"
+            ys = [v * scale for v in c.smoothed]
+            if c.smoothed != c.raw:
+                raw = [v * scale for v in c.raw]
+                ax.plot(c.x, raw, color=color, alpha=RAW_ALPHA, linewidth=1, zorder=1)
+            ax.plot(c.x, ys, color=color, label=c.run, linewidth=1.6, zorder=2)
             if len(c.x) == 1:  # one point draws no line: mark it
-                ax.plot(c.x, c.smoothed, "o", color=color)
-        ax.set_title(_TITLES.get(metric, metric))
-        ax.set_xlabel("step" if x == "step" else "seconds")
-        ax.set_ylabel(loss if metric in ("loss", "eval_loss") else Y_TITLES.get(metric, metric))
-        if x == "step":
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                ax.plot(c.x, ys, "o", color=color)
         if logy:
             ax.set_yscale("log", nonpositive="mask")
-        ax.grid(True, alpha=0.3)
-    for ax in axes[n:]:
-        ax.set_visible(False)
-    axes[0].legend(fontsize="small")
+        ylabel = loss if metric in ("loss", "eval_loss") else unit(metric)
+        style_axes(ax, integer_x=x == "step", title=metric, ylabel=ylabel, xlabel=_x_title(x))
+        if len(xticks) > 1:
+            ax.set_xticks(xticks)
+            ax.set_xlim(xticks[0], xticks[-1])
+    legend(axes[0], loc="best")
     return fig
+
+
+def _x_title(x: str) -> str:
+    return "step" if x == "step" else "seconds"

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from nbtrain.plots.metrics import Chart, charts, group, numeric_keys, overview, smoothed, unit
 from nbtrain.plots.numbers import (
+    EMPTY,
     MISSING,
+    completion_text,
     format_cell,
     format_count,
     format_duration,
@@ -31,6 +33,7 @@ from nbtrain.plots.style import (
 )
 
 __all__ = [
+    "EMPTY",
     "INK",
     "MAX_WIDTH_PX",
     "MISSING",
@@ -39,6 +42,7 @@ __all__ = [
     "RAW_ALPHA",
     "Chart",
     "charts",
+    "completion_text",
     "fnv1a32",
     "format_cell",
     "format_count",

@@ -15,6 +15,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+#: what a completion of nothing but blanks is written as (the Lab's words)
+EMPTY = "(empty)"
 #: what a missing value is written as (None, NaN, infinities; a count that is not there)
 MISSING = "–"
 # k, M, G from a thousand on: (divisor, suffix), largest first
@@ -103,6 +105,14 @@ def format_cell(key: str, value: Any) -> str:
     return format_value(value)
 
 
+def completion_text(text: str) -> str:
+    """A sampled completion as shown: without the U+FFFD replacement characters at its end (a
+    sample cut at its token limit inside a multi-byte character decodes to them, and the character
+    is not there to show), and "(empty)" where the model wrote only blanks, as the Lab writes it."""
+    text = text.rstrip("\ufffd")
+    return text if text.strip() else EMPTY
+
+
 def _decimals(values: Sequence[float], scale: float = 1.0, most: int = 8) -> int:
     """The fewest decimals that write every value / scale exactly (to a millionth of their step)."""
     scaled = [v / scale for v in values]
@@ -140,8 +150,10 @@ def tick_labels(ticks: Sequence[float]) -> list[str]:
 
 __all__ = [
     "COUNT_KEYS",
+    "EMPTY",
     "MISSING",
     "TIME_KEYS",
+    "completion_text",
     "format_cell",
     "format_count",
     "format_duration",
