@@ -19,7 +19,7 @@ from nbtrain.tinker.futures import Future
 from nbtrain.tinker.protocol import RequestError, bad
 from nbtrain.tinker.verbs import Verbs
 
-POLL_S = 10.0  # the SDK polls again at once on try_again, so the server holds each poll this long
+POLL_S = 30.0  # the SDK polls again at once on try_again (and logs a warning), so the server holds each poll this long (its timeout is 45 s)
 PROTO = "application/x-protobuf"
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
