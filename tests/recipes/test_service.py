@@ -384,3 +384,36 @@ def test_state_resumes_as_uninterrupted_and_models_stay_apart(cluster, base, tmp
         cluster.run(service.optim_step, "r1", {})
     with pytest.raises(Exception, match="no saved training state"):
         cluster.run(service.load_state, "r4", str(tmp_path / "nowhere"), True, base, LORA)
+
+
+def test_a_preemption_notice_checkpoints_every_live_model(cluster, base, tmp_path):
+    import os
+    import signal
+    import time
+
+    run(cluster, service.create_model, "pre", base, {**LORA, "seed": 4})
+    _steps(cluster, "pre", [50])
+    folder = tmp_path / "preempted"
+    assert cluster.run(service.arm_preemption, str(folder)) == [True, True]
+    try:
+        for pid in cluster.run(os.getpid):
+            os.kill(pid, signal.SIGUSR1)  # Slurm's --signal=USR1@90 notice: the engines serve on
+        deadline = time.monotonic() + 20
+        while not (folder / "pre" / "service.json").is_file() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        got = cluster.run(service.preemption_status)
+        assert [g["signal"] for g in got] == ["SIGUSR1", "SIGUSR1"]
+        assert got[1]["saved"] == [] and str(folder / "pre") in got[0]["saved"], got
+        assert got[0]["errors"] == []
+    finally:
+        cluster.run(service.disarm_preemption)
+    # what was written is the model as it was, optimizer included
+    run(cluster, service.load_state, "pre-back", str(folder / "pre"), True, None, None)
+    _close(
+        run(cluster, service.weights, "pre-back"),
+        run(cluster, service.weights, "pre"),
+        atol=0,
+        rtol=0,
+    )
+    for m in ("pre", "pre-back"):
+        run(cluster, service.unload, m)

@@ -15,6 +15,11 @@ pickles cheaply through ipyparallel. A model id this process does not hold raise
 from __future__ import annotations
 
 from nbtrain.recipes.service.lifecycle import create_model, status, unload
+from nbtrain.recipes.service.preemption import (
+    arm_preemption,
+    disarm_preemption,
+    preemption_status,
+)
 from nbtrain.recipes.service.registry import UnknownModelError
 from nbtrain.recipes.service.sample import sample
 from nbtrain.recipes.service.state import (
@@ -29,11 +34,14 @@ from nbtrain.recipes.service.train import forward_backward, optim_step
 
 __all__ = [
     "UnknownModelError",
+    "arm_preemption",
     "checkpoint_all",
     "create_model",
+    "disarm_preemption",
     "forward_backward",
     "load_state",
     "optim_step",
+    "preemption_status",
     "sample",
     "save_sampler",
     "save_state",

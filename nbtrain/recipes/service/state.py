@@ -92,30 +92,32 @@ def _replace_dir(path: Path, write: Callable[[Path], None]) -> None:
 def _on_rank_zero(what: str, fn: Callable[[], Any]) -> Any:
     """`fn()` on rank 0; its value (or its failure, raised on every rank) broadcast to all ranks."""
     d = registry.dist()
-    result: tuple[Any, str | None] = (None, None)
+    result: tuple[Any, str | None, bool, str] = (None, None, False, d.host)
     if d.is_zero:
         try:
-            result = (fn(), None)
+            result = (fn(), None, False, d.host)
+        except registry.UnknownModelError as e:  # a missing folder stays a 404
+            result = (None, str(e), True, d.host)
         except Exception as e:  # told to every rank below, so none waits on rank 0
-            result = (None, f"{type(e).__name__}: {e}")
-    value, err = d.broadcast_object(result)
+            result = (None, f"{type(e).__name__}: {e}", False, d.host)
+    value, err, unknown, host = d.broadcast_object(result)
     if err is not None:
-        msg = f"{what} failed on rank 0 ({d.host if d.is_zero else 'rank 0'}): {err}"
-        raise ConfigError(msg)
+        msg = f"{what} failed on rank 0 ({host}): {err}"
+        raise registry.UnknownModelError(msg) if unknown else ConfigError(msg)
     return value
 
 
-def save_state(model_id: str, path: str, optimizer: bool = True) -> dict[str, Any]:
-    """Write `model_id`'s adapter (and AdamW state when `optimizer`) to the folder `path`."""
+def write_state(trainee: registry.Trainee, path: str, optimizer: bool = True) -> str:
+    """Write `trainee`'s adapter (and AdamW state) to the folder `path` from this rank alone, with no
+    collective (every rank holds the same state): `save_state` and a preemption notice use it."""
     import torch
 
-    trainee = registry.get(model_id)
     base = trainee.base
     tensors = adapter_tensors(base, trainee.adapter)
     config = _peft_config(base, trainee.adapter)
     meta = {
         "format": 1,
-        "model_id": model_id,
+        "model_id": trainee.model_id,
         "base_model": base.name,
         "lora": trainee.lora,
         "steps": trainee.steps,
@@ -128,7 +130,14 @@ def save_state(model_id: str, path: str, optimizer: bool = True) -> dict[str, An
             torch.save(trainee.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
 
-    _on_rank_zero(f"saving {model_id!r} to {path}", lambda: _replace_dir(Path(path), write))
+    _replace_dir(Path(path), write)
+    return str(path)
+
+
+def save_state(model_id: str, path: str, optimizer: bool = True) -> dict[str, Any]:
+    """Write `model_id`'s adapter (and AdamW state when `optimizer`) to the folder `path`."""
+    trainee = registry.get(model_id)
+    _on_rank_zero(f"saving {model_id!r} to {path}", lambda: write_state(trainee, path, optimizer))
     return {"path": str(path), "steps": trainee.steps}
 
 
@@ -256,11 +265,15 @@ def save_sampler(model_id: str, path: str) -> dict[str, Any]:
     return {"path": str(path), "base_model": base.name}
 
 
+def checkpoint_folder(folder: str, model_id: str) -> str:
+    """Where `checkpoint_all` writes `model_id`'s state under `folder`."""
+    return str(Path(folder) / re.sub(r"[^A-Za-z0-9._-]", "_", model_id))
+
+
 def checkpoint_all(folder: str) -> list[str]:
     """Save every live model's state (adapter + optimizer) under `folder`, one sub-folder per model
-    (for a preemption notice); returns the folders written."""
-    out = []
-    for model_id in sorted(registry.MODELS):
-        name = re.sub(r"[^A-Za-z0-9._-]", "_", model_id)
-        out.append(save_state(model_id, str(Path(folder) / name), optimizer=True)["path"])
-    return out
+    (`checkpoint_folder`), e.g. on a preemption notice; returns the folders written."""
+    return [
+        save_state(model_id, checkpoint_folder(folder, model_id), optimizer=True)["path"]
+        for model_id in sorted(registry.MODELS)
+    ]

@@ -14,7 +14,7 @@ from typing import Any
 from nbtrain.engine import metrics
 from nbtrain.errors import ConfigError
 from nbtrain.losses import tinker as losses
-from nbtrain.recipes.service import registry
+from nbtrain.recipes.service import preemption, registry
 
 #: a rank's datums go through the model in padded micro-batches of at most this many tokens
 TOKENS_PER_BATCH = 8192
@@ -97,6 +97,19 @@ def forward_backward(
     """The learner's log-probs and `loss_fn`'s loss on `datums`; unless `forward_only`, its gradients
     added to the model's. Returns {"outputs": [{"logprobs", "elementwise_loss"} per datum, in order],
     "metrics": {"loss:sum": ...}} on every rank."""
+    # a preemption notice meanwhile is written once the gradients are whole (as are all verbs that
+    # change state; ipyparallel sends a function by its code, so this is a with, not a decorator)
+    with preemption.guarded():
+        return _forward_backward(model_id, datums, loss_fn, loss_fn_config, forward_only)
+
+
+def _forward_backward(
+    model_id: str,
+    datums: list[dict[str, Any]],
+    loss_fn: str,
+    loss_fn_config: dict[str, Any] | None,
+    forward_only: bool,
+) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -193,6 +206,11 @@ def optim_step(model_id: str, adam: dict[str, Any]) -> dict[str, float]:
     """One AdamW step (Tinker's AdamParams: decoupled weight decay, `grad_clip_norm` 0 = no clipping) on
     the gradients accumulated since the last step, then zero them. Rank 0 logs the step for the live
     plot. Returns {"grad_norm:mean", "learning_rate:mean"}."""
+    with preemption.guarded():
+        return _optim_step(model_id, adam)
+
+
+def _optim_step(model_id: str, adam: dict[str, Any]) -> dict[str, float]:
     import torch
 
     a = check_adam(adam)
