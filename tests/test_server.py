@@ -72,6 +72,8 @@ ENDPOINTS = [
     ("GET", ("nbtrain", "api", "runs", "RUNID", "metrics")),
     ("GET", ("nbtrain", "api", "runs", "RUNID", "samples")),
     ("POST", ("nbtrain", "api", "runs", "RUNID", "stop")),
+    ("GET", ("nbtrain", "api", "runs", "RUNID", "config")),
+    ("DELETE", ("nbtrain", "api", "runs", "RUNID")),
 ]
 
 
@@ -554,8 +556,137 @@ def test_a_preempted_dpo_run_is_listed_so_with_its_kind(fetch, tmp_path):
     assert [(r["state"], r["kind"]) for r in data["runs"]] == [("preempted", "dpo")]
 
 
-def test_the_lab_titles_losses_as_nbtrain_runs_does():
-    """The Lab's loss units (labextension/src/model.ts) are nbtrain.runs.LOSS_UNITS."""
-    model_ts = (Path(__file__).parent.parent / "labextension" / "src" / "model.ts").read_text()
-    for kind, unit in runs.LOSS_UNITS.items():
-        assert f"{kind}: '{unit}'" in model_ts, (kind, unit)
+def test_the_lab_titles_losses_as_nbtrain_does():
+    """The Lab's loss titles (labextension/src: unitOf, lossTitle) are nbtrain's: nats/token for
+    SFT only (nbtrain.runs.LOSS_UNITS), and the same title where SFT runs meet others."""
+    from nbtrain.compare.view import MIXED_LOSS_TITLE
+
+    src = Path(__file__).parent.parent / "labextension" / "src"
+    assert runs.LOSS_UNITS == {"sft": "nats/token"}
+    assert "'nats/token'" in (src / "metrics.ts").read_text()
+    assert f"'{MIXED_LOSS_TITLE}'" in (src / "model.ts").read_text()
+
+
+# -- issue 38: every metric, a run's config and cluster, deleting a record ----------------------
+
+
+def _dpo_folder(tmp_path):
+    """A DPO run folder as finetune writes one: its config and rows holding DPO's reward metrics."""
+    out = tmp_path / "runs" / "dpo"
+    out.mkdir(parents=True)
+    cfg = {"model": "tiny", "beta": 0.1, "learning_rate": 5e-6, "precompute_ref_log_probs": False}
+    (out / runs.CONFIG_FILE).write_text(json.dumps({**cfg, "max_grad_norm": float("nan")}))
+    rows = [
+        {
+            "step": s,
+            "loss": 0.69 - 0.01 * s,
+            "rewards/margins": 0.1 * s,
+            "rewards/accuracies": 0.5,
+            "logps/chosen": -30.0,
+            "grad_norm": 1.0,
+            "peak_memory_gb_rank1": 2.5,
+            "time": 1_795_750_000.0 + s,
+            "note": "text",
+        }
+        for s in (1, 2, 3)
+    ]
+    (out / runs.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out, cfg
+
+
+def test_every_metric_of_a_dpo_run_is_served_with_its_config_and_cluster(fetch, tmp_path):
+    out, cfg = _dpo_folder(tmp_path)
+    cluster_id = "1795750000-abcd"
+    run_id = runs.register_run(out, name="dpo", total_steps=3, kind="dpo", cluster_id=cluster_id)
+    runs.finish_run(run_id, "done")
+    # the cluster's side file, as nbtrain.cluster.registry writes it while the cluster runs
+    security = tmp_path / "ipython" / "profile_default" / "security"
+    security.mkdir(parents=True)
+    side = {"hosts": ["node-a", "node-b"], "backend": "gloo", "notebook": "work/dpo.ipynb"}
+    (security / f"nbtrain-{cluster_id}.json").write_text(json.dumps(side))
+
+    rows = _json(fetch("nbtrain", "api", "runs", run_id, "metrics"))["rows"]
+    assert set(rows[0]) >= {"rewards/margins", "rewards/accuracies", "logps/chosen", "grad_norm"}
+    assert rows[2]["peak_memory_gb_rank1"] == 2.5
+
+    got = _json(fetch("nbtrain", "api", "runs", run_id, "config"))
+    assert got["kind"] == "dpo"
+    assert got["config"] == {**cfg, "max_grad_norm": None}  # NaN would break JSON.parse
+    assert got["config_file"] == str(out.resolve() / runs.CONFIG_FILE)
+    assert got["cluster"] == {
+        "cluster_id": cluster_id,
+        "world_size": 1,
+        "host": runs.get_run(run_id)["host"],
+        "hosts": ["node-a", "node-b"],
+        "backend": "gloo",
+        "notebook": "work/dpo.ipynb",
+    }
+    # the cluster stopped (its side file gone): what the record knows, nulls for the rest
+    (security / f"nbtrain-{cluster_id}.json").unlink()
+    cluster = _json(fetch("nbtrain", "api", "runs", run_id, "config"))["cluster"]
+    assert cluster["hosts"] == [cluster["host"]] and cluster["backend"] is None
+
+    # compare's final values: every numeric metric and the step; no time, no text
+    data = _json(fetch("nbtrain", "api", "compare", params={"runs": run_id}))
+    final = data["runs"][0]["final"]
+    assert final["step"] == 3 and final["rewards/margins"] == pytest.approx(0.3)
+    assert "time" not in final and "note" not in final
+
+
+def test_config_of_an_old_record_a_scaling_report_and_an_unknown_run(fetch, finished_run, tmp_path):
+    # a record from before kinds says "finetune": served as sft, its folder has no config
+    record = runs.get_run(finished_run)
+    record["kind"] = "finetune"
+    (runs.registry_dir() / f"{finished_run}.json").write_text(json.dumps(record))
+    assert _json(fetch("nbtrain", "api", "runs", finished_run))["kind"] == "sft"
+    assert [r["kind"] for r in _json(fetch("nbtrain", "api", "runs"))["runs"]] == ["sft"]
+    got = _json(fetch("nbtrain", "api", "runs", finished_run, "config"))
+    assert (got["kind"], got["config"], got["config_file"]) == ("sft", {}, None)
+
+    report = tmp_path / "scaling-report"
+    report.mkdir()
+    scaling_id = runs.record_scaling(report, name="scaling")
+    got = _json(fetch("nbtrain", "api", "runs", scaling_id, "config"))
+    assert (got["kind"], got["config"]) == ("scaling", {})
+    assert _status(fetch, "nbtrain", "api", "runs", "0123456789ab", "config") == 404
+
+
+def test_a_config_file_that_escapes_its_folder_is_refused(fetch, tmp_path):
+    out, _ = _dpo_folder(tmp_path)
+    elsewhere = tmp_path / "secret.json"
+    elsewhere.write_text("{}")
+    (out / runs.CONFIG_FILE).unlink()
+    (out / runs.CONFIG_FILE).symlink_to(elsewhere)
+    run_id = runs.register_run(out, name="dpo", kind="dpo")
+    assert _status(fetch, "nbtrain", "api", "runs", run_id, "config") == 403
+
+
+def test_deleting_a_record_keeps_the_run_folder(fetch, finished_run, tmp_path):
+    folder = Path(runs.get_run(finished_run)["output_dir"])
+    running_out = tmp_path / "running"
+    running_out.mkdir()
+    running = runs.register_run(running_out, name="running")
+    # a running run is not deleted: the message says to stop it first
+    try:
+        fetch("nbtrain", "api", "runs", running, method="DELETE")
+        raise AssertionError("a running run's record was deleted")
+    except HTTPClientError as e:
+        assert e.code == 409
+        assert "stop it first" in json.loads(e.response.body)["message"]
+    assert runs.get_run(running) is not None
+
+    got = _json(fetch("nbtrain", "api", "runs", finished_run, method="DELETE"))
+    assert got == {"id": finished_run, "deleted": True}
+    assert runs.get_run(finished_run) is None
+    assert (folder / runs.METRICS_FILE).is_file()  # the folder stays
+    assert [r["id"] for r in _json(fetch("nbtrain", "api", "runs"))["runs"]] == [running]
+    assert _status(fetch, "nbtrain", "api", "runs", finished_run, method="DELETE") == 404
+
+
+def test_run_kinds_and_loss_units(tmp_path):
+    assert runs.loss_unit("sft") == runs.loss_unit(None) == runs.loss_unit("finetune")
+    assert runs.loss_unit("sft") == "nats/token"
+    assert runs.loss_unit("dpo") == runs.loss_unit("grpo") == runs.loss_unit("tinker") == "loss"
+    assert runs.get_run(runs.register_run(tmp_path / "t", kind="tinker"))["kind"] == "tinker"
+    with pytest.raises(ValueError, match="one of sft, dpo, grpo, tinker"):
+        runs.register_run(tmp_path / "x", kind="ppo")

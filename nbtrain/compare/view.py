@@ -360,11 +360,15 @@ def compare(
     )
 
 
+#: the loss axes' title where SFT runs (nats/token) are compared with others (no unit), as the Lab's
+MIXED_LOSS_TITLE = "loss (nats/token for SFT runs)"
+
+
 def loss_title(runs: Sequence[RunData]) -> str:
-    """The loss axes' title: "nats/token" where every run is SFT, "loss" otherwise (a DPO or GRPO
-    loss has no unit), as the Lab titles it."""
-    kinds = {r.kind for r in runs}
-    return unit("loss", kinds.pop()) if len(kinds) == 1 else "loss"
+    """The loss axes' title, as the Lab's: "nats/token" where every run is SFT, "loss" where none
+    is (a DPO or GRPO loss has no unit), MIXED_LOSS_TITLE where both are."""
+    units = {unit("loss", r.kind) for r in runs}
+    return units.pop() if len(units) == 1 else MIXED_LOSS_TITLE
 
 
 def _colours(runs: Sequence[RunData]) -> list[str]:

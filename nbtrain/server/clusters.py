@@ -9,8 +9,14 @@ ipyparallel knows.
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
+
+# what ipyparallel's cluster ids look like (a time stamp and a random part); anything else is not
+# looked up on disk
+_CLUSTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 def _side_file(profile_dir: str, cluster_id: str) -> dict[str, Any] | None:
@@ -81,3 +87,36 @@ def list_clusters(profile_dirs: list[str] | None = None) -> list[dict[str, Any]]
     models = [cluster_model(key, cluster) for key, cluster in clusters.items()]
     models.sort(key=lambda m: (m["state"] == "stopped", -(m["started"] or 0), m["id"]))
     return models
+
+
+def _ipython_dir() -> Path:
+    from IPython.paths import get_ipython_dir
+
+    return Path(os.environ.get("IPYTHONDIR") or get_ipython_dir())
+
+
+def find_side_file(cluster_id: str | None) -> dict[str, Any] | None:
+    """The side file of cluster `cluster_id` in any IPython profile, while it exists (it is removed
+    when the cluster stops); None otherwise."""
+    if not cluster_id or not _CLUSTER_ID.fullmatch(cluster_id):
+        return None
+    for path in sorted(_ipython_dir().glob(f"profile_*/security/nbtrain-{cluster_id}.json")):
+        data = _side_file(str(path.parent.parent), cluster_id)
+        if data is not None:
+            return data
+    return None
+
+
+def run_cluster(record: dict[str, Any]) -> dict[str, Any]:
+    """Where a run ran, for its run panel: the record's cluster id, world size and host, and the
+    cluster's hosts, backend and notebook while its side file is still there (None otherwise)."""
+    side = find_side_file(record.get("cluster_id")) or {}
+    host = record.get("host")
+    return {
+        "cluster_id": record.get("cluster_id"),
+        "world_size": record.get("world_size"),
+        "host": host,
+        "hosts": side.get("hosts") or ([host] if host else []),
+        "backend": side.get("backend"),
+        "notebook": side.get("notebook"),
+    }

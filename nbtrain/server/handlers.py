@@ -1,5 +1,5 @@
-"""REST handlers under ``/nbtrain/api/``: clusters, runs, a run's metrics, samples and scaling report,
-stopping a run, comparing runs.
+"""REST handlers under ``/nbtrain/api/``: clusters, runs, a run's metrics (every key of every row),
+samples, config and scaling report, stopping a run, deleting a run's record, comparing runs.
 
 Every handler requires an authenticated user (a request without the server's token gets 403).
 Run folders are reached only through the runs registry: the URL carries a run id, never a path.
@@ -18,7 +18,7 @@ from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from jupyter_server.utils import url_path_join
 
 from nbtrain import runs
-from nbtrain.server.clusters import list_clusters
+from nbtrain.server.clusters import list_clusters, run_cluster
 from nbtrain.server.metrics import (
     MetricsReader,
     RefusedPath,
@@ -63,6 +63,14 @@ def _run_or_404(run_id: str) -> dict[str, Any]:
     record = runs.get_run(run_id)
     if record is None:
         raise tornado.web.HTTPError(404, f"no run {run_id!r} is registered")
+    return served(record)
+
+
+def served(record: dict[str, Any]) -> dict[str, Any]:
+    """A run record as the browser reads it: a record from before kinds (none, or "finetune") is
+    an SFT run."""
+    if record.get("kind") in (None, "finetune"):
+        return {**record, "kind": "sft"}
     return record
 
 
@@ -79,7 +87,7 @@ class RunsHandler(_Base):
     @tornado.web.authenticated
     def get(self) -> None:
         """GET /nbtrain/api/runs: {runs: [...]}, newest first."""
-        self.finish({"runs": runs.list_runs()})
+        self.finish({"runs": [served(r) for r in runs.list_runs()]})
 
 
 class RunHandler(_Base):
@@ -87,6 +95,54 @@ class RunHandler(_Base):
     def get(self, run_id: str) -> None:
         """GET /nbtrain/api/runs/<id>: the run's record."""
         self.finish(self._run_or_404(run_id))
+
+    @tornado.web.authenticated
+    def delete(self, run_id: str) -> None:
+        """DELETE /nbtrain/api/runs/<id>: forget the run's record (the sidebar lists it no more);
+        its folder, metrics and checkpoints stay. 409 while it runs."""
+        record = self._run_or_404(run_id)
+        if record.get("state") == "running":
+            msg = (
+                f"run {record.get('name')!r} is running (on {record.get('host')}): stop it first, "
+                "then delete its record"
+            )
+            raise tornado.web.HTTPError(409, msg)
+        runs.forget_run(run_id)
+        self.log.info("nbtrain: forgot the record of run %s (%s)", run_id, record.get("output_dir"))
+        self.finish({"id": run_id, "deleted": True})
+
+
+class ConfigHandler(_Base):
+    @tornado.web.authenticated
+    def get(self, run_id: str) -> None:
+        """GET /nbtrain/api/runs/<id>/config: the settings the run ran with, its kind, and where
+        it ran: {kind, config, config_file, cluster}."""
+        from nbtrain.compare.data import run_kind
+
+        record = self._run_or_404(run_id)
+        config: dict[str, Any] = {}
+        config_file = None
+        if record["kind"] != runs.SCALING_KIND:
+            path = self._run_file(record, runs.CONFIG_FILE)
+            if path.is_file():
+                try:
+                    loaded = json.loads(path.read_text())
+                except (OSError, ValueError) as e:
+                    msg = f"{path} is not JSON ({e}): the run's folder holds a damaged config"
+                    raise tornado.web.HTTPError(500, msg) from e
+                config = loaded if isinstance(loaded, dict) else {}
+                config_file = str(path)
+        kind = record["kind"] if record["kind"] == runs.SCALING_KIND else run_kind(record, config)
+        self.finish(
+            finite_json(
+                {
+                    "kind": kind,
+                    "config": config,
+                    "config_file": config_file,
+                    "cluster": run_cluster(record),
+                }
+            )
+        )
 
 
 class MetricsHandler(_Base):
@@ -241,6 +297,7 @@ def setup_handlers(web_app: Any) -> None:
             (url_path_join(base, "compare"), CompareHandler),
             (url_path_join(base, "runs", _RUN_ID), RunHandler),
             (url_path_join(base, "runs", _RUN_ID, "metrics"), MetricsHandler),
+            (url_path_join(base, "runs", _RUN_ID, "config"), ConfigHandler),
             (url_path_join(base, "runs", _RUN_ID, "samples"), SamplesHandler),
             (url_path_join(base, "runs", _RUN_ID, "scaling"), ScalingHandler),
             (url_path_join(base, "runs", _RUN_ID, r"scaling\.png"), ScalingImageHandler),
