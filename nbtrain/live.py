@@ -76,6 +76,8 @@ class LiveDisplay:
         #: what the run trains (sft, dpo, grpo; None for rows of your own `nbtrain.log`), and how
         #: it ended (its state)
         self.run_kind: str | None = None
+        #: the loss axis' title a caller gave without a kind (the Tinker service's "summed loss")
+        self.loss_unit: str | None = None
         self.ended: str | None = None
         self.t0 = time.monotonic()
         self.closed = False
@@ -92,6 +94,7 @@ class LiveDisplay:
             self.total = payload.get("total_steps")
             self.name = payload.get("name")
             self.run_kind = payload.get("run_kind")
+            self.loss_unit = payload.get("loss_unit")
             self.ended = None
             self.t0 = time.monotonic()
             self.rows = []
@@ -192,6 +195,8 @@ class LiveDisplay:
     def _y_title(self, key: str) -> str:
         """The axis title of `key`: its unit where it has one (an SFT loss's nats/token; a DPO or
         GRPO loss has none), as the Lab titles it."""
+        if key in ("loss", "eval_loss") and self.run_kind is None and self.loss_unit:
+            return self.loss_unit
         return unit(key, self.run_kind)
 
     def _plots(self) -> list[Chart]:

@@ -146,6 +146,14 @@ def test_final_plot_and_table_read_like_the_lab_panel():
     assert line.startswith("step 3/3 · loss 4.61 · 12.3k tok/s")
 
 
+def test_a_caller_without_a_kind_titles_its_own_loss():
+    # the Tinker service's display announces no recipe kind, and a summed loss
+    live = LiveDisplay(min_interval=1e9)
+    live.feed({"kind": "begin", "name": "tinker m", "loss_unit": "summed loss"})
+    live.feed({"kind": "row", "row": {"step": 1, "loss": 12.0, "tokens_per_s": 10.0}})
+    assert live._png() is not None and live._axes[0].get_ylabel() == "summed loss"
+
+
 def test_samples_show_empty_completions_and_drop_a_cut_character():
     live = LiveDisplay(min_interval=1e9)
     live.feed({"kind": "begin", "total_steps": 4, "name": "run"})
