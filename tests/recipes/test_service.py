@@ -417,3 +417,30 @@ def test_a_preemption_notice_checkpoints_every_live_model(cluster, base, tmp_pat
     )
     for m in ("pre", "pre-back"):
         run(cluster, service.unload, m)
+
+
+def test_a_rank_without_the_model_fails_every_rank_not_a_hang(cluster, base):
+    # as after a restart that replaced rank 1: rank 0 still holds the model, rank 1 does not
+    run(cluster, service.create_model, "half", base, {**LORA, "seed": 2})
+    _steps(cluster, "half", [60])
+    run(cluster, service.forward_backward, "half", _datums(2, 61), "cross_entropy", None, False)
+    pending = cluster.run(service.weights, "half", True, ranks=[0])[0]
+    cluster.run(service.unload, "half", ranks=[1])
+    with pytest.raises(Exception, match="rank 1 on .*holds no model 'half'") as err:
+        cluster.run(
+            service.forward_backward,
+            "half",
+            _datums(2, 62),
+            "cross_entropy",
+            None,
+            False,
+            timeout=30,
+        )
+    assert "UnknownModelError" in str(err.value)
+    # rank 0 added nothing, and still serves what needs no peer
+    _close(cluster.run(service.weights, "half", True, ranks=[0])[0], pending, atol=0, rtol=0)
+    cluster.run(service.unload, "half", ranks=[0])
+    with pytest.raises(Exception, match="holds no model"):
+        cluster.run(
+            service.sample, {"model_id": "half"}, [5, 6], 2, {"max_tokens": 2}, False, timeout=30
+        )

@@ -12,7 +12,20 @@ def create_model(model_id: str, base_model: str, lora: dict[str, Any]) -> dict[s
 
     `lora`: {"rank", "seed", "train_mlp", "train_attn", "train_unembed"} (Tinker's LoraConfig).
     """
-    trainee = registry.create(model_id, base_model, lora)
+    import random
+
+    lora = registry.check_lora(lora)
+    d = registry.dist()
+    seed = lora["seed"]
+    if seed is None:  # one random seed for every rank, so that their adapters start equal
+        seed = d.broadcast_object(random.SystemRandom().randrange(2**31))
+    try:
+        registry.exchange(d, lambda: registry.create(model_id, base_model, lora, seed))
+    except Exception:
+        if model_id in registry.MODELS:  # made here but not on every rank: none keeps it
+            registry.unload(model_id)
+        raise
+    trainee = registry.get(model_id)
     return {
         "model_id": model_id,
         "base_model": base_model,

@@ -15,7 +15,7 @@ import hashlib
 import random
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,35 @@ _counter = [0]
 def dist() -> Dist:
     """The process group as the service sees it (the whole world; one process when none)."""
     return Dist()
+
+
+def exchange(d: Dist, fn: Callable[[], Any]) -> list[Any]:
+    """`fn()` on this rank, then every rank's value gathered to all; if it failed on any rank, every
+    rank raises, naming the first that failed and its host (a rank that lost its models in a restart,
+    or ran out of memory, must not leave its peers waiting in a collective)."""
+    value, report = None, None
+    try:
+        value = fn()
+    except Exception as e:
+        kind = (
+            "unknown"
+            if isinstance(e, UnknownModelError)
+            else "config"
+            if isinstance(e, ConfigError)
+            else "other"
+        )
+        report = (kind, f"{type(e).__name__}: {e}")
+    every = d.gather_objects((value, report, d.host))
+    failed = [(r, rep, host) for r, (_, rep, host) in enumerate(every) if rep is not None]
+    if not failed:
+        return [v for v, _, _ in every]
+    r, (kind, text), host = failed[0]
+    msg = f"rank {r} on {host}: {text}"
+    if kind == "unknown":
+        raise UnknownModelError(msg)
+    if kind == "config":
+        raise ConfigError(msg)
+    raise RuntimeError(msg)
 
 
 def choose_dtype(device: Any) -> Any:
@@ -202,8 +231,12 @@ def adapter_params(base: Base, adapter: str) -> list[tuple[str, Any]]:
     return [(n, p) for n, p in base.model.named_parameters() if key in n]
 
 
-def create(model_id: str, base_model: str, lora: dict[str, Any]) -> Trainee:
-    """A new training model: a LoRA adapter on `base_model` and its AdamW (Tinker's defaults)."""
+def create(
+    model_id: str, base_model: str, lora: dict[str, Any], seed: int | None = None
+) -> Trainee:
+    """A new training model: a LoRA adapter on `base_model` and its AdamW (Tinker's defaults), on this
+    rank alone (no collective). The adapter starts from `seed`, else `lora["seed"]`, else a random one:
+    pass the same on every rank."""
     import torch
 
     if model_id in MODELS:
@@ -212,11 +245,8 @@ def create(model_id: str, base_model: str, lora: dict[str, Any]) -> Trainee:
         )
         raise ConfigError(msg)
     lora = check_lora(lora)
-    d = dist()
-    seed = lora["seed"]
-    if seed is None:  # one random seed for every rank, so their adapters start equal
-        seed = d.broadcast_object(random.SystemRandom().randrange(2**31))
-    base = get_base(base_model, d)
+    seed = lora["seed"] if seed is None else seed
+    base = get_base(base_model)
     _counter[0] += 1
     adapter = f"lora{_counter[0]}"
     add_adapter(base, adapter, lora, seed)

@@ -210,15 +210,19 @@ def sample(
         else d.broadcast_object(random.SystemRandom().randrange(2**31))
     )
     mine = list(range(d.rank, num_samples, d.world))
-    rows: list[tuple[int, dict[str, Any]]] = []
-    plp = None
-    with _weights(source) as base:
-        if mine:
-            got = _decode_share(base, prompt, len(mine), p, hash((seed, d.rank)) % (2**63))
-            rows = list(zip(mine, got))
-        if prompt_logprobs and d.is_zero:
-            plp = _prompt_logprobs(base.model, prompt, base.device)
-    gathered = d.gather_objects((rows, plp))
+
+    def local() -> tuple[list[tuple[int, dict[str, Any]]], list[float | None] | None]:
+        rows: list[tuple[int, dict[str, Any]]] = []
+        plp = None
+        with _weights(source) as base:
+            if mine:
+                got = _decode_share(base, prompt, len(mine), p, hash((seed, d.rank)) % (2**63))
+                rows = list(zip(mine, got))
+            if prompt_logprobs and d.is_zero:
+                plp = _prompt_logprobs(base.model, prompt, base.device)
+        return rows, plp
+
+    gathered = registry.exchange(d, local)
     by_index = {i: r for part, _ in gathered for i, r in part}
     return {
         "sequences": [by_index[i] for i in range(num_samples)],

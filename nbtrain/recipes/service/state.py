@@ -186,31 +186,44 @@ def load_state(
 
     saved = _on_rank_zero(f"reading {path}", lambda: _read_state(Path(path), optimizer))
     meta = saved["meta"]
-    if model_id not in registry.MODELS:
-        registry.create(model_id, base_model or meta["base_model"], lora or meta["lora"])
-    trainee = registry.get(model_id)
-    if trainee.lora["rank"] != meta["lora"]["rank"]:
-        msg = (
-            f"{path} holds a rank-{meta['lora']['rank']} LoRA but model {model_id!r} has rank "
-            f"{trainee.lora['rank']}; load it into a new model"
+    created = model_id not in registry.MODELS
+
+    def local() -> int:
+        if created:
+            registry.create(model_id, base_model or meta["base_model"], lora or meta["lora"])
+        trainee = registry.get(model_id)
+        if trainee.lora["rank"] != meta["lora"]["rank"]:
+            msg = (
+                f"{path} holds a rank-{meta['lora']['rank']} LoRA but model {model_id!r} has rank "
+                f"{trainee.lora['rank']}; load it into a new model"
+            )
+            raise ConfigError(msg)
+        device = trainee.base.device
+        tensors = {k: v.to(device) for k, v in saved["tensors"].items()}
+        result = set_peft_model_state_dict(
+            trainee.base.model, tensors, adapter_name=trainee.adapter
         )
-        raise ConfigError(msg)
-    device = trainee.base.device
-    tensors = {k: v.to(device) for k, v in saved["tensors"].items()}
-    result = set_peft_model_state_dict(trainee.base.model, tensors, adapter_name=trainee.adapter)
-    missing = [k for k in getattr(result, "missing_keys", []) if f".{trainee.adapter}." in k]
-    if missing:
-        msg = f"{path} does not fit model {model_id!r}: its adapter lacks {missing[:3]}"
-        raise ConfigError(msg)
-    params = [p for _, p in trainee.params]
-    for p in params:
-        p.grad = None
-    trainee.optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
-    if optimizer:
-        trainee.optimizer.load_state_dict(saved["optimizer"])
-        trainee.steps = int(meta.get("steps", 0))
-    trainee.pending_loss, trainee.pending_tokens = 0.0, 0
-    return {"model_id": model_id, "path": str(path), "steps": trainee.steps}
+        missing = [k for k in getattr(result, "missing_keys", []) if f".{trainee.adapter}." in k]
+        if missing:
+            msg = f"{path} does not fit model {model_id!r}: its adapter lacks {missing[:3]}"
+            raise ConfigError(msg)
+        params = [p for _, p in trainee.params]
+        for p in params:
+            p.grad = None
+        trainee.optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
+        if optimizer:
+            trainee.optimizer.load_state_dict(saved["optimizer"])
+            trainee.steps = int(meta.get("steps", 0))
+        trainee.pending_loss, trainee.pending_tokens = 0.0, 0
+        return trainee.steps
+
+    try:
+        steps = registry.exchange(registry.dist(), local)[0]
+    except Exception:
+        if created and model_id in registry.MODELS:  # made by this call but not loaded everywhere
+            registry.unload(model_id)
+        raise
+    return {"model_id": model_id, "path": str(path), "steps": steps}
 
 
 def load_slot(base: registry.Base, config: Any, tensors: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from nbtrain.losses import tinker as losses
 from nbtrain.recipes.service import preemption, registry
 
 #: a rank's datums go through the model in padded micro-batches of at most this many tokens
-TOKENS_PER_BATCH = 8192
+TOKENS_PER_BATCH = 4096
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -116,21 +116,21 @@ def _forward_backward(
     losses.check(loss_fn, loss_fn_config)
     for i, datum in enumerate(datums):
         _check_datum(i, datum, loss_fn)
-    trainee = registry.get(model_id)
     d = registry.dist()
     mine = list(range(d.rank, len(datums), d.world))
-    params = [p for _, p in trainee.params]
-    rows: list[tuple[int, Any, Any]] = []
-    local_loss = 0.0
-    tokens = 0
-    with registry.active(trainee) as model:
-        before = [p.grad for p in params]
+    held: list[Any] = []  # (trainee, its gradients from earlier calls), once this rank has them
+
+    def local() -> tuple[list[tuple[int, Any, Any]], float, int]:
+        trainee = registry.get(model_id)
+        params = [p for _, p in trainee.params]
+        held[:] = [trainee, [p.grad for p in params]]
         for p in params:
             p.grad = None
-        groups = _micro_batches([len(datums[i]["tokens"]) for i in mine], TOKENS_PER_BATCH)
-        for group in groups:
-            batch = [datums[mine[g]] for g in group]
-            with torch.set_grad_enabled(not forward_only):
+        rows: list[tuple[int, Any, Any]] = []
+        local_loss, tokens = 0.0, 0
+        with registry.active(trainee) as model, torch.set_grad_enabled(not forward_only):
+            for group in _micro_batches([len(datums[i]["tokens"]) for i in mine], TOKENS_PER_BATCH):
+                batch = [datums[mine[g]] for g in group]
                 lps = learner_logprobs(model, batch, trainee.base.device)
                 total = None
                 for g, x, lp in zip(group, batch, lps):
@@ -141,8 +141,7 @@ def _forward_backward(
                     }
                     loss, per_token = losses.datum_loss(loss_fn, lp, inputs, loss_fn_config)
                     total = loss if total is None else total + loss
-                    key = losses.SUPPORTED[loss_fn][-1]
-                    tokens += int((inputs[key] != 0).sum())
+                    tokens += int((inputs[losses.SUPPORTED[loss_fn][-1]] != 0).sum())
                     rows.append(
                         (
                             mine[g],
@@ -154,12 +153,23 @@ def _forward_backward(
                 local_loss += float(total.detach())
                 if not forward_only:
                     total.backward()
-        if forward_only:
-            for p, old in zip(params, before):
+        return rows, local_loss, tokens
+
+    def put_back() -> None:
+        if held:
+            for (_, p), old in zip(held[0].params, held[1]):
                 p.grad = old
-        else:
-            _reduce_new_grads(d, params, before)
-    gathered = d.gather_objects((rows, local_loss, tokens))
+
+    try:
+        gathered = registry.exchange(d, local)
+    except Exception:
+        put_back()  # a failed call adds nothing, on any rank
+        raise
+    trainee, before = held
+    if forward_only:
+        put_back()
+    else:
+        _reduce_new_grads(d, [p for _, p in trainee.params], before)
     by_index = {i: (lp, el) for part, _, _ in gathered for i, lp, el in part}
     loss_sum = math.fsum(part_loss for _, part_loss, _ in gathered)
     n_tokens = sum(t for _, _, t in gathered)
