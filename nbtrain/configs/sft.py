@@ -29,6 +29,8 @@ SCHEDULERS = (
     "inverse_sqrt",
 )
 DTYPES = ("auto", "float32", "bfloat16")
+# the generation engines (nbtrain.generation.engines): transformers' generate, the reference, and vLLM
+ENGINES = ("hf", "vllm")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 # "org/name" or "name": what the Hub accepts as a repo id
@@ -219,6 +221,12 @@ class SFTConfig:
     )
     sample_max_new_tokens: int = field(
         default=64, metadata={"help": "Tokens to generate per sample prompt (greedy)."}
+    )
+    sample_engine: str = field(
+        default="hf",
+        metadata={
+            "help": "What generates the samples: 'hf' (transformers, the reference) or 'vllm' (a vLLM engine beside each rank, the adapter in memory; pip install nbtrain[vllm])."
+        },
     )
     # ---- models bigger than one GPU (nbtrain.model.shard, nbtrain.model.quant)
     shard: str = field(
@@ -418,6 +426,14 @@ class SFTConfig:
                 problems.append("resume and overwrite=True contradict each other; drop one of them")
 
         problems.extend(sampling_problems(self))
+        if self.sample_engine not in ENGINES:
+            problems.append(
+                f"sample_engine={self.sample_engine!r} is not an engine; use one of {', '.join(map(repr, ENGINES))}"
+            )
+        elif self.sample_engine == "vllm" and (self.shard != "ddp" or self.load_in_4bit):
+            problems.append(
+                "sample_engine='vllm' loads the base in full precision, whole, beside each rank; use it with shard='ddp' and without load_in_4bit, or sample with 'hf'"
+            )
         problems.extend(_sharding_problems(self))
         problems.extend(self._own_problems())
         wrong = type_problems(self)  # said as the type, not again as a bad value

@@ -25,7 +25,7 @@ from nbtrain.data.prompts import read_prompts
 from nbtrain.engine import interrupts
 from nbtrain.engine.dist import Dist
 from nbtrain.errors import ConfigError
-from nbtrain.generation import decode
+from nbtrain.generation import decode, engines
 
 BASE = "base"
 SHARDS = ("ddp", "fsdp")
@@ -407,6 +407,7 @@ def generate(
     load_in_4bit: bool = False,
     dtype: str = "auto",
     group: Any = None,
+    engine: str = "hf",
 ) -> Any:
     """Completions of `prompts` from `model` (with `adapter`), generated across the ranks of the cell.
 
@@ -424,6 +425,7 @@ def generate(
     Greedy unless `do_sample` (then `temperature`, `top_p`, `top_k`, drawn with its own generator
     seeded by `seed`, which leaves the global RNG as it was). `shard="fsdp"` and `load_in_4bit`
     load as `finetune` does. Every rank of the cell must call it (`group`: the ranks of a sub-group).
+    `engine`: "hf" (transformers, the reference) or "vllm" (a vLLM engine per rank; docs/generate.md).
 
     Returns on rank 0 a pandas DataFrame in prompt order: prompt, completion (or one column per
     model), reference where known, tokens (generated, with the end-of-sequence token) and seconds
@@ -436,6 +438,11 @@ def generate(
     if shard not in SHARDS:
         problems.append(
             f"shard={shard!r} is not supported by generate; use one of {', '.join(SHARDS)}"
+        )
+    problems += engines.check_name(engine)
+    if engine == "vllm" and (shard != "ddp" or load_in_4bit):
+        problems.append(
+            'engine="vllm" loads its own weights: use it with shard="ddp", no load_in_4bit'
         )
     if not isinstance(load_in_4bit, bool):
         problems.append(f"load_in_4bit={load_in_4bit!r} must be True or False")
@@ -477,6 +484,8 @@ def generate(
                 msg = "generate needs model= (a Hub id or model folder): no adapter names its base model"
                 raise ConfigError(msg)
         check_causal_lm(base)
+        if engine == "vllm":  # before any model loads, on every rank
+            engines.check_vllm(d.rank, d.host)
         if load_in_4bit:
             from nbtrain.model import quant
 
@@ -486,6 +495,11 @@ def generate(
 
     base, tokenizer = d.agree(check)
     tokenized = d.agree(lambda: decode.encode(entries, tokenizer, chat_template_kwargs))
+    if engine == "vllm":
+        from nbtrain.generation import vllm_engine
+
+        columns = vllm_engine.columns(models, base, tokenizer, tokenized, d, decoding)
+        return _frame(columns) if d.is_zero else None
     loader = _Loader(d, base, shard, load_in_4bit, dtype)
     synced = loader.sharded and d.world > 1
     done: list[tuple[_Model, list[dict[str, Any]]]] = []

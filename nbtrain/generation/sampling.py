@@ -9,6 +9,11 @@ the rows to `output_dir/samples.jsonl` (`nbtrain.runs.SAMPLES_FILE`: {"step", "i
 report_to's TensorBoard. Sampling does not change training: the model generates in eval mode (no
 dropout drawn), greedily, inside a forked RNG, and goes back to train mode with its `use_cache` as it
 was; its time is left out of tokens/s and step time and logged as `sample_seconds`.
+
+With `sample_engine="vllm"` a vLLM engine beside each rank generates them (`nbtrain.generation.engines`):
+it starts at the first sample (or is the one `nbtrain.generate(engine="vllm")` left running on the
+same base), after the versions are checked on every rank, and takes the adapter's current weights in
+memory before each sample; on a GPU it sleeps between samples. It is kept for the next call.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 
 from nbtrain.data.prompts import read_prompts, shown
 from nbtrain.engine import metrics as live
-from nbtrain.generation import decode
+from nbtrain.generation import decode, engines
 from nbtrain.runs import SAMPLES_FILE
 
 
@@ -33,6 +38,9 @@ class Sampler:
         self.decoding = decode.Decoding(max_new_tokens=cfg.sample_max_new_tokens)
         self.prompts: list[decode.Prompt] = []
         self.last = -1
+        self.engine_name: str = getattr(cfg, "sample_engine", "hf")
+        self.engine: engines.Engine | None = None
+        self.lora = engines.LoraSpec(r=cfg.lora_r, alpha=cfg.lora_alpha)
 
     def attach(self, hooks: Any) -> None:
         hooks.add("on_begin", self.on_begin)
@@ -47,6 +55,15 @@ class Sampler:
                 recipe.template_kwargs,
             )
         )
+        if self.engine_name == "vllm":
+            # one rank that cannot start vLLM stops every rank, with its reason
+            from nbtrain.generation import vllm_engine
+
+            self.engine = d.agree(
+                lambda: vllm_engine.kept(
+                    recipe.cfg.model, recipe.tokenizer, d.device, self.lora, d.rank, d.host
+                )
+            )
         if d.is_zero:
             # a resumed run redoes the steps after its checkpoint: their samples go, as metrics' rows do
             _keep_before(Path(recipe.out) / SAMPLES_FILE, step)
@@ -66,18 +83,23 @@ class Sampler:
         was_training, use_cache = model.training, model.config.use_cache
         model.eval()
         try:
+            if self.engine is not None:
+                self.engine.set_adapter(model)  # this step's LoRA weights, in memory
             rows = decode.generate_across(
                 model,
                 recipe.tokenizer,
                 self.prompts,
                 d,
                 self.decoding,
-                synced=recipe.sharded and d.world > 1,
+                synced=recipe.sharded and d.world > 1 and self.engine is None,
                 autocast=recipe.autocast,
+                engine=self.engine,
             )
         finally:
             model.train(was_training)
             model.config.use_cache = use_cache
+            if self.engine is not None:
+                self.engine.sleep()
         took = time.perf_counter() - t0
         recipe.meter.exclude(took)
         # the logged row is the same on every rank: rank 0's time

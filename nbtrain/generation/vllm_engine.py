@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.generation import decode
-from nbtrain.generation.engines import (
+from nbtrain.generation.engine_base import (
     Completion,
     Engine,
     EngineError,
@@ -67,6 +67,7 @@ class VLLMEngine(Engine):
         options: VLLMOptions,
     ) -> None:
         check_vllm(rank, host)  # before anything loads
+        self.model_path = model_path
         self.tokenizer, self.device, self.rank, self.host = tokenizer, device, rank, host
         self.options, self.lora_spec = options, lora
         self.gpu = getattr(device, "type", str(device)) == "cuda"
@@ -182,15 +183,18 @@ class VLLMEngine(Engine):
                     self._kill()
                     raise self._failed(verb, f"no answer within {timeout:.0f} s; it was ended")
             status, value = self.conn.recv()
-        except (EOFError, OSError, BrokenPipeError) as e:
-            raise self._failed(verb, f"its connection broke ({type(e).__name__})") from None
+        except (EOFError, OSError) as e:
+            err = self._failed(verb, f"its connection broke ({type(e).__name__})")
+            self.close()
+            raise err from None
         except BaseException:
-            # an interrupt mid-call leaves the answer unread: the engine cannot be trusted after it
+            # dead, timed out, or interrupted mid-call (its answer unread): not to be used again
             self.close()
             raise
         if status != "ok":
-            if what == "start":
-                self._kill()
+            if op in ("start", "generate"):
+                # vLLM's scheduler after a failed step is not to be trusted: a new engine is
+                self.close()
             raise self._failed("failed to start" if what == "start" else f"refused {op}", value)
         return value
 
@@ -342,3 +346,79 @@ def lora_tensors(adapter: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     )
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     return tensors, config
+
+
+# this rank's engine, kept between calls: a start costs a minute on a loaded CPU (docs/generate.md)
+_kept: dict[str, VLLMEngine] = {}
+
+
+def kept(
+    model_path: str, tokenizer: Any, device: Any, lora: LoraSpec | None, rank: int, host: str
+) -> VLLMEngine:
+    """The rank's vLLM engine on `model_path`, started once and kept for the next `generate` or
+    sample: the one kept is reused where it serves the same model and has room for `lora`'s rank,
+    else ended and a new one started (one engine a rank). It ends with its rank, or with `forget()`."""
+    old = _kept.get("engine")
+    need = (lora.r if lora is not None else 0) or 0
+    if (
+        old is not None
+        and not old.closed
+        and (old.proc is None or old.proc.poll() is None)
+        and old.model_path == model_path
+        and (need == 0 or (old.lora_spec is not None and old.lora_spec.r >= need))
+    ):
+        return old
+    forget()
+    # room for the adapters a notebook tries next: vLLM sizes its LoRA slots once
+    spec = LoraSpec(r=max(need, 16)) if lora is not None else None
+    eng = VLLMEngine(model_path, tokenizer, device, spec, rank, host, VLLMOptions())
+    _kept["engine"] = eng
+    return eng
+
+
+def forget() -> None:
+    """End the kept engine, if any."""
+    old = _kept.pop("engine", None)
+    if old is not None:
+        old.close()
+
+
+def columns(
+    models: list[Any],
+    base: str,
+    tokenizer: Any,
+    prompts: list[decode.Prompt],
+    d: Any,
+    decoding: Any,
+) -> list[tuple[Any, list[dict[str, Any]]]]:
+    """`nbtrain.generate(engine="vllm")`'s columns on this rank, with the rank's kept engine (`kept`):
+    the base's adapters put on it in turn, in memory; a merged model folder gets an engine of its own.
+    Rank 0 gets [(column, rows)], the others []."""
+    import json
+
+    ranks = [
+        json.loads((Path(str(m.path)) / "adapter_config.json").read_text()).get("r", 8)
+        for m in models
+        if m.kind == "adapter"
+    ]
+    lora = LoraSpec(r=max(ranks)) if ranks else None
+    done = []
+    for m in models:
+        path = str(m.path) if m.kind == "model" else base
+        # every rank has its engine before any generates: one that fails stops all of them
+        eng = d.agree(
+            lambda path=path: kept(
+                path, tokenizer, d.device, lora if path == base else None, d.rank, d.host
+            )  # fmt: skip
+        )
+        try:
+            if path == base:
+                eng.set_adapter(str(m.path) if m.kind == "adapter" else None)
+            rows = decode.generate_across(None, tokenizer, prompts, d, decoding, engine=eng)
+        except BaseException:
+            forget()  # an engine that failed, or was interrupted mid-call, is not kept
+            raise
+        if rows is not None:
+            done.append((m, rows))
+    eng.sleep()  # on a GPU, its memory back to training until the next call
+    return done

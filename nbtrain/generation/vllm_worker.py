@@ -93,6 +93,11 @@ class Worker:
         self.llm = LLM(**kwargs)
         if kwargs.get("enable_lora"):
             self.llm.collective_rpc(_memory_loader)
+        # one token now: a model vLLM cannot run (the CPU build's attention refuses head_dim 24) fails
+        # the start, not the first rollout, and the first call's kernel set-up is paid here
+        from vllm import SamplingParams
+
+        self.llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), use_tqdm=False)
         return {"seconds": time.perf_counter() - t0, "pid": os.getpid()}
 
     def generate(self, prompts: list[list[int]], params: list[dict], lora: Any) -> list[tuple]:
