@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -72,15 +71,15 @@ class ScalingReport:
         return frame[keep].reset_index(drop=True)
 
     def figure(self) -> Any:
-        """Tokens/s and efficiency against size; measured as filled dots, predicted as open ones."""
-        from matplotlib.figure import Figure
+        """Tokens/s and efficiency against size; measured as filled dots, predicted as open ones.
+        In the notebook plots' look (`nbtrain.plots`): within the output area, transparent."""
+        from nbtrain.plots import INK, PALETTE_LIGHT, legend, new_figure, nice_ticks, style_axes
 
-        fig = Figure(figsize=(10, 4), dpi=100)
-        ax_t, ax_e = fig.subplots(1, 2)
+        fig, (ax_t, ax_e) = new_figure(2, height_px=340)
         base = min(self.measured, key=lambda r: r[self.unit])
         xs_all = [r[self.unit] for r in self.rows]
         ideal = [base["tokens_per_s"] * x / base[self.unit] for x in xs_all]
-        ax_t.plot(xs_all, ideal, ":", color="grey", label="linear")
+        ax_t.plot(xs_all, ideal, ":", color=INK, label="linear")
         for rows, style, label in (
             (self.measured, dict(marker="o", linestyle="-"), "measured"),
             (self.predicted, dict(marker="o", linestyle="--", mfc="none"), "predicted"),
@@ -88,26 +87,35 @@ class ScalingReport:
             if not rows:
                 continue
             xs = [r[self.unit] for r in rows]
-            ax_t.plot(xs, [r["tokens_per_s"] for r in rows], color="C0", label=label, **style)
-            ax_e.plot(xs, [r["efficiency"] for r in rows], color="C1", label=label, **style)
+            tps = [r["tokens_per_s"] for r in rows]
+            ax_t.plot(xs, tps, color=PALETTE_LIGHT[0], label=label, **style)
+            eff = [r["efficiency"] for r in rows]
+            ax_e.plot(xs, eff, color=PALETTE_LIGHT[1], label=label, **style)
         ax_e.axhline(
-            self.threshold, color="grey", linestyle=":", label=f"near-linear {self.threshold:g}"
+            self.threshold, color=INK, linestyle=":", label=f"near-linear {self.threshold:g}"
         )
+        sizes = sorted(set(xs_all))
         for ax, what in ((ax_t, "tokens/s (global)"), (ax_e, "efficiency")):
             ax.set_xscale("log", base=2)
-            ax.set_xlabel(self.unit)
-            ax.set_ylabel(what)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        ax_e.set_ylim(0, 1.1)
-        fig.suptitle(f"{self.mode} scaling: {self.verdict.limit}  ({self.machine})", fontsize=9)
-        fig.tight_layout()
+            style_axes(ax, title=what, ylabel=what, xlabel=self.unit)
+            # a tick at every size, written as the count it is
+            ax.set_xticks(sizes, [str(int(x)) for x in sizes])
+            ax.minorticks_off()
+            legend(ax)
+        # efficiency from 0, to the tick at or above its largest value (1 or more)
+        top = max([1.0, *(r["efficiency"] for r in self.rows if r.get("efficiency") is not None)])
+        ticks = nice_ticks(0.0, top)
+        ax_e.set_yticks(ticks)
+        ax_e.set_ylim(ticks[0], ticks[-1])
+        fig.suptitle(
+            f"{self.mode} scaling: {self.verdict.limit}  ({self.machine})", fontsize=9, color=INK
+        )
         return fig
 
     def png(self) -> bytes:
-        buf = io.BytesIO()
-        self.figure().savefig(buf, format="png")
-        return buf.getvalue()
+        from nbtrain.plots import png_bytes
+
+        return png_bytes(self.figure())
 
     def markdown(self) -> str:
         """The report as Markdown: machine, verdict, advice, the table, the model's fit."""

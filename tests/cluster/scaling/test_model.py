@@ -184,6 +184,20 @@ def test_report_table_plot_and_files(tmp_path):
     out = report.save(tmp_path / "rep")
     assert sorted(p.name for p in out.iterdir()) == ["scaling.json", "scaling.md", "scaling.png"]
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the notebook plots' look: within the output area, transparent, a tick at every size,
+    # efficiency from 0 to a tick at or above 1
+    from PIL import Image
+
+    from nbtrain import plots
+
+    img = Image.open(out / "scaling.png")
+    assert img.size[0] <= plots.MAX_WIDTH_PX and img.mode == "RGBA" and img.getpixel((0, 0))[3] == 0
+    fig = report.figure()
+    ax_t, ax_e = fig.axes
+    assert [t.get_text() for t in ax_t.get_xticklabels()] == ["1", "2", "4", "8"]
+    assert ax_e.get_ylim()[0] == 0 and ax_e.get_ylim()[1] >= 1.0
+    assert ax_e.get_ylim()[1] in ax_e.get_yticks()
+    assert ax_t.get_lines()[1].get_color() == plots.PALETTE_LIGHT[0]
     md = (out / "scaling.md").read_text()
     assert "Machine: 4 node(s) (a, b, c, d), test CPU" in md
     assert v.line in md and "| predicted |" in md
