@@ -182,6 +182,32 @@ def test_grpo_two_spans_equal_one_run_and_a_new_reward_applies(tiny, tmp_path):
     assert saved["reward_funcs"] == ["short"]
 
 
+def test_an_interrupt_pauses_the_run_whole(tiny, tmp_path):
+    """SIGINT during a span is taken at the next step's start: the run pauses there and goes on to
+    the uninterrupted run's adapter."""
+    import os
+    import signal
+
+    nbtrain.finetune(_sft(tiny, tmp_path / "one"))
+    hooks = nbtrain.Hooks()
+    sent = []
+
+    @hooks.on_step
+    def interrupt(recipe, step, **kw):
+        if step == 2 and not sent:
+            sent.append(step)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    run = nbtrain.Run(_sft(tiny, tmp_path / "two"), hooks=hooks)
+    with pytest.raises(KeyboardInterrupt):
+        run.train(steps=5)
+    assert (run.state, run.step) == ("paused", 2)
+    record = runs.get_run(runs.run_id_for(tmp_path / "two"))
+    assert (record["state"], record["paused"]) == ("running", True)
+    assert run.train().state == "done"
+    assert_same_adapter(tmp_path / "one", tmp_path / "two")
+
+
 def test_set_learning_rate_and_refusals(tiny, tmp_path, capsys):
     out = tmp_path / "lr"
     run = nbtrain.Run(_sft(tiny, out, lr_scheduler_type="linear", max_steps=8, logging_steps=1))
