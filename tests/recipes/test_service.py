@@ -315,10 +315,13 @@ def test_snapshot_does_not_change_as_training_goes_on(cluster, base, tmp_path):
             False,
         )
         run(cluster, service.optim_step, "snap", {"learning_rate": 1e-2})
+    run(cluster, service.snapshot, "snap", "snap-2")
+    later = run(cluster, service.sample, {"sampler_id": "snap-2"}, prompt, 1, params, True)
     after = run(cluster, service.sample, {"sampler_id": "snap-1"}, prompt, 1, params, True)
     now = run(cluster, service.sample, {"model_id": "snap"}, prompt, 1, params, True)
     assert after == before
     assert now["prompt_logprobs"] != before["prompt_logprobs"]
+    assert later["prompt_logprobs"][1:] == pytest.approx(now["prompt_logprobs"][1:], abs=1e-6)
 
     # the exported adapter loads with peft and gives the service's log-probs
     from peft import PeftModel

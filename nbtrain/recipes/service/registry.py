@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import random
 import warnings
 from collections import OrderedDict
@@ -31,8 +32,9 @@ TARGETS: dict[str, tuple[str, ...]] = {
 }
 #: Tinker's LoRA has no dropout and a fixed alpha
 LORA_ALPHA = 32
-#: ephemeral sampler snapshots kept per process (oldest dropped first); an RL loop makes one a step
-MAX_SNAPSHOTS = 32
+#: ephemeral sampler snapshots kept per process (oldest dropped first); an RL loop makes one a step.
+#: They are held in CPU memory (a rank-32 LoRA of an 8B model is about 0.3 GB)
+MAX_SNAPSHOTS = 16
 #: the peft adapter slot that sampler snapshots and adapter folders are loaded into to sample
 SAMPLER_SLOT = "sampler"
 
@@ -53,6 +55,8 @@ class Base:
     adapters: set[str] = field(default_factory=set)
     #: the LoRA settings the sampler slot was made with (None: no slot yet)
     slot_lora: tuple[Any, ...] | None = None
+    #: what the sampler slot holds now (a sampler id, or an adapter folder), so it is not copied again
+    slot_tag: Any = None
 
 
 @dataclass
@@ -71,13 +75,18 @@ class Trainee:
     pending_tokens: int = 0
 
 
+_serials = itertools.count(1)
+
+
 @dataclass
 class Snapshot:
     """The weights of an adapter at one moment, for sampling: peft state-dict keys to tensors."""
 
     base_name: str
-    lora: dict[str, Any]
+    lora: Any  #: the peft LoraConfig it was made with
     tensors: dict[str, Any]
+    #: unique per snapshot in this process (a sampler id may be saved again with new weights)
+    serial: int = field(default_factory=lambda: next(_serials))
 
 
 BASES: dict[str, Base] = {}

@@ -70,7 +70,7 @@ def _weights(source: dict[str, Any]) -> Iterator[registry.Base]:
             raise registry.UnknownModelError(msg)
         snap = registry.SNAPSHOTS[sid]
         base = registry.get_base(snap.base_name)
-        state.load_slot(base, snap.lora, snap.tensors)
+        state.load_slot(base, snap.lora, snap.tensors, snap.serial)
         yield base
     elif "model_id" in source:
         trainee = registry.get(source["model_id"])

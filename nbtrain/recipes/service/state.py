@@ -226,8 +226,9 @@ def load_state(
     return {"model_id": model_id, "path": str(path), "steps": steps}
 
 
-def load_slot(base: registry.Base, config: Any, tensors: dict[str, Any]) -> None:
-    """Make the sampler slot adapter of `base` hold `tensors` (a LoRA made with `config`), active."""
+def load_slot(base: registry.Base, config: Any, tensors: dict[str, Any], tag: Any = None) -> None:
+    """Make the sampler slot adapter of `base` hold `tensors` (a LoRA made with `config`), active;
+    `tag` names them (a sampler id), so that sampling the same weights again copies nothing."""
     from peft import PeftModel, get_peft_model, set_peft_model_state_dict
 
     from nbtrain.model.pretrained import quiet_hf
@@ -247,9 +248,11 @@ def load_slot(base: registry.Base, config: Any, tensors: dict[str, Any]) -> None
             else:
                 base.model = get_peft_model(base.model, config, adapter_name=registry.SAMPLER_SLOT)
         base.model.eval()
-        base.slot_lora = key
-    moved = {k: v.to(base.device) for k, v in tensors.items()}
-    set_peft_model_state_dict(base.model, moved, adapter_name=registry.SAMPLER_SLOT)
+        base.slot_lora, base.slot_tag = key, None
+    if tag is None or base.slot_tag != tag:
+        moved = {k: v.to(base.device) for k, v in tensors.items()}
+        set_peft_model_state_dict(base.model, moved, adapter_name=registry.SAMPLER_SLOT)
+        base.slot_tag = tag
     base.model.set_adapter(registry.SAMPLER_SLOT)
 
 
@@ -258,9 +261,9 @@ def snapshot(model_id: str, sampler_id: str) -> dict[str, Any]:
     do not change it."""
     trainee = registry.get(model_id)
     base = trainee.base
-    snap = registry.Snapshot(
-        base.name, _peft_config(base, trainee.adapter), adapter_tensors(base, trainee.adapter)
-    )
+    # in host memory: the GPU keeps room for training (a sample copies them into the sampler slot)
+    tensors = {k: v.cpu() for k, v in adapter_tensors(base, trainee.adapter).items()}
+    snap = registry.Snapshot(base.name, _peft_config(base, trainee.adapter), tensors)
     registry.keep_snapshot(sampler_id, snap)
     return {"sampler_id": sampler_id, "base_model": base.name, "model_id": model_id}
 
