@@ -140,9 +140,15 @@ class Cluster(Session):
         that every request must then send. Checkpoints go under `root` (default
         $NBTRAIN_HOME/tinker).
         """
+        from nbtrain.cluster.faults import recovery
         from nbtrain.tinker import serve
 
-        return serve(self, host=host, port=port, api_key=api_key, root=root)
+        def watch() -> str | None:
+            # a verb's wait would never end with a dead peer: the service asks this while it waits
+            dead = recovery.dead_ranks(self)
+            return "; ".join(recovery.describe_death(self, r).describe() for r in dead) or None
+
+        return serve(self, host=host, port=port, api_key=api_key, root=root, watch=watch)
 
     def _tinker_service(self) -> Any:
         serving = sys.modules.get("nbtrain.tinker.serve")  # never served: nothing to import or stop

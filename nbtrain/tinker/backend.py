@@ -5,6 +5,7 @@ data (dicts, lists, numpy arrays) and return rank 0's answer."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nbtrain.errors import ConfigError, DistributedCellError, RankDiedError
@@ -73,18 +74,47 @@ class InProcessBackend(Backend):
 
 
 class ClusterBackend(Backend):
-    """The verbs on every rank of `session` (a `Cluster`); rank 0's answer."""
+    """The verbs on every rank of `session` (a `Cluster`); rank 0's answer.
 
-    def __init__(self, session: Session, timeout: float | None = None):
+    `watch()` says which ranks died and how (None while all live): a verb whose peer died would
+    wait for it for ever, so the wait looks every `WATCH_S` and gives up with that message."""
+
+    WATCH_S = 0.5
+
+    def __init__(
+        self,
+        session: Session,
+        timeout: float | None = None,
+        watch: Callable[[], str | None] | None = None,
+    ):
         self.session = session
         self.timeout = timeout
+        self.watch = watch
 
     @property
     def where(self) -> str:  # type: ignore[override]
         return f"on {self.session.world_size} rank(s) of cluster {self.session.cluster_id}"
 
     def call(self, verb: str, *args: Any) -> Any:
-        return self.session.run(getattr(_service(), verb), *args, timeout=self.timeout)[0]
+        fn = getattr(_service(), verb)
+        if self.watch is None:
+            return self.session.run(fn, *args, timeout=self.timeout)[0]
+        which = list(range(self.session.world_size))
+        ar = self.session.view(which).apply_async(fn, *args)
+        while not ar.wait(self.WATCH_S):
+            said = self.watch()
+            if said:
+                try:
+                    self.session.interrupt()  # the survivors may sit in a collective with the dead
+                except Exception:  # noqa: BLE001 - best effort; the restart replaces what is stuck
+                    pass
+                msg = (
+                    f"{verb} failed: {said}\nEvery pending request failed. %nbtrain restart "
+                    "(Cluster.restart()) replaces the rank and reloads the service's models from "
+                    "their last saved state."
+                )
+                raise RankDiedError(msg)
+        return self.session.gather(ar, which, self.timeout, what=verb)[0]
 
     def classify(self, error: BaseException) -> tuple[str, str, bool]:
         if isinstance(error, RankDiedError):
@@ -106,6 +136,12 @@ class ClusterBackend(Backend):
         )
 
     def dead(self) -> str | None:
+        if self.watch is not None:
+            try:
+                said = self.watch()
+            except Exception as e:  # noqa: BLE001 - a cluster we cannot even ask is as good as dead
+                said = f"the cluster cannot be reached ({type(e).__name__}: {e})"
+            return f"{said}; %nbtrain restart brings it back." if said else None
         try:
             rows = self.session.status()
         except Exception as e:  # noqa: BLE001 - a cluster we cannot even ask is as good as dead

@@ -170,14 +170,18 @@ def serve(
     port: int = 0,
     api_key: str | None = None,
     root: str | os.PathLike[str] | None = None,
+    watch: Any = None,
 ) -> TinkerService:
-    """Serve the Tinker protocol over `session`'s ranks (a `Cluster`), or in this kernel when None.
+    """Serve the Tinker protocol over `session`'s ranks (a `Cluster`), or in this kernel when None;
+    `watch()` names dead ranks (see `ClusterBackend`).
 
     One service at a time: a running one is stopped first."""
     global _current
     if _current is not None:
         _current.stop()
-    backend: Backend = ClusterBackend(session) if session is not None else InProcessBackend()
+    backend: Backend = (
+        ClusterBackend(session, watch=watch) if session is not None else InProcessBackend()
+    )
     service = TinkerService(
         backend,
         host=host,
