@@ -251,7 +251,7 @@ def test_compute_logprobs_equals_forward(cluster, trained):
     np.testing.assert_allclose(got["prompt_logprobs"][1:], fwd["outputs"][0]["logprobs"], atol=1e-5)
 
 
-def test_samples_stop_tokens_and_their_logprobs(cluster, trained):
+def test_samples_stop_tokens_and_their_logprobs(cluster, base, trained):
     prompt = [7, 8, 9, 10]
     stop = list(range(5, 300))  # most of the vocabulary: samples stop within a few tokens
     got = run(
@@ -284,6 +284,26 @@ def test_samples_stop_tokens_and_their_logprobs(cluster, trained):
     fwd = run(cluster, service.forward_backward, trained, datums, "cross_entropy", None, True)
     for s, out in zip(got["sequences"], fwd["outputs"]):
         np.testing.assert_allclose(s["logprobs"], out["logprobs"][len(prompt) - 1 :], atol=1e-4)
+    # stop strings: a sample ends with the token that completes one, and none occurs before it
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    strings = ["e", "a"]
+    by_text = run(
+        cluster,
+        service.sample,
+        {"model_id": trained},
+        prompt,
+        6,
+        {"max_tokens": 30, "seed": 2, "stop": strings},
+        False,
+    )
+    for s in by_text["sequences"]:
+        head = tok.decode(s["tokens"][:-1])
+        assert not any(x in head for x in strings)
+        if s["stop_reason"] == "stop":
+            assert any(x in tok.decode(s["tokens"]) for x in strings)
+    assert any(s["stop_reason"] == "stop" for s in by_text["sequences"])
     never = run(
         cluster,
         service.sample,

@@ -106,11 +106,14 @@ def _stop_ids(p: dict[str, Any], tokenizer: Any, model: Any) -> list[int]:
 def _cut(new: list[int], stop_ids: list[int], strings: list[str], tokenizer: Any) -> int | None:
     """How many of `new` to keep: up to and including the first stop token or the token that completes
     a stop string; None when neither occurs."""
+    # a stop string of L characters spans at most 4L tokens (a byte-level token holds one byte at
+    # least), so only that tail is decoded at each position, not the whole prefix
+    window = 4 * max((len(s) for s in strings), default=0) + 2
     for k, t in enumerate(new):
         if t in stop_ids:
             return k + 1
         if strings:
-            text = tokenizer.decode(new[: k + 1])
+            text = tokenizer.decode(new[max(0, k + 1 - window) : k + 1])
             if any(s in text for s in strings):
                 return k + 1
     return None
