@@ -236,7 +236,7 @@ def test_k_steps_equal_plain_torch_adamw(cluster, base):
     run(cluster, service.unload, "adam")
 
 
-def test_compute_logprobs_equals_forward(cluster, trained):
+def test_compute_logprobs_equals_forward(cluster, base, trained):
     prompt = _datums(1, 7)[0]["tokens"]
     got = run(cluster, service.sample, {"model_id": trained}, prompt, 1, {"max_tokens": 1}, True)
     datum = {
@@ -249,6 +249,16 @@ def test_compute_logprobs_equals_forward(cluster, trained):
     fwd = run(cluster, service.forward_backward, trained, [datum], "cross_entropy", None, True)
     assert got["prompt_logprobs"][0] is None
     np.testing.assert_allclose(got["prompt_logprobs"][1:], fwd["outputs"][0]["logprobs"], atol=1e-5)
+
+    # the base model, no adapter (a KL reference), as transformers alone computes it here
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(base).eval()
+    ref = run(cluster, service.sample, {"base_model": base}, prompt, 1, {"max_tokens": 1}, True)
+    with torch.no_grad():
+        expected = _ref_logprobs(plain, datum).numpy()
+    np.testing.assert_allclose(ref["prompt_logprobs"][1:], expected, atol=1e-5)
+    assert not np.allclose(expected, fwd["outputs"][0]["logprobs"], atol=1e-3)
 
 
 def test_samples_stop_tokens_and_their_logprobs(cluster, base, trained):
