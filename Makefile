@@ -100,14 +100,16 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider -rfEs --durations=10 --basetemp=/tmp/nbtrain-pytest-vllm \
 		tests/generation/test_vllm.py tests/generation/test_vllm_ranks.py tests/generation/test_vllm_versions.py
 
-# two lanes at once on the 2-core machine, about equally long (scripts/lanes.sh prints each lane's
+# two lanes at once on the 2-core machine, about equally long, and a short third, the vLLM venv's
+# build and tests (its own venv: about 100 s to build, 225 s of tests at load 12) (scripts/lanes.sh prints each lane's
 # output whole when it ends; -k: a lane's later parts run after one failed), then the timed tests alone
 test: $(STAMP)
 	sh scripts/testbed-deps.sh
 	PYTHON=$(abspath $(PY)) bash labextension/build.sh
 	bash scripts/lanes.sh \
 		checks-nodes-runs '$(MAKE) -k --no-print-directory LAB_BUILT=1 lint docs test-lab test-nodes test-runs' \
-		main '$(MAKE) -k --no-print-directory test-main'
+		main '$(MAKE) -k --no-print-directory test-main' \
+		vllm '$(MAKE) -k --no-print-directory test-vllm'
 	$(MAKE) --no-print-directory test-timed
 
 clean:
