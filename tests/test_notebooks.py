@@ -481,3 +481,32 @@ def test_steppable_notebook_runs(tmp_path, monkeypatch):
     ]
     assert ["rewards/digits/mean" in r for r in grpo] == [True] * 4 + [False] * 4
     assert ["rewards/brief/mean" in r for r in grpo] == [False] * 4 + [True] * 4
+
+
+@pytest.mark.timeout(400)
+def test_tinker_notebook_runs(tmp_path, monkeypatch):
+    """notebooks/11-tinker.ipynb top to bottom in a real kernel: the Tinker service on two ranks, an SFT
+    loop through the tinker SDK in a cell with the service's live plot, sampling, one RL step per reward
+    (the reward changed between cells), and a sampler adapter exported that peft loads."""
+    pytest.importorskip("tinker")
+    monkeypatch.setenv("NBTRAIN_DEMO_OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("NBTRAIN_HOME", str(tmp_path / "home"))
+    nb = nbformat.read(ROOT / "notebooks" / "11-tinker.ipynb", as_version=4)
+    _execute(nb, tmp_path)
+    text = _all_text(nb)
+    assert "FutureWarning" not in text, text[-3000:]
+    sft = re.search(r"SFT: loss ([\d.]+) \(first 5 steps\) -> ([\d.]+) \(last 5\)", text)
+    assert sft and float(sft[2]) < float(sft[1]) - 0.5, text[-3000:]
+    # the service's live plot, drawn under the loop's cell
+    loop = next(c for c in nb.cells if c.source.startswith("losses = []"))
+    assert any(
+        "data:image/png;base64," in o.get("data", {}).get("text/html", "") for o in loop.outputs
+    )
+    samples = re.findall(r"' -> '.*'  \((stop|length), logprob (-?[\d.]+)\)", text)
+    assert len(samples) == 8 and all(float(lp) <= 0 for _, lp in samples), text[-3000:]
+    for reward in ("short", "has_vowel"):
+        rl = re.search(rf"RL step, reward '{reward}': mean reward ([\d.]+), loss (-?[\d.]+)", text)
+        assert rl and 0.0 <= float(rl[1]) <= 1.0, text[-3000:]
+    assert re.search(r"tinker://\S+:train:\d+/sampler_weights/final", text), text[-3000:]
+    assert "['adapter_config.json', 'adapter_model.safetensors']" in text
+    assert re.search(r"PeftModelForCausalLM: logits of shape \(1, \d+, \d+\)", text), text[-3000:]
