@@ -57,7 +57,11 @@ def _sft_kw(tiny, out, **kw):
 
 
 def _dpo(tiny, out):
-    return nbtrain.DPOConfig(
+    return nbtrain.DPOConfig(**_dpo_kw(tiny, out))
+
+
+def _dpo_kw(tiny, out, **kw):
+    base = dict(
         model=tiny,
         data=preferences_path(),
         output_dir=str(out),
@@ -71,6 +75,7 @@ def _dpo(tiny, out):
         disable_dropout=False,
         seed=3,
     )
+    return {**base, **kw}
 
 
 def _grpo(tiny, out, **kw):
@@ -261,6 +266,8 @@ def digits(completions, **kw):
 def make(kind, kw):
     if kind == "grpo":
         return nbtrain.GRPOConfig(reward_funcs=digits, **kw)
+    if kind == "dpo":
+        return nbtrain.DPOConfig(**kw)
     return nbtrain.SFTConfig(**kw)
 """
 
@@ -275,20 +282,26 @@ def two_ranks():
         cluster.stop()
 
 
-@pytest.mark.parametrize("kind", ["sft", "grpo"])
+@pytest.mark.parametrize("kind", ["sft", "fsdp", "dpo", "grpo"])
 def test_two_ranks_two_spans_equal_one_run(two_ranks, tiny, tmp_path, kind):
-    make = _sft_kw if kind == "sft" else _grpo_kw
-    kw = {"per_device_train_batch_size": 2} if kind == "sft" else {}
+    make = {"sft": _sft_kw, "fsdp": _sft_kw, "dpo": _dpo_kw, "grpo": _grpo_kw}[kind]
+    kw = {
+        "sft": {"per_device_train_batch_size": 2},
+        # sharded: generate runs synced on both ranks, the export gathers the adapter
+        "fsdp": {"per_device_train_batch_size": 2, "shard": "fsdp", "max_steps": 4},
+        "dpo": {"per_device_train_batch_size": 1},
+        "grpo": {},
+    }[kind]
     one = make(str(tiny), tmp_path / "one", **kw)
     two = make(str(tiny), tmp_path / "two", **kw)
-    two_ranks.push({"one": one, "two": two, "kind": kind})
+    two_ranks.push({"one": one, "two": two, "kind": "sft" if kind == "fsdp" else kind})
     two_ranks.execute(
         "ref = nbtrain.finetune(make(kind, one))\n"
         "run = nbtrain.Run(make(kind, two))\n"
         "first = run.train(steps=2)\n"
         "torch.rand(100)\n"
         "table = run.generate(['Add 1 and 2.'], max_new_tokens=3)\n"
-        "second = run.train(steps=2 if kind == 'grpo' else 4)\n",
+        "second = run.train()\n",
         output="none",
     )
     first, second, tables = (two_ranks.pull(k) for k in ("first", "second", "table"))
