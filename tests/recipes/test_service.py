@@ -239,14 +239,15 @@ def test_k_steps_equal_plain_torch_adamw(cluster, base):
 def test_compute_logprobs_equals_forward(cluster, base, trained):
     prompt = _datums(1, 7)[0]["tokens"]
     got = run(cluster, service.sample, {"model_id": trained}, prompt, 1, {"max_tokens": 1}, True)
+    # forward() sends target_tokens only: weights count as ones
     datum = {
         "tokens": prompt[:-1],
-        "loss_fn_inputs": {
-            "target_tokens": np.array(prompt[1:], np.int64),
-            "weights": np.ones(len(prompt) - 1, np.float32),
-        },
+        "loss_fn_inputs": {"target_tokens": np.array(prompt[1:], np.int64)},
     }
     fwd = run(cluster, service.forward_backward, trained, [datum], "cross_entropy", None, True)
+    assert fwd["metrics"]["loss:sum"] == pytest.approx(
+        -float(np.sum(fwd["outputs"][0]["logprobs"])), rel=1e-5
+    )
     assert got["prompt_logprobs"][0] is None
     np.testing.assert_allclose(got["prompt_logprobs"][1:], fwd["outputs"][0]["logprobs"], atol=1e-5)
 

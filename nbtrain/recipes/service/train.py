@@ -36,7 +36,7 @@ def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return out
 
 
-def _check_datum(i: int, datum: dict[str, Any], loss_fn: str) -> int:
+def _check_datum(i: int, datum: dict[str, Any], loss_fn: str, forward_only: bool) -> int:
     n = len(datum["tokens"])
     if n == 0:
         msg = f"datum {i} has no tokens; every datum needs a model_input"
@@ -44,6 +44,13 @@ def _check_datum(i: int, datum: dict[str, Any], loss_fn: str) -> int:
     inputs = datum.get("loss_fn_inputs") or {}
     if "target_tokens" not in inputs:
         msg = f"datum {i} has no loss_fn_inputs['target_tokens']; every datum needs them"
+        raise ConfigError(msg)
+    missing = [k for k in losses.SUPPORTED[loss_fn] if k not in inputs]
+    if missing and not forward_only:
+        msg = (
+            f"datum {i} lacks loss_fn_inputs {missing}, which loss_fn {loss_fn!r} needs "
+            f"({', '.join(losses.SUPPORTED[loss_fn])})"
+        )
         raise ConfigError(msg)
     for name, value in inputs.items():
         if len(value) != n:
@@ -53,6 +60,22 @@ def _check_datum(i: int, datum: dict[str, Any], loss_fn: str) -> int:
             )
             raise ConfigError(msg)
     return n
+
+
+def _fill_forward_inputs(inputs: dict[str, Any], lp: Any) -> None:
+    """`forward()` needs only target_tokens: a loss input it lacks gets a neutral value (weights
+    1, so cross_entropy's loss is the targets' NLL; the sampler's log-probs the learner's own, and
+    advantages 0, so an RL loss is 0)."""
+    import torch
+
+    neutral = {
+        "weights": lambda: torch.ones_like(lp, device="cpu"),
+        "logprobs": lambda: lp.detach().cpu(),
+        "advantages": lambda: torch.zeros_like(lp, device="cpu"),
+    }
+    for name, make in neutral.items():
+        if name not in inputs:
+            inputs[name] = make()
 
 
 def learner_logprobs(model: Any, batch: list[dict[str, Any]], device: Any) -> list[Any]:
@@ -115,7 +138,7 @@ def _forward_backward(
 
     losses.check(loss_fn, loss_fn_config)
     for i, datum in enumerate(datums):
-        _check_datum(i, datum, loss_fn)
+        _check_datum(i, datum, loss_fn, forward_only)
     d = registry.dist()
     mine = list(range(d.rank, len(datums), d.world))
     held: list[Any] = []  # (trainee, its gradients from earlier calls), once this rank has them
@@ -139,6 +162,8 @@ def _forward_backward(
                         for k, v in x["loss_fn_inputs"].items()
                         if k != "target_tokens"
                     }
+                    if forward_only:
+                        _fill_forward_inputs(inputs, lp)
                     loss, per_token = losses.datum_loss(loss_fn, lp, inputs, loss_fn_config)
                     total = loss if total is None else total + loss
                     tokens += int((inputs[losses.SUPPORTED[loss_fn][-1]] != 0).sum())
