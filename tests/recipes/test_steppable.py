@@ -120,9 +120,14 @@ def _in_between(run):
     assert len(table) == 1 and table["tokens"][0] >= 1
 
 
-def test_sft_two_spans_equal_one_run(tiny, tmp_path):
+def test_sft_two_spans_equal_one_run(tiny, tmp_path, monkeypatch):
     ref = nbtrain.finetune(_sft(tiny, tmp_path / "one"))
     out = tmp_path / "two"
+    # what the live display is sent (a %%distributed cell's, or a plain kernel's)
+    from nbtrain.engine import metrics
+
+    sent = []
+    monkeypatch.setattr(metrics, "_publish", sent.append)
     run = nbtrain.Run(_sft(tiny, out, sample_prompts=["Say hi"], sample_steps=2))
     first = run.train(steps=3)
     assert (first.state, first.global_step, first.adapter_dir) == ("paused", 3, None)
@@ -131,6 +136,19 @@ def test_sft_two_spans_equal_one_run(tiny, tmp_path):
     _in_between(run)
     second = run.train(steps=3)
     assert (second.state, second.global_step) == ("done", 6)
+    # each span's display: the first ends 'paused'; the second redraws the rows so far and goes on
+    said = [(p["kind"], p.get("row", {}).get("step"), p.get("state")) for p in sent]
+    said = [x for x in said if x[0] != "samples"]
+    assert said == [
+        ("begin", None, None),
+        ("row", 2, None),
+        ("end", None, "paused"),
+        ("begin", None, None),
+        ("row", 2, None),
+        ("row", 4, None),
+        ("row", 6, None),
+        ("end", None, "done"),
+    ]
     assert second.adapter_dir == str(out / "adapter")
     assert_same_adapter(tmp_path / "one", out)
     # one curve: the same rows as the uninterrupted run, in metrics.jsonl and the record
