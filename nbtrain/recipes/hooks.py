@@ -17,7 +17,9 @@ keyword arguments, on every rank, in the order the hooks were added:
 | `on_log` | after each logged row (the row is in the history, the live plot and `metrics.jsonl`) | `row` |
 | `on_save` | after each checkpoint is written (by rank 0, or by every rank's shards) | `step`, `checkpoint` |
 
-An exception in a hook ends the run as any error in the loop does: the run is marked failed.
+An exception in a hook ends the run as any error in the loop does: the run is marked failed. A run
+trained in spans (`nbtrain.Run`) calls `on_begin` once, at its first `train` call, and the others as its
+steps come, whatever the spans.
 """
 
 from __future__ import annotations
