@@ -92,7 +92,9 @@ class Disaggregated(SFTRecipe):
 
         d = self.d
         t0 = time.perf_counter()
-        engine = grpo_rollout.rollout_engine(self.model_name, self.tokenizer, self.peft_model, d)
+        engine = grpo_rollout.rollout_engine(
+            self.model_name, self.tokenizer, self.peft_model, d, self.compute_dtype
+        )
         self.decoding = grpo_rollout.RolloutDecoding(**asdict(self.decoding), engine=engine)
         if d.is_zero:
             print(

@@ -177,18 +177,25 @@ def lora_spec(peft_model: Any) -> Any:
     return engines.LoraSpec(r=int(pc.r), alpha=float(pc.lora_alpha), target_modules=names)
 
 
-def rollout_engine(model_path: str, tokenizer: Any, peft_model: Any, d: Any) -> Any:
+def rollout_engine(
+    model_path: str, tokenizer: Any, peft_model: Any, d: Any, dtype: Any = None
+) -> Any:
     """This rank's vLLM engine for GRPO's rollouts, on `model_path`'s base with room for the peft
-    model's LoRA: the one this process started for an earlier run where the base and the LoRA shape
-    are the same (a start costs 70-90 s on a CPU), else a new one (the old one ended first: one vLLM
-    a rank, which on a GPU shares its memory with training)."""
+    model's LoRA, computing in `dtype` (the training's compute dtype; None: the weights' own): the one
+    this process started for an earlier run where all of these are the same (a start costs 70-90 s on
+    a CPU), else a new one (the old one ended first: one vLLM a rank, which on a GPU shares its
+    memory with training)."""
     from nbtrain.generation import engines
 
     spec = lora_spec(peft_model)
-    key = repr((str(model_path), spec, str(d.device)))
+    options = engines.VLLMOptions(dtype="auto" if dtype is None else str(dtype).split(".")[-1])
+    key = repr((str(model_path), spec, str(d.device), options))
     if _ENGINE.get("key") == key:
         return _ENGINE["engine"]
+    from nbtrain.generation import vllm_engine
+
     close_engine()
+    vllm_engine.forget()  # the engine `generate` or samples kept, if any: one vLLM a rank
     eng = engines.make(
         "vllm",
         model_path=str(model_path),
@@ -197,7 +204,7 @@ def rollout_engine(model_path: str, tokenizer: Any, peft_model: Any, d: Any) -> 
         lora=spec,
         rank=d.rank,
         host=d.host,
-        options=engines.VLLMOptions(),
+        options=options,
     )
     _ENGINE.update(key=key, engine=eng)
     return eng
