@@ -26,7 +26,11 @@ from typing import Any
 from nbtrain.data import chat
 from nbtrain.data.prompts import Entry
 from nbtrain.engine import interrupts
-from nbtrain.errors import ConfigError
+from nbtrain.errors import ConfigError, NbtrainError
+
+
+class EngineFailedElsewhere(NbtrainError, RuntimeError):
+    """Another rank's generation engine failed; this rank's part was fine (that rank says why)."""
 
 
 @dataclass
@@ -255,33 +259,50 @@ def generate_across(
     rows: list[dict[str, Any]] = []
     # an interrupt is held to a batch's end; the ranks then meet where they would anyway (each
     # batch's check when synced, else the final gather) and stop together, none left in a collective
+    failed: str | None = None
+    error: Exception | None = None
     with interrupts.Held() as held:
-        for b in range(n_batches):
-            if synced and -d.min_int(-int(held.flag())) > 0:
-                break
-            if not synced and held.pending:
-                break
-            # a rank short of batches repeats one prompt, so its forward passes match the others'
-            batch = batches[b] if b < len(batches) else [prompts[0]]
-            got = (
-                generate_batch(
-                    model,
-                    tokenizer,
-                    batch,
-                    decoding,
-                    d.device,
-                    synced,
-                    autocast,
-                    full_length=full_length,
+        try:
+            for b in range(n_batches):
+                if synced and -d.min_int(-int(held.flag())) > 0:
+                    break
+                if not synced and held.pending:
+                    break
+                # a rank short of batches repeats one prompt, so its forward passes match the others'
+                batch = batches[b] if b < len(batches) else [prompts[0]]
+                got = (
+                    generate_batch(
+                        model,
+                        tokenizer,
+                        batch,
+                        decoding,
+                        d.device,
+                        synced,
+                        autocast,
+                        full_length=full_length,
+                    )
+                    if engine is None
+                    else engine.rows(batch, decoding)
                 )
-                if engine is None
-                else engine.rows(batch, decoding)
-            )
-            if b < len(batches):
-                rows += got
-        every = d.gather_objects((rows, held.flag()))
-    interrupts.stop_if_any([f for _, f in every], "the end of a generate batch")
-    every = [part for part, _ in every]
+                if b < len(batches):
+                    rows += got
+        except Exception as e:
+            if engine is None:
+                raise
+            # an engine of its own (vLLM) failed on this rank: the others hear of it at the gather
+            # below instead of waiting there for this rank
+            failed = str(e)
+            error = e
+        every = d.gather_objects((rows, held.flag(), failed, d.host))
+    if error is not None:
+        raise error
+    for r, (_, _, text, host) in enumerate(every):
+        if text is not None:
+            first = text.splitlines()[0]
+            msg = f"generation failed on rank {r} ({host}): {first}; see that rank's error for its log"
+            raise EngineFailedElsewhere(msg)
+    interrupts.stop_if_any([f for _, f, _, _ in every], "the end of a generate batch")
+    every = [part for part, _, _, _ in every]
     if not d.is_zero:
         return None
     by_index = {r["index"]: r for part in every for r in part}

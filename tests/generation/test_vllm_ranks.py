@@ -158,3 +158,36 @@ def _samples(out: Path) -> list[dict]:
     from nbtrain.runs import SAMPLES_FILE
 
     return [json.loads(x) for x in (out / SAMPLES_FILE).read_text().splitlines()]
+
+
+def test_zz_a_vllm_that_dies_on_one_rank_is_named_on_both_and_the_cluster_goes_on(two, models):
+    """Last in the module: rank 1's vLLM is killed; a generation then fails on rank 1 with the engine's
+    own error and on rank 0 naming rank 1, neither left waiting; the next cell runs on both ranks."""
+    two.execute(
+        "import os, signal\n"
+        "from nbtrain.engine.rank import get_rank\n"
+        "from nbtrain.generation import decode\n"
+        "eng = vllm_engine._kept['engine']\n"
+        "if get_rank() == 1:\n"
+        "    os.kill(eng.pid, signal.SIGKILL)\n"
+        "    eng.proc.wait(10)\n"
+        "from nbtrain.engine.dist import Dist\n"
+        "d = Dist()\n"
+        "tok = eng.tokenizer\n"
+        "ps = [decode.Prompt(i, t, tok(t)['input_ids']) for i, t in enumerate(['Hi', 'x', 'Say'])]\n"
+        "try:\n"
+        "    decode.generate_across(None, tok, ps, d, decode.Decoding(max_new_tokens=4), engine=eng)\n"
+        "    died = None\n"
+        "except Exception as e:\n"
+        "    died = f'{type(e).__name__}: {e}'\n"
+    )
+    died = two.pull("died")
+    assert died[1] is not None and died[1].startswith("EngineError: vLLM engine on rank 1")
+    assert "died during generate" in died[1] and "exited with -9" in died[1]
+    assert died[0] is not None and died[0].startswith(
+        "EngineFailedElsewhere: generation failed on rank 1"
+    )
+    # the cluster is usable: both ranks run the next cell
+    two.push({"M": {k: str(v) for k, v in models.items()}})
+    two.execute("after = nbtrain.generate(['Hi'], model=M['base'], max_new_tokens=3)")
+    assert len(two.pull("after", ranks=0)[0]) == 1
