@@ -19,10 +19,11 @@ def create_model(model_id: str, base_model: str, lora: dict[str, Any]) -> dict[s
     seed = lora["seed"]
     if seed is None:  # one random seed for every rank, so that their adapters start equal
         seed = d.broadcast_object(random.SystemRandom().randrange(2**31))
+    existed = model_id in registry.MODELS
     try:
         registry.exchange(d, lambda: registry.create(model_id, base_model, lora, seed))
     except Exception:
-        if model_id in registry.MODELS:  # made here but not on every rank: none keeps it
+        if not existed and model_id in registry.MODELS:  # made here, not on every rank: none keeps it
             registry.unload(model_id)
         raise
     trainee = registry.get(model_id)
