@@ -69,6 +69,31 @@ export function colourOf(i: number): string {
   return palette[((i % palette.length) + palette.length) % palette.length];
 }
 
+/**
+ * The palette as CSS variables (--nbtrain-c0 ... --nbtrain-c7), switched with the theme: the DOM's
+ * colour keys (the sidebar's dots, legends, tables) follow a theme change by themselves.
+ */
+export function installPalette(): void {
+  if (document.getElementById('nbtrain-palette')) {
+    return;
+  }
+  const vars = (palette: string[]) =>
+    palette.map((c, i) => `--nbtrain-c${i}: ${c};`).join(' ');
+  const style = document.createElement('style');
+  style.id = 'nbtrain-palette';
+  style.textContent =
+    `:root { ${vars(PALETTE_LIGHT)} }\n` +
+    `body[data-jp-theme-light='false'] { ${vars(PALETTE_DARK)} }`;
+  document.head.appendChild(style);
+}
+
+/** Palette index `i` as a CSS colour that follows the theme (for DOM elements). */
+export function colourVar(i: number): string {
+  installPalette();
+  const n = PALETTE_LIGHT.length;
+  return `var(--nbtrain-c${((i % n) + n) % n})`;
+}
+
 function cssVar(name: string, fallback: string): string {
   const v = getComputedStyle(document.body).getPropertyValue(name).trim();
   return v || fallback;
@@ -251,7 +276,7 @@ export class LineChart {
       ...shown.map(s => {
         const item = document.createElement('span');
         item.className = 'nbtrain-Chart-key';
-        item.style.color = colourOf(s.colour);
+        item.style.color = colourVar(s.colour);
         item.dataset.series = s.label;
         const last = (s.raw?.length ? s.raw : s.points).at(-1)![1];
         item.textContent = `${s.label} ${formatValue(last)}`;
@@ -450,7 +475,10 @@ export class LineChart {
           font,
           labelFont: font,
           label: xTitle,
-          labelSize: 18,
+          labelSize: 14,
+          labelGap: 0,
+          size: 26,
+          gap: 3,
           grid: { show: false },
           ticks: { stroke: grid },
           splits: (u, _i, lo, hi) =>
@@ -599,7 +627,7 @@ function tooltipTable(xTitle: string, lines: ITooltipLine[]): HTMLElement {
     const name = tr.insertCell();
     const key = document.createElement('span');
     key.className = 'nbtrain-Chart-key';
-    key.style.color = colourOf(line.colour);
+    key.style.color = colourVar(line.colour);
     key.textContent = line.label;
     name.appendChild(key);
     const x = tr.insertCell();

@@ -9,7 +9,7 @@
 import { Widget } from '@lumino/widgets';
 
 import { ChartBoard, IRawSeries, label } from './board';
-import { colourOf, formatValue } from './charts';
+import { colourVar, formatValue } from './charts';
 import {
   CompareModel,
   compareCSV,
@@ -222,7 +222,7 @@ export class ComparePanel extends Widget {
       const cell = th('', 'nbtrain-Compare-runHead');
       const key = document.createElement('span');
       key.className = 'nbtrain-Chart-key';
-      key.style.color = colourOf(runColour(run.id));
+      key.style.color = colourVar(runColour(run.id));
       key.textContent = run.label;
       const step = document.createElement('span');
       step.className = 'nbtrain-Compare-sampleStep';
@@ -273,7 +273,11 @@ export class ComparePanel extends Widget {
     th('run', 'nbtrain-Compare-run');
     for (const m of metrics) {
       th(
-        m === 'step' ? 'steps' : m.replace(/_/g, ' '),
+        m === 'step'
+          ? 'steps'
+          : m === 'tokens_per_s'
+            ? 'tokens/s'
+            : m.replace(/_/g, ' '),
         'nbtrain-Compare-metric'
       );
     }
@@ -288,10 +292,10 @@ export class ComparePanel extends Widget {
       const name = tr.insertCell();
       const dot = document.createElement('span');
       dot.className = 'nbtrain-Dot';
-      dot.style.backgroundColor = colourOf(runColour(run.id));
+      dot.style.backgroundColor = colourVar(runColour(run.id));
       const key = document.createElement('span');
       key.className = 'nbtrain-Chart-key';
-      key.style.color = colourOf(runColour(run.id));
+      key.style.color = colourVar(runColour(run.id));
       key.textContent = run.label;
       name.className = 'nbtrain-Compare-run';
       name.append(dot, key);

@@ -3,7 +3,7 @@
  */
 import { Widget } from '@lumino/widgets';
 
-import { colourOf } from './charts';
+import { colourVar } from './charts';
 import { runColour } from './metrics';
 import {
   baseName,
@@ -239,7 +239,7 @@ function renderRun(run: IRun, selected: boolean): HTMLElement {
   }
   // the run's colour in every chart
   const dot = el('span', 'nbtrain-Dot');
-  dot.style.backgroundColor = colourOf(runColour(run.id));
+  dot.style.backgroundColor = colourVar(runColour(run.id));
   dot.dataset.colour = String(runColour(run.id));
   const name = el('span', 'nbtrain-Item-name', run.name);
   // a name cut by the sidebar's width reads whole on hover

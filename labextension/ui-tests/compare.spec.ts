@@ -12,17 +12,17 @@ import * as path from 'path';
 
 import { expect, Locator, Page, test } from '@playwright/test';
 
-import { formatValue } from '../src/charts';
+import { formatValue } from '../src/format';
 import { ema } from '../src/compare';
 import { shortPath } from '../src/model';
 import {
   expectInside,
-  expectNoOverlap,
-  fontSizes,
+  hoverChart,
   openLab,
   openRunPanel,
   openSidebar,
-  setTheme
+  setTheme,
+  yTicks
 } from './lab';
 
 const uiDir = process.env.NBTRAIN_UI_DIR!;
@@ -104,12 +104,25 @@ function config(rate: string): Record<string, unknown> {
   );
 }
 
-async function lossPath(panel: Locator, run: string): Promise<string> {
-  return (await panel
-    .locator(
-      `figure[data-chart="loss"] path.nbtrain-Chart-line:not(.nbtrain-Chart-faint)[data-series="${run}"]`
-    )
-    .getAttribute('d'))!;
+/** The tooltip's line of run `run` on the loss chart, the pointer at `fx` of the plot's width. */
+async function tipLine(
+  page: Page,
+  panel: Locator,
+  run: string,
+  fx = 0.6
+): Promise<{ step: number; value: string; raw: string | null }> {
+  const figure = panel.locator('figure[data-chart="loss"]');
+  await hoverChart(page, figure, fx);
+  const line = figure.locator(
+    `.nbtrain-Chart-tooltip tr[data-series="${run}"]`
+  );
+  await expect(line).toBeVisible();
+  const raw = line.locator('.nbtrain-Chart-tooltipRaw');
+  return {
+    step: Number(await line.locator('.nbtrain-Chart-tooltipX').textContent()),
+    value: (await line.locator('.nbtrain-Chart-tooltipValue').textContent())!,
+    raw: (await raw.count()) ? await raw.textContent() : null
+  };
 }
 
 async function openComparison(page: Page): Promise<Locator> {
@@ -216,47 +229,36 @@ test('two runs, ticked in the sidebar, are drawn over each other with a legend',
     await expect(cell).toHaveText(shortPath(adapter, 2));
     await expect(cell).toHaveAttribute('title', adapter);
   }
-  // the run, what differs and how it ended come first; the adapter last
+  // the run, how it ended, then what differs; the adapter last
   await expect(table.locator('thead th')).toHaveText([
     'run',
-    'learning_rate',
     'loss',
     'eval loss',
     'tokens/s',
     'steps',
+    'learning_rate',
     'adapter'
   ]);
 
-  // hovering shows each run's smoothed value at the nearest step, and its raw value
-  const svg = panel.locator('figure[data-chart="loss"] svg');
-  const box = (await svg.boundingBox())!;
-  await page.mouse.move(box.x + box.width * 0.6, box.y + box.height / 2);
+  // hovering shows each run's own step, its smoothed value there, and its raw value
   const tip = panel.locator('figure[data-chart="loss"] .nbtrain-Chart-tooltip');
-  await expect(tip).toBeVisible();
+  await tipLine(page, panel, 'lr-1e-2');
   await expect(tip.locator('.nbtrain-Chart-tooltipHead th')).toHaveText([
-    /^step \d+$/,
+    '',
+    'step',
     'smoothed',
     'value'
   ]);
-  const head = (await tip
-    .locator('.nbtrain-Chart-tooltipHead th')
-    .first()
-    .textContent())!;
-  const step = Number(head.replace('step ', ''));
-  expect(step).toBeGreaterThan(1);
-  expect(step).toBeLessThan(STEPS);
   const weight = Number(
     await panel.locator('.nbtrain-Compare-smoothing').inputValue()
   );
   for (const rate of RATES) {
     const losses = metrics(rate).map(r => r.loss);
-    const line = tip.locator(`tr[data-series="lr-${rate}"]`);
-    await expect(line.locator('.nbtrain-Chart-tooltipValue')).toHaveText(
-      formatValue(ema(losses, weight)[step - 1])
-    );
-    await expect(line.locator('.nbtrain-Chart-tooltipRaw')).toHaveText(
-      formatValue(losses[step - 1])
-    );
+    const line = await tipLine(page, panel, `lr-${rate}`);
+    expect(line.step).toBeGreaterThan(1);
+    expect(line.step).toBeLessThan(STEPS);
+    expect(line.value).toBe(formatValue(ema(losses, weight)[line.step - 1]));
+    expect(line.raw).toBe(formatValue(losses[line.step - 1]));
   }
   // the legend gives where each run ended (raw), and says the lines are smoothed
   const legend = panel.locator(
@@ -284,38 +286,32 @@ test('smoothing, log scale and time change the drawing; the CSV has both runs', 
 }) => {
   const panel = await openComparison(page);
   const slider = panel.locator('.nbtrain-Compare-smoothing');
-  const at = async (): Promise<string> => lossPath(panel, 'lr-1e-2');
+  const losses = metrics(RATES[0]).map(r => r.loss);
   await slider.fill('0');
   await expect(panel.locator('.nbtrain-Compare-smoothingValue')).toHaveText(
     '0.00'
   );
-  const raw = await at();
-  // no smoothing: no faint underlay, the line is the raw curve
-  await expect(
-    panel.locator('figure[data-chart="loss"] path.nbtrain-Chart-faint')
-  ).toHaveCount(0);
+  // no smoothing: the line is the raw curve, and the tooltip has no raw column
+  let line = await tipLine(page, panel, 'lr-1e-2');
+  expect(line.raw).toBeNull();
+  expect(line.value).toBe(formatValue(losses[line.step - 1]));
   await slider.fill('0.9');
   await expect(panel.locator('.nbtrain-Compare-smoothingValue')).toHaveText(
     '0.90'
   );
-  const smoothed = await at();
-  expect(smoothed).not.toBe(raw);
-  // the raw curve stays, faint, under the smoothed one
+  line = await tipLine(page, panel, 'lr-1e-2');
+  expect(line.value).toBe(formatValue(ema(losses, 0.9)[line.step - 1]));
+  expect(line.raw).toBe(formatValue(losses[line.step - 1]));
+  // the learning rate is never smoothed, whatever the slider says
   await expect(
-    panel.locator(
-      `figure[data-chart="loss"] path.nbtrain-Chart-faint[data-series="lr-1e-2"]`
-    )
-  ).toHaveAttribute('d', raw);
+    panel.locator('figure[data-chart="learning_rate"] .nbtrain-Chart-note')
+  ).toHaveText('never smoothed');
   await slider.fill('0.5');
-  expect(await at()).not.toBe(smoothed);
 
   await panel.locator('.nbtrain-Compare-log').check();
-  await expect(panel.locator('figure[data-chart="loss"]')).toHaveAttribute(
-    'data-log-y',
-    'true'
-  );
-  const logged = await at();
-  expect(logged).not.toBe(smoothed);
+  const loss = panel.locator('figure[data-chart="loss"]');
+  await expect(loss).toHaveAttribute('data-log-y', 'true');
+  await expect(loss).toHaveAttribute('data-y-title', 'nats/token (log)');
 
   // the CSV: both runs, each logged step, raw and smoothed as drawn
   const [download] = await Promise.all([
@@ -326,7 +322,7 @@ test('smoothing, log scale and time change the drawing; the CSV has both runs', 
   await download.saveAs(file);
   const lines = fs.readFileSync(file, 'utf8').trim().split('\n');
   expect(lines[0]).toBe(
-    'run,step,loss,loss_smoothed,eval_loss,eval_loss_smoothed,tokens_per_s,tokens_per_s_smoothed,learning_rate,learning_rate_smoothed'
+    'run,step,loss,loss_smoothed,eval_loss,eval_loss_smoothed,grad_norm,grad_norm_smoothed,learning_rate,learning_rate_smoothed,tokens_per_s,tokens_per_s_smoothed,step_time,step_time_smoothed,epoch,epoch_smoothed'
   );
   for (const rate of RATES) {
     const mine = lines.slice(1).filter(l => l.startsWith(`lr-${rate},`));
@@ -346,7 +342,7 @@ test('smoothing, log scale and time change the drawing; the CSV has both runs', 
 
   // by time: seconds since each run's first row
   await panel.locator('.nbtrain-Compare-x').selectOption('time');
-  expect(await at()).not.toBe(logged);
+  await expect(loss).toHaveAttribute('data-x-title', 'seconds');
   await page.screenshot({ path: path.join(shots, 'compare-by-time.png') });
 });
 
@@ -357,38 +353,23 @@ test('the comparison reads in both themes: axis titles, round ticks, the table w
   await panel.locator('.nbtrain-Compare-log').check();
   for (const theme of ['JupyterLab Light', 'JupyterLab Dark'] as const) {
     await setTheme(page, theme);
-    const charts = panel.locator('.nbtrain-RunPanel-charts');
+    const charts = panel.locator('.nbtrain-Board-sections');
     const loss = panel.locator('figure[data-chart="loss"]');
-    await expect(loss.locator('.nbtrain-Chart-xTitle')).toHaveText('step');
-    await expect(loss.locator('.nbtrain-Chart-yTitle')).toHaveText(
-      'nats/token (log)'
-    );
+    await expect(loss).toHaveAttribute('data-x-title', 'step');
+    await expect(loss).toHaveAttribute('data-y-title', 'nats/token (log)');
     await expect(
-      panel.locator('figure[data-chart="tokens_per_s"] .nbtrain-Chart-yTitle')
-    ).toHaveText('tokens/s (log)');
+      panel.locator('figure[data-chart="tokens_per_s"]')
+    ).toHaveAttribute('data-y-title', 'tokens/s (log)');
     // round ticks on the log axis: each label is a value with at most two significant digits
     for (const chart of ['loss', 'tokens_per_s', 'learning_rate']) {
-      const labels = await panel
-        .locator(`figure[data-chart="${chart}"] .nbtrain-Chart-yTick`)
-        .allTextContents();
+      const labels = await yTicks(
+        panel.locator(`figure[data-chart="${chart}"]`)
+      );
       expect(labels.length).toBeGreaterThanOrEqual(2);
       for (const label of labels) {
         const value = Number(label.replace(/k$/, 'e3'));
         expect(value, `${chart}: ${label}`).toBe(Number(value.toPrecision(2)));
       }
-    }
-    // tick labels keep their size whatever the chart's width, and do not overlap
-    const ticks = panel.locator('.nbtrain-Chart-tick');
-    for (const size of await fontSizes(ticks)) {
-      expect(size).toBeCloseTo(11, 0);
-    }
-    for (const chart of ['loss', 'tokens_per_s']) {
-      await expectNoOverlap(
-        panel.locator(`figure[data-chart="${chart}"] .nbtrain-Chart-xTick`)
-      );
-      await expectNoOverlap(
-        panel.locator(`figure[data-chart="${chart}"] .nbtrain-Chart-yTick`)
-      );
     }
     // the table is under the charts, and every column of it shows
     const table = panel.locator('.nbtrain-Compare-table');

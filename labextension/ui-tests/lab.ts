@@ -6,6 +6,8 @@ import { expect, Locator, Page } from '@playwright/test';
 export const token = process.env.NBTRAIN_UI_TOKEN!;
 
 export async function openLab(page: Page): Promise<void> {
+  // an error thrown in the page shows in the test's output
+  page.on('pageerror', error => console.log(`page error: ${error.stack}`));
   await page.goto(`/lab?token=${token}`);
   await expect(page.locator('#jupyterlab-splash')).toHaveCount(0, {
     timeout: 60_000
@@ -37,9 +39,12 @@ export async function openRunPanel(page: Page, name: string) {
     has: page.locator('.nbtrain-Item-name', { hasText: name })
   });
   const id = await item.getAttribute('data-run-id');
-  await item.locator('.nbtrain-Item-name').click();
   const panel = page.locator(`.nbtrain-RunPanel[data-run-id="${id}"]`);
-  await expect(panel).toBeVisible();
+  // a click while Lab still restores its layout can be lost: click again until the panel shows
+  await expect(async () => {
+    await item.locator('.nbtrain-Item-name').click();
+    await expect(panel).toBeVisible({ timeout: 5_000 });
+  }).toPass({ timeout: 40_000 });
   return panel;
 }
 
@@ -127,4 +132,38 @@ export async function fontSizes(items: Locator): Promise<number[]> {
       return size * scale;
     })
   );
+}
+
+/** Move the pointer over a chart's plot at `fx` of its width (and half its height). */
+export async function hoverChart(
+  page: Page,
+  figure: Locator,
+  fx: number
+): Promise<void> {
+  const over = figure.locator('.u-over');
+  const box = (await over.boundingBox())!;
+  await page.mouse.move(box.x + box.width * fx, box.y + box.height / 2);
+}
+
+/** Drag across a chart's plot from `f0` to `f1` of its width: uPlot's zoom. */
+export async function dragChart(
+  page: Page,
+  figure: Locator,
+  f0: number,
+  f1: number
+): Promise<void> {
+  const over = figure.locator('.u-over');
+  const box = (await over.boundingBox())!;
+  const y = box.y + box.height / 2;
+  await page.mouse.move(box.x + box.width * f0, y);
+  await page.mouse.down();
+  await page.mouse.move(box.x + box.width * ((f0 + f1) / 2), y, { steps: 4 });
+  await page.mouse.move(box.x + box.width * f1, y, { steps: 4 });
+  await page.mouse.up();
+}
+
+/** The y tick labels uPlot drew on a chart's canvas (the chart lists them in data-y-ticks). */
+export async function yTicks(figure: Locator): Promise<string[]> {
+  const text = (await figure.getAttribute('data-y-ticks')) ?? '';
+  return text.split(' ').filter(t => t);
 }

@@ -107,3 +107,111 @@ def gpu_run(out: Path, steps: int = 60, name: str = "gpu-sft") -> str:
     runs.update_run(run_id, step=last["step"], loss=last["loss"], tokens_per_s=last["tokens_per_s"])
     runs.finish_run(run_id, "done")
     return run_id
+
+
+def _register_finished(out: Path, rows: list[dict], name: str, kind: str, config: dict) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / runs.CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    run_id = runs.register_run(out, name=name, total_steps=rows[-1]["step"], kind=kind)
+    last = rows[-1]
+    runs.update_run(run_id, step=last["step"], loss=last["loss"], tokens_per_s=last["tokens_per_s"])
+    runs.finish_run(run_id, "done")
+    return run_id
+
+
+def dpo_run(out: Path, steps: int = 80, name: str = "dpo-prefs") -> str:
+    """A finished DPO run whose rows carry TRL's DPO metrics (nbtrain/losses/dpo.py METRICS) and an
+    eval every 20 steps. No training runs here: the rows are written by hand in the recipe's layout
+    (the fixture SFT run's timings, a margin that grows and an accuracy that climbs)."""
+    base = FINISHED.joinpath("metrics.jsonl").read_text().splitlines()
+    rows = []
+    for s in range(1, steps + 1):
+        src = json.loads(base[s - 1])
+        margin = round(0.02 * s**0.8, 4)
+        row = {
+            **{k: src[k] for k in ("grad_norm", "learning_rate", "tokens_per_s", "step_time")},
+            "step": s,
+            "epoch": round(s / steps, 4),
+            "loss": round(0.6931 - 0.25 * (1 - 0.985**s), 4),
+            "rewards/chosen": round(margin / 2, 4),
+            "rewards/rejected": round(-margin / 2, 4),
+            "rewards/accuracies": round(min(1.0, 0.5 + s / (1.6 * steps)), 4),
+            "rewards/margins": margin,
+            "logps/chosen": round(-45.0 + margin, 3),
+            "logps/rejected": round(-47.0 - margin, 3),
+        }
+        if s % 20 == 0:
+            row.update(
+                eval_loss=round(row["loss"] + 0.03, 4), **{"eval_rewards/margins": margin * 0.9}
+            )
+        rows.append(row)
+    config = {"model": "tiny-llama", "beta": 0.1, "learning_rate": 5e-6, "max_steps": steps}
+    return _register_finished(out, rows, name, "dpo", config)
+
+
+def grpo_run(out: Path, steps: int = 60, name: str = "grpo-math") -> str:
+    """A finished GRPO run whose rows carry the rollout's and the loss's metrics under TRL's names
+    (nbtrain/recipes/grpo/rollout.py finish, nbtrain/losses/grpo.py), two reward functions. Written
+    by hand in the recipe's layout, as `dpo_run`."""
+    rows = []
+    for s in range(1, steps + 1):
+        fmt = round(min(1.0, 0.2 + s / steps), 4)
+        exact = round(0.1 + 0.5 * s / steps, 4)
+        rows.append(
+            {
+                "step": s,
+                "loss": round(0.01 * (1 + (s % 5)) / 5, 5),
+                "grad_norm": round(0.5 + 0.1 * (s % 3), 3),
+                "learning_rate": 1e-6,
+                "tokens_per_s": 900.0 + 3 * s,
+                "step_time": 1.2,
+                "reward": round(fmt + exact, 4),
+                "reward_std": 0.3,
+                "frac_reward_zero_std": 0.1,
+                "completions/mean_length": 40.0 + s / 2,
+                "completions/clipped_ratio": 0.05,
+                "rewards/format/mean": fmt,
+                "rewards/format/std": 0.2,
+                "rewards/exact/mean": exact,
+                "rewards/exact/std": 0.3,
+                "kl": round(0.0005 * s, 5),
+                "clip_ratio/region_mean": 0.0,
+            }
+        )
+    config = {"model": "tiny-llama", "num_generations": 4, "beta": 0.04, "max_steps": steps}
+    return _register_finished(out, rows, name, "grpo", config)
+
+
+def sweep_runs(base: Path, steps: int = 50) -> list[str]:
+    """Three finished SFT runs of a sweep whose configs differ in many settings (long paths, a long
+    list), so the compare view's table is wider than the panel. Rows: the fixture SFT run's, the loss
+    scaled per run."""
+    src = [json.loads(line) for line in FINISHED.joinpath("metrics.jsonl").read_text().splitlines()]
+    ids = []
+    for i, lr in enumerate((1e-4, 3e-4, 1e-3)):
+        out = base / f"sweep-lr-{lr:g}"
+        rows = [
+            {**r, "loss": round(r["loss"] * (1 - 0.1 * i), 4), "time": 1.7e9 + 2 * r["step"]}
+            for r in src[:steps]
+        ]
+        config = {
+            "learning_rate": lr,
+            "warmup_steps": 5 * (i + 1),
+            "lora_r": 8 * (i + 1),
+            "lora_alpha": 16 * (i + 1),
+            "lora_dropout": 0.05 * i,
+            "output_dir": str(out),
+            "data_path": f"/home/someone/datasets/instructions/very/long/path/split-{i}.jsonl",
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"][
+                : 3 + i
+            ],
+            # a long list: the compare table folds it under its first items
+            "layers_to_transform": list(range(24 + 8 * i)),
+            "seed": 1000 + i,
+            "gradient_accumulation_steps": 1 + i,
+            "max_length": 256 * (i + 1),
+            "weight_decay": 0.01 * i,
+        }
+        ids.append(_register_finished(out, rows, f"sweep-lr-{lr:g}", "sft", config))
+    return ids

@@ -49,10 +49,14 @@ def main() -> int:
     runs.update_run(run_id, step=last["step"], loss=last["loss"], tokens_per_s=last["tokens_per_s"])
     runs.finish_run(run_id, "done")
     sys.path.insert(0, str(REPO))
-    from tests.ui.fixtures import gpu_run, scaling_report
+    from tests.ui.fixtures import dpo_run, gpu_run, grpo_run, scaling_report, sweep_runs
 
     scaling_report(base / "runs" / "scaling-report", run_dir=out, name="scaling 1-4 nodes")
     gpu_run(base / "runs" / "gpu-sft")
+    # issue 38: runs of each kind, and a sweep whose settings differ widely, for the charts' tests
+    dpo_run(base / "runs" / "dpo-prefs")
+    grpo_run(base / "runs" / "grpo-math")
+    sweep_runs(base / "runs")
 
     import ipyparallel as ipp
 
