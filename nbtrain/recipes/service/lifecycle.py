@@ -23,7 +23,9 @@ def create_model(model_id: str, base_model: str, lora: dict[str, Any]) -> dict[s
     try:
         registry.exchange(d, lambda: registry.create(model_id, base_model, lora, seed))
     except Exception:
-        if not existed and model_id in registry.MODELS:  # made here, not on every rank: none keeps it
+        if (
+            not existed and model_id in registry.MODELS
+        ):  # made here, not on every rank: none keeps it
             registry.unload(model_id)
         raise
     trainee = registry.get(model_id)

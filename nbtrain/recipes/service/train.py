@@ -9,6 +9,7 @@ in the all-reduce with zeros. The per-datum outputs are gathered to every rank i
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from nbtrain.engine import metrics
@@ -267,13 +268,16 @@ def _optim_step(model_id: str, adam: dict[str, Any]) -> dict[str, float]:
     trainee.optimizer.zero_grad(set_to_none=True)
     trainee.steps += 1
     mean_loss = trainee.pending_loss / trainee.pending_tokens if trainee.pending_tokens else None
-    metrics.log(
-        step=trainee.steps,
-        loss=mean_loss,
-        loss_sum=trainee.pending_loss,
-        tokens=trainee.pending_tokens,
-        grad_norm=grad_norm,
-        learning_rate=a["learning_rate"],
-    )
+    if os.environ.get("NBTRAIN_ENGINE") == "1":
+        # on a cluster's engines rank 0 publishes the row (nbtrain.log); in a plain process (the
+        # in-process backend) the kernel's own tracking of the run draws the plot, not a second one
+        metrics.log(
+            step=trainee.steps,
+            loss=mean_loss,
+            loss_sum=trainee.pending_loss,
+            tokens=trainee.pending_tokens,
+            grad_norm=grad_norm,
+            learning_rate=a["learning_rate"],
+        )
     trainee.pending_loss, trainee.pending_tokens = 0.0, 0
     return {"grad_norm:mean": grad_norm, "learning_rate:mean": a["learning_rate"]}
