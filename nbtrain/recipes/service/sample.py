@@ -3,7 +3,8 @@ prompt's log-probabilities), run on every rank with the same arguments.
 
 The samples are split across the ranks (sample i on rank i % world), each rank decodes its share in one
 batch through transformers' `generate` with the KV cache (as `nbtrain.generation.decode` does), inside
-its own seeded generator (`decode.own_rng`), and the sequences are gathered to every rank in order.
+its own seeded generator (`decode.own_rng`: the seed and the rank, so a seed gives the same samples
+again on the same number of ranks), and the sequences are gathered to every rank in order.
 A sequence's tokens include the stop token (or the tokens that complete a stop string); its logprobs are
 the sampled tokens' log-probabilities under the sampled weights, from the model's unprocessed logits
 (temperature 1, no top-k or top-p), as the learner computes them in `forward`.
