@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -75,6 +76,7 @@ class VLLMEngine(Engine):
         self._next_id = 1
         self.asleep = False
         self.closed = False
+        self.failed = False  # a failed engine's log is kept: its error names it
         self.log = Path(tempfile.mkdtemp(prefix="nbtrain-vllm-")) / "vllm.log"
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
@@ -92,9 +94,11 @@ class VLLMEngine(Engine):
     # ------------------------------------------------------------------------------------ process
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
-            "0"  # the engine core in the worker, no third process
-        )
+        # the engine core in the worker's own process: no third process
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # the worker imports this nbtrain, wherever the rank found it
+        here = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if self.gpu:
             index = self.device.index or 0
@@ -158,6 +162,7 @@ class VLLMEngine(Engine):
         return kw
 
     def _failed(self, what: str, cause: str) -> EngineError:
+        self.failed = True
         code = self.proc.poll() if self.proc is not None else None
         if code is not None:
             cause += f" (its process {self.pid} exited with {code})"
@@ -215,6 +220,8 @@ class VLLMEngine(Engine):
         self._kill()
         if self.conn is not None:
             self.conn.close()
+        if not self.failed:
+            shutil.rmtree(self.log.parent, ignore_errors=True)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
