@@ -53,7 +53,8 @@ class Future:
 @dataclass
 class _Model:
     next_seq: int
-    held: dict[int, tuple[Future, Callable[[], Payload]]] = field(default_factory=dict)
+    #: requests waiting for a lower seq_id; None for a refused request's seq_id (nothing to run)
+    held: dict[int, tuple[Future, Callable[[], Payload]] | None] = field(default_factory=dict)
     #: seq_id -> request_id, so a retried request gets its first future back
     seen: dict[int, str] = field(default_factory=dict)
 
@@ -111,10 +112,25 @@ class Executor:
                 self._queue.put((fut, fn))
                 return fut
             model.held[seq_id] = (fut, fn)
-            while model.next_seq in model.held:
-                self._queue.put(model.held.pop(model.next_seq))
-                model.next_seq += 1
+            self._release(model)
             return fut
+
+    def skip(self, model_id: Any, seq_id: Any) -> None:
+        """A request refused before it was queued (a 400) still used its seq_id: later ones must
+        not wait for it."""
+        with self._lock:
+            model = self._models.get(model_id) if isinstance(model_id, str) else None
+            if model is None or not isinstance(seq_id, int) or seq_id < model.next_seq:
+                return
+            model.held.setdefault(seq_id, None)
+            self._release(model)
+
+    def _release(self, model: _Model) -> None:
+        while model.next_seq in model.held:
+            item = model.held.pop(model.next_seq)
+            if item is not None:
+                self._queue.put(item)
+            model.next_seq += 1
 
     def get(self, request_id: str) -> Future | None:
         with self._lock:

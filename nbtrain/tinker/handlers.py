@@ -115,10 +115,15 @@ def endpoint(method: str, call: Any, kind: str = "json") -> type[Base]:
                 arg = None
             result = call(self.verbs, arg, *args)
         except RequestError as e:
+            if isinstance(arg, dict) and e.model_id is None:
+                e.model_id, e.seq_id = arg.get("model_id"), arg.get("seq_id")
+            self.verbs.executor.skip(e.model_id, e.seq_id)
             self.fail(e.status, str(e))
             return
         except Exception as e:  # noqa: BLE001 - a request this code did not foresee is still the
             # request's fault (nothing was queued yet), and a 500 would be retried for minutes
+            if isinstance(arg, dict):
+                self.verbs.executor.skip(arg.get("model_id"), arg.get("seq_id"))
             self.fail(
                 400,
                 f"nbtrain's Tinker service could not take this request: {type(e).__name__}: {e}",

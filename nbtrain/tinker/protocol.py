@@ -36,6 +36,9 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
+        #: the refused request's model and seq_id, when known: its seq_id must not hold later ones
+        self.model_id: str | None = None
+        self.seq_id: int | None = None
 
 
 def bad(message: str) -> RequestError:

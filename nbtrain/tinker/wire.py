@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from nbtrain.tinker.protocol import bad, check_loss
+from nbtrain.tinker.protocol import RequestError, bad, check_loss
 
 #: per-token inputs each loss needs besides target_tokens (forward_only needs none of them)
 LOSS_INPUTS = {
@@ -84,6 +84,14 @@ def decode_forward_backward(body: bytes) -> dict[str, Any]:
         ) from e
     if not msg.model_id:
         raise bad("the forward_backward request names no model_id.")
+    try:
+        return _decode(msg)
+    except RequestError as e:
+        e.model_id, e.seq_id = msg.model_id, int(msg.seq_id) or None
+        raise
+
+
+def _decode(msg: Any) -> dict[str, Any]:
     check_loss(msg.loss_fn)
     config: dict[str, Any] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():

@@ -48,6 +48,17 @@ def test_each_models_requests_run_in_seq_id_order_whatever_order_they_arrive_in(
     ex.stop()
 
 
+def test_a_refused_requests_seq_id_does_not_hold_the_next_ones():
+    ex = _executor()
+    ex.expect("m", 1)
+    later = ex.submit("x", lambda: ("json", {"ok": 3}), "m", 3)
+    ex.skip("m", 2)  # refused with a 400 before it was queued
+    assert not later.finished()
+    ex.skip("m", 1)
+    assert later.done.result(5) == ("json", {"ok": 3})
+    ex.stop()
+
+
 def test_a_fatal_failure_fails_every_pending_request_and_later_ones():
     ex = Executor(lambda e: ("server", f"rank 1 on hostx died: {e}", True))
     ex.expect("m", 1)
