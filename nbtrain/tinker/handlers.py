@@ -106,9 +106,10 @@ def endpoint(method: str, call: Any, kind: str = "json") -> type[Base]:
     answer its dict, or its future ({request_id, model_id}); RequestErrors become 4xx."""
 
     async def handle(self: Base, *args: str) -> None:
+        arg: Any = None
         try:
             if kind == "json":
-                arg: Any = self.body()
+                arg = self.body()
             elif kind == "proto":
                 arg = self.raw()
             else:
