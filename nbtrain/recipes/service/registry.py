@@ -297,10 +297,23 @@ def unload(model_id: str) -> None:
     if not base.adapters:
         # peft cannot take its last adapter off; the base is loaded afresh when needed again
         del BASES[base.name]
+        _release(base)
         return
     if base.model.active_adapter == trainee.adapter:
         base.model.set_adapter(sorted(base.adapters)[0])
     base.model.delete_adapter(trainee.adapter)
+
+
+def _release(base: Base) -> None:
+    """Give the memory of a dropped base back (to the GPU's free pool too, for the next model)."""
+    import gc
+
+    import torch
+
+    base.model = None
+    gc.collect()
+    if base.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def nbytes(tensors: Any) -> int:
