@@ -26,6 +26,7 @@ Results: results/tinker.json, and a section of RESULTS.md (between markers).
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import statistics
@@ -144,7 +145,9 @@ def run_sdk(
 ) -> dict[str, Any]:
     import tinker
 
-    tc = sc.create_lora_training_client(base_model=model, rank=LORA_R, seed=0, train_unembed=False)
+    tc = sc.create_lora_training_client(
+        base_model=model, rank=LORA_R, seed=0, train_unembed=False
+    ).result()
     adam = tinker.types.AdamParams(learning_rate=LR)
     marks = []
     for batch in data:
@@ -160,9 +163,23 @@ def run_sdk(
     }
 
 
+def _step_on_rank(model_id: str, batch: list[dict], adam: dict) -> tuple[float, float]:
+    """One step of the service's engine-side verbs, timed on the rank: (forward_backward, optim_step) s."""
+    import time
+
+    from nbtrain.recipes import service
+
+    t0 = time.perf_counter()
+    service.forward_backward(model_id, batch, "cross_entropy", None, False)
+    t1 = time.perf_counter()
+    service.optim_step(model_id, adam)
+    return t1 - t0, time.perf_counter() - t1
+
+
 def run_direct(
     cluster: Any, model: str, data: list[list[dict]], counts: list[int], warmup: int, k: int
 ) -> dict[str, Any]:
+    """The service's verbs without the server: one `cluster.run` a step (the server makes two)."""
     from nbtrain.recipes import service
 
     model_id = f"bench-direct-{k}"
@@ -174,19 +191,12 @@ def run_direct(
         "train_unembed": False,
     }
     cluster.run(service.create_model, model_id, model, lora)
-    adam = {
-        "learning_rate": LR,
-        "beta1": 0.9,
-        "beta2": 0.95,
-        "eps": 1e-12,
-        "weight_decay": 0.0,
-        "grad_clip_norm": 0.0,
-    }
-    marks = []
+    adam = {"learning_rate": LR, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12}
+    adam.update(weight_decay=0.0, grad_clip_norm=0.0)
+    marks, on_rank = [], []
     try:
         for batch in data:
-            cluster.run(service.forward_backward, model_id, batch, "cross_entropy", None, False)
-            cluster.run(service.optim_step, model_id, adam)
+            on_rank.append(cluster.run(_step_on_rank, model_id, batch, adam)[0])
             marks.append(time.perf_counter())
     finally:
         cluster.run(service.unload, model_id)
@@ -194,13 +204,26 @@ def run_direct(
     return {
         "tokens_per_s": sum(counts[warmup:]) / seconds,
         "step_s": seconds / (len(data) - warmup),
+        "rank_forward_backward_s": statistics.median(fb for fb, _ in on_rank[warmup:]),
+        "rank_optim_step_s": statistics.median(op for _, op in on_rank[warmup:]),
     }
 
 
-def round_trips(cluster: Any, sc: Any, model: str, n: int) -> dict[str, Any]:
+def _get(conn: Any, path: str) -> None:
+    conn.request("GET", path)
+    reply = conn.getresponse()
+    reply.read()
+    if reply.status != 200:
+        msg = f"GET {path}: HTTP {reply.status}"
+        raise RuntimeError(msg)
+
+
+def round_trips(cluster: Any, service: Any, sc: Any, model: str, n: int) -> dict[str, Any]:
     import tinker
 
-    tc = sc.create_lora_training_client(base_model=model, rank=LORA_R, seed=0, train_unembed=False)
+    tc = sc.create_lora_training_client(
+        base_model=model, rank=LORA_R, seed=0, train_unembed=False
+    ).result()
     one = [
         tinker.types.Datum(
             model_input=tinker.types.ModelInput.from_ints([1]),
@@ -209,6 +232,9 @@ def round_trips(cluster: Any, sc: Any, model: str, n: int) -> dict[str, Any]:
             },
         )
     ]
+
+    host, port = service.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)  # kept alive, as the SDK's
 
     def timed(fn: Any) -> list[float]:
         fn()  # warm
@@ -220,7 +246,7 @@ def round_trips(cluster: Any, sc: Any, model: str, n: int) -> dict[str, Any]:
         return out
 
     return {
-        "capabilities_ms": C.summary(timed(lambda: sc.get_server_capabilities())),
+        "healthz_ms": C.summary(timed(lambda: _get(conn, "/api/v1/healthz"))),
         "forward_1_token_ms": C.summary(timed(lambda: tc.forward(one, "cross_entropy").result())),
         "execute_empty_ms": C.summary(timed(lambda: cluster.execute("", output="none"))),
     }
@@ -263,17 +289,43 @@ def table(data: dict[str, Any]) -> str:
         lines.append(
             f"| {names[a]} | {per} | {med[a]:,.0f} | {step[a]:.1f} | {med[a] / med['nbtrain']:.2f}x |"
         )
+    for a in ("sdk", "direct"):
+        paired = [x["tokens_per_s"] / n["tokens_per_s"] for x, n in zip(arms[a], arms["nbtrain"])]
+        per = ", ".join(f"{r:.2f}" for r in paired)
+        lines.append(
+            f"| {a} / nbtrain, round by round | {per} | median {statistics.median(paired):.2f}x | | |"
+        )
     lines += [
         "",
         "| one round trip, no work | median | p90 |",
         "|---|---|---|",
-        f"| GET get_server_capabilities (HTTP alone) | {rt['capabilities_ms']['median']:.2f} ms | {rt['capabilities_ms']['p90']:.2f} ms |",
+        f"| GET /api/v1/healthz (the server's HTTP alone) | {rt['healthz_ms']['median']:.2f} ms | {rt['healthz_ms']['p90']:.2f} ms |",
         f"| `forward` of one 1-token datum (protobuf, HTTP, future, 2 ranks) | {rt['forward_1_token_ms']['median']:.2f} ms | {rt['forward_1_token_ms']['p90']:.2f} ms |",
         f'| empty `Cluster.execute("")` (nbtrain\'s own round trip to 2 ranks) | {rt["execute_empty_ms"]["median"]:.2f} ms | {rt["execute_empty_ms"]["p90"]:.2f} ms |',
         "",
         f"Client-side protobuf encoding of one step's batch: {data['encode_ms']:.2f} ms (median).",
+        "",
+        "Where a step's time goes (medians, ms): " + where_time_goes(data),
     ]
     return "\n".join(lines)
+
+
+def where_time_goes(data: dict[str, Any]) -> str:
+    arms = data["arms"]
+
+    def med(arm: str, key: str) -> float:
+        return statistics.median(r[key] for r in arms[arm]) * 1e3
+
+    nb, sdk, direct = med("nbtrain", "step_s"), med("sdk", "step_s"), med("direct", "step_s")
+    fb, opt = med("direct", "rank_forward_backward_s"), med("direct", "rank_optim_step_s")
+    return (
+        f"nbtrain's own step {nb:.1f} on the ranks. The service's verbs on the ranks: forward_backward "
+        f"{fb:.1f} + optim_step {opt:.1f} = {fb + opt:.1f} ({fb + opt - nb:+.1f} against nbtrain's step: "
+        f"the verbs' own work). Called from the kernel without HTTP, one cluster.run a step: {direct:.1f} "
+        f"({direct - fb - opt:+.1f}: ipyparallel's round trip). Through the SDK: {sdk:.1f} "
+        f"({sdk - direct:+.1f} over that: HTTP, protobuf, futures and the server's second call to the "
+        "ranks, as forward_backward and optim_step are two requests)."
+    )
 
 
 def render_results(data: dict[str, Any], results_md: Path) -> None:
@@ -384,7 +436,7 @@ def main() -> None:
                 "quick": args.quick,
             },
             "arms": arms,
-            "round_trip": round_trips(cluster, sc, model, args.trips),
+            "round_trip": round_trips(cluster, service, sc, model, args.trips),
             "encode_ms": encode_ms(sdk_data),
             "loadavg_start": load0,
             "loadavg_end": C.loadavg(),
@@ -397,6 +449,10 @@ def main() -> None:
     med = {a: statistics.median(r["tokens_per_s"] for r in v) for a, v in result["arms"].items()}
     result["ratio_sdk_over_nbtrain"] = med["sdk"] / med["nbtrain"]
     result["ratio_sdk_over_direct"] = med["sdk"] / med["direct"]
+    arms = result["arms"]
+    result["paired_sdk_over_nbtrain"] = statistics.median(
+        s["tokens_per_s"] / n["tokens_per_s"] for s, n in zip(arms["sdk"], arms["nbtrain"])
+    )
     text = json.dumps(result, indent=2, default=str)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -98,3 +98,31 @@ def test_bench_generate_quick_reports_a_ratio_for_each_arm(tmp_path):
         assert report["seconds"][arm]["median"] > 0
     for m in report["metrics"]:
         assert m["ratio"] == pytest.approx(m["nbtrain"] / m["baseline"])
+
+
+BENCH_TINKER = BENCH.parent / "bench_tinker.py"
+
+
+@pytest.mark.timeout(240)
+def test_bench_tinker_quick_reports_every_arm(tmp_path):
+    """bench_tinker.py --quick: the SDK loop, nbtrain's SFT recipe and the service's calls without HTTP
+    on one 2-engine cluster, each with tokens/s, and the round trips timed (no timing asserts)."""
+    pytest.importorskip("tinker")
+    out = tmp_path / "tinker.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_TINKER), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["quick"] is True
+    for arm in ("nbtrain", "sdk", "direct"):
+        (run,) = report["arms"][arm]
+        assert math.isfinite(run["tokens_per_s"]) and run["tokens_per_s"] > 0, report["arms"]
+    sdk, nbtrain = (report["arms"][a][0]["tokens_per_s"] for a in ("sdk", "nbtrain"))
+    assert report["ratio_sdk_over_nbtrain"] == pytest.approx(sdk / nbtrain)
+    for trip in ("healthz_ms", "forward_1_token_ms", "execute_empty_ms"):
+        assert report["round_trip"][trip]["median"] > 0
+    assert "Where a step's time goes" in proc.stdout
