@@ -491,6 +491,11 @@ class Verbs:
                     self.backend.load_state(m.model_id, str(folder), True, m.base_model, m.lora)
                     said.append(f"{m.model_id}: reloaded from {m.last_state}")
                 else:
+                    try:
+                        # the ranks that lived still hold it, the new ones do not: drop it everywhere
+                        self.backend.unload(m.model_id)
+                    except Exception:  # noqa: BLE001 - refused by the ranks that never had it
+                        pass
                     self.backend.create_model(m.model_id, m.base_model, m.lora)
                     said.append(f"{m.model_id}: never saved, recreated with fresh LoRA weights")
             return said
