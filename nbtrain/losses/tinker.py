@@ -14,7 +14,7 @@ into chunks gets the same gradient as one call.
 | importance_sampling | -r * A |
 | ppo | -min(r * A, clip(r, lo, hi) * A)   (lo, hi: `clip_low_threshold` 0.8, `clip_high_threshold` 1.2) |
 | cispo | -stopgrad(clip(r, lo, hi)) * lp * A |
-| dro | -(lp * A - beta/2 * (lp - q)^2)   (`beta`, 0.05 when not given) |
+| dro | -(lp * A - beta/2 * (lp - q)^2)   (`beta`: required, Tinker publishes no default) |
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
 }
 #: named by Tinker, with no public formula: refused rather than guessed
 REFUSED = ("gspo", "stable_reinforce")
-#: `loss_fn_config` keys each loss reads, with their defaults
-DEFAULTS: dict[str, dict[str, float]] = {
+#: `loss_fn_config` keys each loss reads, with their defaults (None: required)
+DEFAULTS: dict[str, dict[str, float | None]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "dro": {"beta": 0.05},
+    "dro": {"beta": None},
 }
 
 
@@ -62,7 +62,11 @@ def check(loss_fn: str, config: dict[str, Any] | None = None) -> dict[str, float
         raise ConfigError(msg)
     for key, value in (config or {}).items():
         settings[key] = float(value)
-    return settings
+    missing = [k for k, v in settings.items() if v is None]
+    if missing:
+        msg = f"loss_fn {loss_fn!r} needs loss_fn_config {{{', '.join(repr(k) + ': ...' for k in missing)}}}"
+        raise ConfigError(msg)
+    return {k: float(v) for k, v in settings.items() if v is not None}
 
 
 def datum_loss(

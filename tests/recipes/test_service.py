@@ -171,7 +171,7 @@ def test_rl_losses_match_their_formulas(cluster, base, trained, name, cfg):
     grads = run(cluster, service.weights, trained, True)
     run(cluster, service.optim_step, trained, {"learning_rate": 0.0})
 
-    full = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "beta": 0.05, **(cfg or {})}
+    full = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, **(cfg or {})}
     loss = sum(
         _rl_formula(
             name,

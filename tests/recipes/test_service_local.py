@@ -34,6 +34,10 @@ def _datum(n=6, seed=0):
             r"do not apply to 'ppo'",
         ),
         (lambda: service.optim_step("m", {"learning_rate": 1e-4, "momentum": 0.9}), "unknown keys"),
+        (
+            lambda: service.forward_backward("m", [_datum()], "dro", None, False),
+            "needs loss_fn_config {'beta': ...}",
+        ),
         (lambda: service.optim_step("m", {"beta1": 1.5}), r"beta1=1.5 must be in \[0, 1\)"),
         (lambda: service.sample({"base_model": "x"}, [1], 1, {"top_k": 0}, False), "top_k=0"),
         (lambda: service.sample({"base_model": "x"}, [], 1, {}, False), "no tokens"),
