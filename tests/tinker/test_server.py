@@ -1,0 +1,265 @@
+"""The official tinker 0.38.0 SDK against nbtrain's Tinker service on a real 2-rank local cluster
+(gloo, a tiny model built here): sessions and futures, two LoRA models on one base, forward_backward
+and optim_step, save and load with resume, sampler snapshots, sampling, the run registry, and the
+errors a client must get as 400 / 404 (never a 500, which the SDK retries for minutes).
+
+One cluster, one service and one ServiceClient for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+import nbtrain
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+
+RANK = 4
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    old = {k: os.environ.get(k) for k in ("NBTRAIN_HOME", "TINKER_TELEMETRY")}
+    home = tmp_path_factory.mktemp("home")
+    os.environ["NBTRAIN_HOME"] = str(home)
+    os.environ["TINKER_TELEMETRY"] = "0"
+    yield home
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from nbtrain.model.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("svc") / "tiny", hidden_size=64, num_heads=1)
+
+
+@pytest.fixture(scope="module")
+def svc(home, base):
+    cluster = nbtrain.start(n=2, force=True)
+    try:
+        cluster.execute("import torch; torch.set_num_threads(1)", output="none")
+        service = cluster.serve_tinker(root=home / "tinker")
+        yield service
+    finally:
+        cluster.stop()
+    assert service.stopped  # the cluster's stop stops its service
+
+
+@pytest.fixture(scope="module")
+def sc(svc):
+    import tinker
+
+    client = tinker.ServiceClient(base_url=svc.url)
+    yield client
+    client.close("success").result()
+
+
+@pytest.fixture(scope="module")
+def tc(sc, base):
+    return sc.create_lora_training_client(base_model=base, rank=RANK, seed=1).result()
+
+
+def _datum(n, seed):
+    from tinker import types
+
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(5, 500, n + 1)
+    w = (rng.random(n) > 0.3).astype(np.float32)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(toks[:-1].tolist()),
+        loss_fn_inputs={"target_tokens": toks[1:].tolist(), "weights": w.tolist()},
+    )
+
+
+def _lp(client, datums):
+    out = client.forward(datums, "cross_entropy").result()
+    return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+
+
+def _http(svc, path, body=None, key=None, ctype="application/json"):
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        svc.url + path, data=data, method="POST" if data is not None else "GET"
+    )
+    req.add_header("Content-Type", ctype)
+    req.add_header("X-API-Key", key or svc.api_key)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def test_forward_backward_sums_the_loss_and_optim_step_is_a_run(svc, tc):
+    data = [_datum(7, 1), _datum(11, 2)]
+    fb = tc.forward_backward(data, "cross_entropy").result()
+    lps = [o["logprobs"].to_numpy() for o in fb.loss_fn_outputs]
+    assert [len(x) for x in lps] == [7, 11]
+    weights = [np.asarray(d.loss_fn_inputs["weights"].data) for d in data]
+    # Tinker's cross_entropy: -sum(logprob * weight) over tokens and datums, no mean
+    want = -sum(float((lp * w).sum()) for lp, w in zip(lps, weights))
+    assert fb.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
+    step = tc.optim_step(__import__("tinker").types.AdamParams(learning_rate=1e-2)).result()
+    assert "grad_norm:mean" in (step.metrics or {})
+    after = _lp(tc, data)
+    assert not np.allclose(after[0], lps[0]), "optim_step changed nothing"
+    # the model is a run: registry record of kind tinker and a metrics.jsonl row for the step
+    from nbtrain import runs
+
+    rows = [r for r in runs.list_runs() if r.get("kind") == "tinker" and tc.model_id in r["name"]]
+    assert len(rows) == 1 and rows[0]["step"] == 1
+    lines = open(os.path.join(rows[0]["output_dir"], runs.METRICS_FILE)).read().strip().splitlines()
+    assert json.loads(lines[-1])["loss"] == pytest.approx(fb.metrics["loss:sum"], rel=1e-6)
+    status = {r["model_id"]: r for r in svc.status()}
+    assert status[tc.model_id]["steps"] == 1 and status[tc.model_id]["memory_bytes"] > 0
+
+
+def test_two_lora_models_on_one_base_keep_their_own_weights(sc, base, tc):
+    from tinker import types
+
+    other = sc.create_lora_training_client(base_model=base, rank=2, seed=7).result()
+    assert other.model_id != tc.model_id
+    assert other.get_info().lora_rank == 2 and other.get_info().model_data.tokenizer_id == base
+    data = [_datum(9, 3)]
+    before = _lp(other, data)
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    np.testing.assert_array_equal(_lp(other, data)[0], before[0])
+
+
+def test_save_and_load_with_the_optimizer_resumes_as_uninterrupted(sc, tc):
+    from tinker import types
+
+    data = [_datum(8, 4), _datum(5, 5)]
+    saved = tc.save_state("resume-point").result()
+    assert saved.path == f"tinker://{tc.model_id}/weights/resume-point"
+    at_save = _lp(tc, data)
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    went_on = _lp(tc, data)
+
+    resumed = sc.create_training_client_from_state_with_optimizer(saved.path).result()
+    session = tc.model_id.split(":")[0]
+    assert resumed.model_id.startswith(f"{session}:train:")  # the id the SDK derives itself
+    np.testing.assert_allclose(_lp(resumed, data)[0], at_save[0], rtol=1e-5, atol=1e-6)
+    resumed.forward_backward(data, "cross_entropy").result()
+    resumed.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    np.testing.assert_allclose(_lp(resumed, data)[0], went_on[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_sampler_snapshot_samples_and_does_not_move_when_training_goes_on(sc, base, tc):
+    from tinker import types
+
+    prompt = types.ModelInput.from_ints([11, 42, 7, 99, 3])
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    out = sampler.sample(
+        prompt, num_samples=3, sampling_params=types.SamplingParams(max_tokens=4, seed=5)
+    ).result()
+    assert len(out.sequences) == 3
+    for seq in out.sequences:
+        assert 1 <= len(seq.tokens) <= 4 and len(seq.logprobs) == len(seq.tokens)
+        assert seq.stop_reason in ("stop", "length") and seq.sequence_id
+    lp = sampler.compute_logprobs(prompt).result()
+    assert lp[0] is None and len(lp) == 5
+    fwd = _lp(
+        tc,
+        [
+            types.Datum(
+                model_input=types.ModelInput.from_ints([11, 42, 7, 99]),
+                loss_fn_inputs={"target_tokens": [42, 7, 99, 3]},
+            )
+        ],
+    )[0]
+    np.testing.assert_allclose(lp[1:], fwd, rtol=1e-4, atol=1e-5)
+    tc.forward_backward([_datum(9, 6)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    np.testing.assert_allclose(sampler.compute_logprobs(prompt).result()[1:], lp[1:], rtol=1e-6)
+    # a named sampler path, and the base model, sample too
+    path = tc.save_weights_for_sampler("named").result().path
+    assert path == f"tinker://{tc.model_id}/sampler_weights/named"
+    named = sc.create_sampling_client(model_path=path).result()
+    assert len(named.compute_logprobs(prompt).result()) == 5
+    plain = sc.create_sampling_client(base_model=base).result()
+    assert plain.get_base_model() == base
+    assert not np.allclose(plain.compute_logprobs(prompt).result()[1:], lp[1:])
+
+
+def test_user_errors_are_400_or_404_never_500(svc, tc):
+    import tinker
+
+    with pytest.raises(tinker.BadRequestError, match="cross_entropy, importance_sampling"):
+        tc.forward_backward([_datum(5, 7)], "gspo").result()
+    with pytest.raises(tinker.BadRequestError, match="checkpoint name"):
+        tc.save_state("../escape").result()
+    status, body = _http(
+        svc, "/api/v1/forward_backward", b"\x08\xff\xff", ctype="application/x-protobuf"
+    )
+    assert status == 400 and "protobuf" in body["detail"]
+    status, body = _http(svc, "/api/v1/optim_step", b"{not json")
+    assert status == 400 and "JSON" in body["detail"]
+    status, body = _http(svc, "/api/v1/get_info", {"model_id": "nope:train:0"})
+    assert status == 404 and "not held" in body["detail"]
+    status, body = _http(
+        svc,
+        "/api/v1/load_weights",
+        {"model_id": tc.model_id, "path": "tinker://x/weights/..", "optimizer": True},
+    )
+    assert status == 400
+    status, body = _http(
+        svc,
+        "/api/v1/load_weights",
+        {"model_id": tc.model_id, "path": "tinker://x/weights/missing", "optimizer": True},
+    )
+    assert status == 404
+    status, body = _http(svc, "/api/v1/retrieve_future", {"request_id": "req-nope"})
+    assert status == 404
+
+
+def test_a_key_is_checked_when_bound_beyond_the_loopback(base):
+    from nbtrain.tinker import InProcessBackend, TinkerService
+
+    key = "tml-test-0123456789"
+    svc = TinkerService(InProcessBackend(), host="0.0.0.0", port=0, api_key=key, root=None)
+    try:
+        local = type("S", (), {"url": f"http://127.0.0.1:{svc.port}", "api_key": key})()
+        assert _http(local, "/api/v1/healthz")[0] == 200
+        assert _http(local, "/api/v1/healthz", key="tml-wrong-0123456789")[0] == 401
+        assert (
+            _http(local, "/api/v1/create_session", {"tags": []}, key="tml-wrong-0123456789")[0]
+            == 401
+        )
+    finally:
+        svc.stop()
+
+
+def test_a_dead_rank_fails_the_futures_and_restart_reloads_the_last_saved_state(svc, tc):
+    """Last in the module: it kills rank 1 (this module's own engine) and restarts it."""
+    import signal
+
+    import tinker
+
+    data = [_datum(6, 8)]
+    tc.save_state("before-kill").result()
+    saved = _lp(tc, data)[0]
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(tinker.types.AdamParams(learning_rate=5e-2)).result()
+    cluster = svc.backend.session
+    os.kill(cluster.ranks[1].pid, signal.SIGKILL)
+    with pytest.raises(tinker.RequestFailedError) as e:
+        _lp(tc, data)
+    assert e.value.category == tinker.types.RequestErrorCategory.Server
+    assert "rank 1" in str(e.value) and cluster.ranks[1].host in str(e.value)
+    said = cluster.restart()
+    assert f"{tc.model_id}: reloaded from tinker://{tc.model_id}/weights/before-kill" in said
+    np.testing.assert_allclose(_lp(tc, data)[0], saved, rtol=1e-5, atol=1e-6)
