@@ -39,6 +39,9 @@ class Backend:
     """The engine-side service's verbs, each a method of the same name and arguments."""
 
     where = "here"
+    #: the kernel draws each model's live loss plot (False where the verbs' own `nbtrain.log` rows
+    #: already draw it: in this kernel, through the live display's local sink)
+    draws = True
 
     def call(self, verb: str, *args: Any) -> Any:
         raise NotImplementedError
@@ -68,6 +71,7 @@ class InProcessBackend(Backend):
     """The verbs in this process (world size 1, no process group): a laptop, or a test."""
 
     where = "in this kernel"
+    draws = False
 
     def call(self, verb: str, *args: Any) -> Any:
         return getattr(_service(), verb)(*args)

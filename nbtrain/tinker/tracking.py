@@ -30,7 +30,13 @@ class ModelRun:
     """One model's run folder, record and live plot."""
 
     def __init__(
-        self, folder: Path, model_id: str, base_model: str, cluster_id: str | None, world: int
+        self,
+        folder: Path,
+        model_id: str,
+        base_model: str,
+        cluster_id: str | None,
+        world: int,
+        draw: bool = True,
     ):
         self.folder = folder
         self.model_id = model_id
@@ -48,6 +54,7 @@ class ModelRun:
             kind=KIND,
         )
         self._display: Any = None
+        self.draw = draw
 
     def forward_backward(self, metrics: dict[str, Any], tokens: int) -> None:
         """Add one `forward_backward`'s summed loss and tokens to the step under way."""
@@ -83,7 +90,7 @@ class ModelRun:
         return row
 
     def _draw(self, payload: dict[str, Any]) -> None:
-        if not _kernel():
+        if not self.draw or not _kernel():
             return
         try:
             if self._display is None:

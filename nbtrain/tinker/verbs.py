@@ -177,7 +177,12 @@ class Verbs:
         )
         if m.run is None:
             m.run = ModelRun(
-                self._folder(m.model_id), m.model_id, m.base_model, self.cluster_id, self.world
+                self._folder(m.model_id),
+                m.model_id,
+                m.base_model,
+                self.cluster_id,
+                self.world,
+                draw=self.backend.draws,
             )
 
     def create_model(self, body: dict[str, Any]) -> Future:
