@@ -1,6 +1,13 @@
 """GRPO on the same 2 local ranks, collocated against disaggregated: steps/s, and where each side's time goes.
 
     .venv/bin/python benchmarks/bench_grpo.py [--reps 3] [--steps 16] [--quick] [--out FILE]
+    .venv-vllm/bin/python benchmarks/bench_grpo.py --vllm [--gpu] ...    # engine="vllm" against "hf"
+
+With `--vllm` (the vLLM venv, `make venv-vllm`) the arms are engine="hf" and engine="vllm" in each
+placement, alternating (hf, vllm, hf, ...), on a tiny Llama vLLM's CPU attention takes (head_dim 64),
+and the ratio vllm / hf of steps/s, round by round, is the headline (RESULTS.md's vLLM section).
+With `--gpu` as well: one rank on one GPU (collocated only: two ranks do not share a GPU), a model of
+0.52B parameters built from a config, 64 new tokens per completion, and each engine's GPU memory.
 
 One 2-engine cluster (gloo, CPU, one thread a rank) started once; the same run in both placements:
 `nbtrain.finetune(GRPOConfig(...))` on a tiny Llama built by `make_tiny_model` (hidden 128, 4 layers),
@@ -178,9 +185,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 rep of 4 steps")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--vllm", action="store_true", help="engine='vllm' against engine='hf'")
+    ap.add_argument("--gpu", action="store_true", help="with --vllm: one GPU rank, a 0.5B model")
     args = ap.parse_args()
     if args.quick:
         args.reps, args.steps, args.warmup = 1, 4, 1
+    if args.vllm:
+        main_vllm(args)
+        return
     C.setup_env()
     import nbtrain
     from nbtrain.model.tiny import make_tiny_model
@@ -243,6 +255,160 @@ def main() -> None:
         for arm in runs
     }
     rec.finish(args.out)
+
+
+# ---- engine="vllm" against engine="hf" (--vllm)
+
+#: head_dim 64 (vLLM's CPU attention refuses 32 and 24)
+VLLM_MODEL = {"hidden_size": 128, "num_layers": 4, "intermediate_size": 256, "num_heads": 2}
+#: --gpu: 0.52B parameters (30 layers of 17.3M, hidden 1024, head_dim 64), built from a config
+GPU_MODEL = {"hidden_size": 1024, "num_layers": 30, "intermediate_size": 4608, "num_heads": 16}
+
+# after a run, on every rank: the GPU memory of this rank's process (torch's peak) and of its vLLM
+# process (nvidia-smi's per-process figure), in GiB; None on a CPU
+GPU_MEMORY = """
+import subprocess
+gpu_mem = None
+if torch.cuda.is_available():
+    from nbtrain.recipes.grpo import rollout as _ro
+    _eng = _ro._ENGINE.get("engine")
+    _smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                           "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+    _by_pid = {int(a): float(b) / 1024 for a, b in (l.split(",") for l in _smi.splitlines() if "," in l)}
+    gpu_mem = {"rank_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+               "rank_process_gib": _by_pid.get(os.getpid()),
+               "vllm_process_gib": _by_pid.get(getattr(_eng, "pid", None))}
+    torch.cuda.reset_peak_memory_stats()
+"""
+
+
+def main_vllm(args: argparse.Namespace) -> None:
+    """engine='hf' and engine='vllm' in each placement, alternating, on one cluster."""
+    import time
+
+    C.setup_env()
+    import nbtrain
+    from nbtrain.model.tiny import make_tiny_model
+
+    name = "grpo-vllm-gpu" if args.gpu else "grpo-vllm"
+    rec = C.Recorder(name, args.quick)
+    spec = GPU_MODEL if args.gpu else VLLM_MODEL
+    model = make_tiny_model(C.WORK / f"{name}-model", **spec)
+    n = 1 if args.gpu else 2
+    new = 64 if args.gpu else 16
+    placements = ("collocated",) if args.gpu else ("collocated", "disaggregated")
+    arms = [f"{p}/{e}" for p in placements for e in ("hf", "vllm")]
+    runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+    cluster = nbtrain.start(n=n, force=True, quiet=True)
+    try:
+        cluster.execute(SETUP + "\nimport os, time\n", output="none")
+        for rep in range(args.reps):
+            for arm in arms:
+                placement, engine = arm.split("/")
+                dis = placement == "disaggregated"
+                kw = _kw(model, str(C.WORK / f"{name}-{placement}-{engine}"), args.steps, dis)
+                kw.update(engine=engine, max_completion_length=new)
+                if n == 1:  # the step's 32 completions on the one rank
+                    kw["per_device_train_batch_size"] = 32
+                cluster.push({"grpo_kw": kw, "res": None})
+                if dis:
+                    cluster.groups(actor="0", rollout="1")
+                t0 = time.perf_counter()
+                try:
+                    cluster.execute(RUN + GPU_MEMORY, output="none", live=False)
+                finally:
+                    if dis:
+                        cluster.clear_groups()
+                got = _measure(cluster.pull("res", ranks=[0])[0], args.warmup)
+                # the first vLLM run of each rank includes its engine's start
+                got.update(rep=rep, wall_s=time.perf_counter() - t0)
+                got["gpu_memory"] = cluster.pull("gpu_mem")
+                runs[arm].append(got)
+                print(arm, got, flush=True)
+    finally:
+        cluster.stop()
+
+    def med(arm: str, key: str) -> float | None:
+        return C.median([r[key] for r in runs[arm] if r.get(key) is not None])
+
+    where = "1 GPU rank" if args.gpu else "2 CPU ranks"
+    for p in placements:
+        hf, vl = runs[f"{p}/hf"], runs[f"{p}/vllm"]
+        paired = [v["steps_per_s"] / h["steps_per_s"] for h, v in zip(hf, vl, strict=True)]
+        rec.metric(
+            f"GRPO steps/s, {p}, engine='vllm' vs engine='hf' ({where})",
+            med(f"{p}/vllm", "steps_per_s"),
+            med(f"{p}/hf", "steps_per_s"),
+            "engine='hf'",
+            "steps/s",
+            "measured, not assumed",
+            ratio_value=C.median(paired),
+            note="ratio: median of the rounds' ratios " + ", ".join(f"{r:.2f}" for r in paired),
+        )
+    rec.data.update(
+        runs=runs,
+        settings={
+            "reps": args.reps,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "model": spec,
+            "new_tokens": new,
+            "ranks": n,
+            "gpu": args.gpu,
+        },  # fmt: skip
+        medians={
+            a: {k: med(a, k) for k in ("steps_per_s", "gen_share", "train_share")} for a in arms
+        },
+    )
+    data = rec.finish(args.out)
+    if not args.quick:
+        render_vllm(data, C.HERE / "RESULTS.md")
+
+
+def render_vllm(data: dict[str, Any], results_md: Path) -> None:
+    """The vLLM table (between its markers) in RESULTS.md, one per device kind."""
+    kind = "gpu" if data["settings"]["gpu"] else "cpu"
+    begin, end = f"<!-- grpo-vllm-{kind}:begin -->", f"<!-- grpo-vllm-{kind}:end -->"
+    rows = ["| placement / engine | steps/s per round | median | sampling share | GPU memory |",
+            "|---|---|---|---|---|"]  # fmt: skip
+    for arm, got in data["runs"].items():
+        per = ", ".join(f"{r['steps_per_s']:.2f}" for r in got)
+        mem = got[-1].get("gpu_memory") or [None]
+        mem0 = mem[0] or {}
+        gib = "–" if not mem0 else (
+            f"rank {mem0.get('rank_process_gib') or 0:.1f} GiB (torch peak {mem0['rank_peak_gib']:.1f}), "
+            f"vLLM {mem0.get('vllm_process_gib') or 0:.1f} GiB"
+        )  # fmt: skip
+        m = data["medians"][arm]
+        rows.append(f"| {arm} | {per} | {m['steps_per_s']:.2f} | {_pct(m['gen_share'])} | {gib} |")
+    ratios = "; ".join(
+        f"{x['metric']}: **{x['ratio']:.2f}x** ({x['note']})" for x in data["metrics"]
+    )
+    st = data["settings"]
+    block = (
+        f"{begin}\nMeasured {data['started']} on `{data['machine']['host']}` "
+        f"({data['machine']['cpus']} CPUs), commit {data['code'].get('commit', '?')}, {st['reps']} rounds "
+        f"of {st['steps']} steps (the first {st['warmup']} left out), {st['ranks']} rank(s), model "
+        f"{st['model']}, {st['new_tokens']} new tokens a completion; load {data['loadavg_start']} -> "
+        f"{data['loadavg_end']}.\n\n" + "\n".join(rows) + f"\n\n{ratios}\n{end}"
+    )
+    text = results_md.read_text() if results_md.is_file() else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        title = "on a GPU" if kind == "gpu" else "on 2 CPU ranks"
+        text = (
+            text.rstrip("\n") + f"\n\n## GRPO: engine='vllm' vs engine='hf', {title} "
+            "(benchmarks/bench_grpo.py --vllm)\n\nThe same GRPO run with its rollouts sampled by "
+            "transformers' generate (hf) and by a vLLM engine beside each sampling rank (vllm), the arms "
+            "alternating; steps/s from the rows' times. Raw numbers in `results/"
+            + data["benchmark"]
+            + ".json`.\n\n"
+            + block
+            + "\n"
+        )
+    results_md.write_text(text)
 
 
 if __name__ == "__main__":
