@@ -78,7 +78,16 @@ def print_models() -> None:
     service = serving.current_service() if serving is not None else None
     if service is None:
         return
-    rows = service.status()
+    import concurrent.futures
+
+    try:
+        rows = service.status(timeout=30)
+    except concurrent.futures.TimeoutError:
+        n = service.verbs.executor.pending()
+        print(
+            f"nbtrain: Tinker service at {service.url} is busy ({n} request(s) pending); try again."
+        )
+        return
     print(f"nbtrain: Tinker service at {service.url}, {len(rows)} live model(s)")
     for r in rows:
         mem = r.get("memory_bytes")

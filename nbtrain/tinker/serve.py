@@ -125,9 +125,10 @@ class TinkerService:
         state = "stopped" if self.stopped else "serving"
         return f"<nbtrain TinkerService {state} at {self.url} {self.backend.where}, folder {self.root}>"
 
-    def status(self) -> list[dict[str, Any]]:
-        """Every live model on the ranks: model_id, base_model, lora_rank, steps, memory_bytes."""
-        return self.verbs.status()
+    def status(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Every live model on the ranks: model_id, base_model, lora_rank, steps, memory_bytes;
+        asked after the requests already queued, waiting at most `timeout` s."""
+        return self.verbs.status(timeout)
 
     def reload(self) -> list[str]:
         """After `%nbtrain restart`: every model back from its last saved state; what was done."""

@@ -473,9 +473,10 @@ class Verbs:
             raise RuntimeError(answer["error"])
         return answer["value"]
 
-    def status(self) -> list[dict[str, Any]]:
-        """Every live model, as the ranks hold it (memory, steps), with its run folder."""
-        rows = self.wait("status", self.backend.status) or []
+    def status(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Every live model, as the ranks hold it (memory, steps), with its run folder; asked after
+        the requests already queued (a TimeoutError past `timeout`)."""
+        rows = self.wait("status", self.backend.status, timeout) or []
         for row in rows:
             m = self.models.get(row.get("model_id"))
             row["folder"] = str(m.run.folder) if m is not None and m.run is not None else None
