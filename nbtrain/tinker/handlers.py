@@ -210,6 +210,10 @@ def routes(verbs: Verbs, api_key: str | None) -> list[Any]:
         (f"{v}/asample", endpoint("POST", Verbs.asample)),
         (f"{v}/cancel_future", endpoint("POST", lambda s, b: {})),
         (f"{v}/retrieve_future", RetrieveFuture),
+        (
+            f"{v}/training_runs/([^/]+)/checkpoints/(weights|sampler_weights)/([^/]+)",
+            endpoint("DELETE", lambda s, b, o, k, n: s.delete_checkpoint(o, k, n), "none"),
+        ),
     ]
     args = {"verbs": verbs, "api_key": api_key}
     return [(pattern, handler, args) for pattern, handler in table] + [(r".*", NotFound, args)]

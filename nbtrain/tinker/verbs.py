@@ -309,6 +309,20 @@ class Verbs:
             )
         return folder, json.loads(meta_file.read_text())
 
+    def delete_checkpoint(self, owner: str, kind: str, name: str) -> dict[str, Any]:
+        """DELETE training_runs/{model_id}/checkpoints/{kind}/{name} (the cookbook's rolling saves)."""
+        import shutil
+
+        folder, _ = self._checkpoint(proto.tinker_path(owner, kind, name), kind)
+        for m in self.models.values():
+            if m.last_state == proto.tinker_path(owner, kind, name):
+                m.last_state = None  # a restart must not reload what is gone
+        # renamed first, so a reader never sees half a folder
+        doomed = folder.with_name(f".deleted-{folder.name}-{secrets.token_hex(4)}")
+        folder.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        return {}
+
     def load_weights(self, body: dict[str, Any]) -> Future:
         optimizer = bool(body.get("optimizer", False))
         folder, meta = self._checkpoint(body.get("path"), "weights")

@@ -226,6 +226,16 @@ def test_user_errors_are_400_or_404_never_500(svc, tc):
     assert status == 404
 
 
+def test_a_checkpoint_is_deleted_through_the_rest_client(svc, sc, tc):
+    path = tc.save_state("rolling-1").result().path
+    folder = svc.root / tc.model_id.replace(":", "_") / "weights" / "rolling-1"
+    assert folder.is_dir()
+    sc.create_rest_client().delete_checkpoint_from_tinker_path(path).result()
+    assert not folder.exists()
+    with pytest.raises(Exception, match="404"):
+        sc.create_rest_client().delete_checkpoint_from_tinker_path(path).result()
+
+
 def test_a_key_is_checked_when_bound_beyond_the_loopback(base):
     from nbtrain.tinker import InProcessBackend, TinkerService
 
