@@ -138,6 +138,30 @@ def test_two_lora_models_on_one_base_keep_their_own_weights(sc, base, tc):
     np.testing.assert_array_equal(_lp(other, data)[0], before[0])
 
 
+def test_forward_backward_custom_steps_as_cross_entropy_does(sc, base):
+    """The client-side custom loss (a forward, then cross_entropy with weights -dL/dlp), with L the
+    cross_entropy sum itself, takes the same AdamW step as cross_entropy on a twin model."""
+    from tinker import types
+
+    data = [_datum(6, 9), _datum(9, 10)]
+    a = sc.create_lora_training_client(base_model=base, rank=RANK, seed=11).result()
+    b = sc.create_lora_training_client(base_model=base, rank=RANK, seed=11).result()
+    np.testing.assert_array_equal(_lp(a, data)[1], _lp(b, data)[1])
+
+    def summed_nll(batch, logprobs):
+        loss = sum(
+            -(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(batch, logprobs)
+        )
+        return loss, {"nll": float(loss)}
+
+    ce = a.forward_backward(data, "cross_entropy").result()
+    custom = b.forward_backward_custom(data, summed_nll).result()
+    assert custom.metrics["nll"] == pytest.approx(ce.metrics["loss:sum"], rel=1e-5)
+    for c in (a, b):
+        c.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    np.testing.assert_allclose(_lp(a, data)[1], _lp(b, data)[1], rtol=1e-5, atol=1e-6)
+
+
 def test_save_and_load_with_the_optimizer_resumes_as_uninterrupted(sc, tc):
     from tinker import types
 
