@@ -101,7 +101,8 @@ test-vllm: $(VLLM_STAMP)
 		tests/generation/test_vllm.py tests/generation/test_vllm_ranks.py tests/generation/test_vllm_versions.py
 
 # two lanes at once on the 2-core machine, about equally long, and a short third, the vLLM venv's
-# build and tests (its own venv: about 100 s to build, 225 s of tests at load 12) (scripts/lanes.sh prints each lane's
+# build and tests (measured: the build 102 s at load 2, 574 s at load 13; the tests 131-225 s at
+# load 8-13) (scripts/lanes.sh prints each lane's
 # output whole when it ends; -k: a lane's later parts run after one failed), then the timed tests alone
 test: $(STAMP)
 	sh scripts/testbed-deps.sh
