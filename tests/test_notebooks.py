@@ -502,7 +502,7 @@ def test_tinker_notebook_runs(tmp_path, monkeypatch):
     assert any(
         "data:image/png;base64," in o.get("data", {}).get("text/html", "") for o in loop.outputs
     )
-    samples = re.findall(r"' -> '.*'  \((stop|length), logprob (-?[\d.]+)\)", text)
+    samples = re.findall(r" -> .*  \((stop|length), logprob (-?[\d.]+)\)", text)
     assert len(samples) == 8 and all(float(lp) <= 0 for _, lp in samples), text[-3000:]
     for reward in ("short", "has_vowel"):
         rl = re.search(rf"RL step, reward '{reward}': mean reward ([\d.]+), loss (-?[\d.]+)", text)
