@@ -119,9 +119,10 @@ class Cluster(Session):
         """
         from nbtrain.cluster.faults.recovery import restart
 
+        before = self.engine_ids()
         said = restart(self, all_ranks=all_ranks, timeout=timeout)
         service = self._tinker_service()
-        if service is not None:
+        if service is not None and self.engine_ids() != before:
             # the replaced ranks lost the service's models: back from their last saved states
             reloaded = service.reload()
             said += "".join(f"\nnbtrain: Tinker model {line}" for line in reloaded)
