@@ -86,9 +86,11 @@ class VLLMEngine(Engine):
         self.eos = _eos(model_path, tokenizer)
         t0 = time.perf_counter()
         self._spawn()
-        self._call(
+        started = self._call(
             "start", self._llm_kwargs(model_path), timeout=options.start_timeout, what="start"
         )
+        #: the LoRA goes to vLLM as tensors (True), or as files in RAM where vLLM's internals differ
+        self.lora_in_memory = bool(started.get("memory"))
         self.start_seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------ process
@@ -296,11 +298,10 @@ class VLLMEngine(Engine):
         blob = save(tensors)
         lora_id = self._next_id
         self._next_id += 1
-        inside = self._call("lora", lora_id, config, blob)
+        path = self._call("lora", lora_id, config, blob)
         self._drop()
-        self.lora = (lora_id, f"nbtrain-memory://{lora_id}")
+        self.lora = (lora_id, path)
         self.lora_seconds.append(time.perf_counter() - t0)
-        del inside
 
     def _drop(self) -> None:
         if self.lora is not None:

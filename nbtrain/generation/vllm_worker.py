@@ -82,23 +82,38 @@ def _memory_loader(worker: Any) -> bool:
     return True
 
 
+def _ram_folder() -> str:
+    """Where adapters go as files when they cannot go in memory: RAM (/dev/shm) where there is one."""
+    import tempfile
+
+    root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return os.path.join(root, f"nbtrain-vllm-{os.getpid()}")
+
+
 class Worker:
     def __init__(self) -> None:
         self.llm: Any = None
+        self.memory = False  # adapters as tensors (True), or as files in RAM (vLLM's own loader)
 
     def start(self, kwargs: dict) -> dict:
         from vllm import LLM
 
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
-        if kwargs.get("enable_lora"):
-            self.llm.collective_rpc(_memory_loader)
+        if kwargs.get("enable_lora") and os.environ.get("NBTRAIN_VLLM_LORA_FILES") != "1":
+            try:
+                self.llm.collective_rpc(_memory_loader)
+                self.memory = True
+            except (AttributeError, TypeError):
+                # another vLLM's internals: its own loader, from files in RAM, still works
+                traceback.print_exc()
+                print("nbtrain: adapters go to vLLM as files in RAM", file=sys.stderr)
         # one token now: a model vLLM cannot run (the CPU build's attention refuses head_dim 24) fails
         # the start, not the first rollout, and the first call's kernel set-up is paid here
         from vllm import SamplingParams
 
         self.llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), use_tqdm=False)
-        return {"seconds": time.perf_counter() - t0, "pid": os.getpid()}
+        return {"seconds": time.perf_counter() - t0, "pid": os.getpid(), "memory": self.memory}
 
     def generate(self, prompts: list[list[int]], params: list[dict], lora: Any) -> list[tuple]:
         from vllm import SamplingParams
@@ -123,16 +138,34 @@ class Worker:
             got.append((list(c.token_ids), lps, c.finish_reason))
         return got
 
-    def lora(self, lora_id: int, config: dict, blob: bytes) -> float:
-        from safetensors.torch import load
+    def lora(self, lora_id: int, config: dict, blob: bytes) -> str:
+        """The adapter `lora_id` ready for a request: the path its LoRARequest names."""
+        if self.memory:
+            from safetensors.torch import load
 
-        t0 = time.perf_counter()
-        _tensors[lora_id] = (load(blob), config)
-        return time.perf_counter() - t0
+            _tensors[lora_id] = (load(blob), config)
+            return f"{MEMORY}{lora_id}"
+        import json
+
+        folder = os.path.join(_ram_folder(), str(lora_id))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "adapter_model.safetensors"), "wb") as f:
+            f.write(blob)
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+        return folder
 
     def drop_lora(self, lora_id: int) -> bool:
+        import shutil
+
         _tensors.pop(lora_id, None)
+        shutil.rmtree(os.path.join(_ram_folder(), str(lora_id)), ignore_errors=True)
         return bool(self.llm.llm_engine.remove_lora(lora_id))
+
+    def cleanup(self) -> None:
+        import shutil
+
+        shutil.rmtree(_ram_folder(), ignore_errors=True)
 
     def sleep(self, level: int) -> None:
         self.llm.sleep(level=level)
@@ -152,8 +185,10 @@ def main() -> None:
         try:
             op, *args = conn.recv()
         except (EOFError, OSError):
+            worker.cleanup()
             os._exit(0)  # the rank closed its end, or is gone
         if op == "stop":
+            worker.cleanup()
             conn.send(("ok", None))
             os._exit(0)
         try:
