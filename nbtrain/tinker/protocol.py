@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 #: the losses `forward_backward` runs on the ranks (formulas in docs/tinker.md)
 SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
@@ -43,6 +44,18 @@ class RequestError(Exception):
 
 def bad(message: str) -> RequestError:
     return RequestError(400, message)
+
+
+def get_field(
+    body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...
+) -> Any:
+    """`body[key]`, checked to be a `kind` (bool is not an int); required unless `default` is given."""
+    value = body.get(key, default)
+    if value is ...:
+        raise bad(f"the request lacks {key!r}.")
+    if value is not None and not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise bad(f"{key!r} has the wrong type ({type(value).__name__}).")
+    return value
 
 
 def model_id(session_id: str, model_seq_id: int) -> str:

@@ -15,6 +15,8 @@ from nbtrain import runs
 
 KIND = "tinker"
 LOSS_UNIT = "summed loss"
+#: completions kept per optimizer step (an RL loop samples hundreds; the panel shows a few)
+SAMPLES_PER_STEP = 8
 
 
 def _kernel() -> bool:
@@ -55,6 +57,9 @@ class ModelRun:
         )
         self._display: Any = None
         self.draw = draw
+        self.tokenizer_id = base_model
+        self._tokenizer: Any = None
+        self._sampled: dict[int, int] = {}
 
     def forward_backward(self, metrics: dict[str, Any], tokens: int) -> None:
         """Add one `forward_backward`'s summed loss and tokens to the step under way."""
@@ -88,6 +93,45 @@ class ModelRun:
             )
         self._draw({"kind": "row", "row": row})
         return row
+
+    def samples(self, prompt: list[int], sequences: list[dict[str, Any]], seconds: float) -> None:
+        """Completions drawn from this model's weights, shown as they come: samples.jsonl (the Lab's
+        samples panel) and the live display's table; at most `SAMPLES_PER_STEP` per step."""
+        with self._lock:
+            step = self.step
+            start = self._sampled.get(step, 0)
+            room = max(0, SAMPLES_PER_STEP - start)
+            if room == 0:
+                return
+            self._sampled[step] = start + min(room, len(sequences))
+        text = self._decode
+        rows = [
+            {
+                "step": step,
+                "index": start + i,
+                "prompt": text(prompt),
+                "completion": text(list(seq.get("tokens") or [])),
+                "reference": None,
+                "tokens": len(seq.get("tokens") or []),
+                "seconds": seconds,
+            }
+            for i, seq in enumerate(sequences[:room])
+        ]
+        with self._lock, (self.folder / runs.SAMPLES_FILE).open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        self._draw({"kind": "samples", "step": step, "rows": rows})
+
+    def _decode(self, tokens: list[int]) -> str:
+        if self._tokenizer is None:
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_id)
+            except Exception:  # noqa: BLE001 - the base may live only on the ranks' machines
+                self._tokenizer = False
+        if self._tokenizer is False:
+            return " ".join(map(str, tokens))
+        return str(self._tokenizer.decode(tokens))
 
     def _draw(self, payload: dict[str, Any]) -> None:
         if not self.draw or not _kernel():

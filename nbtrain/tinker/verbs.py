@@ -19,7 +19,8 @@ from nbtrain.tinker import protocol as proto
 from nbtrain.tinker import wire
 from nbtrain.tinker.backend import Backend
 from nbtrain.tinker.futures import Executor, Future, Payload
-from nbtrain.tinker.protocol import RequestError, bad
+from nbtrain.tinker.protocol import RequestError, bad, get_field
+from nbtrain.tinker.sampling import Sampling
 from nbtrain.tinker.tracking import ModelRun, write_json
 
 MODEL_FILE = "model.json"  # in a model's folder: its base model and LoRA settings, for loads
@@ -31,7 +32,6 @@ ADAM_DEFAULTS = {
     "weight_decay": 0.0,
     "grad_clip_norm": 0.0,
 }
-SAMPLE_DEFAULTS = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None}
 
 
 @dataclass
@@ -55,16 +55,7 @@ class Session:
     finished: str | None = None
 
 
-def _get(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-    value = body.get(key, default)
-    if value is ...:
-        raise bad(f"the request lacks {key!r}.")
-    if value is not None and not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-        raise bad(f"{key!r} has the wrong type ({type(value).__name__}).")
-    return value
-
-
-class Verbs:
+class Verbs(Sampling):
     """The service's state and its endpoints' logic; `backend` runs the verbs."""
 
     def __init__(self, backend: Backend, root: Path, cluster_id: str | None = None, world: int = 1):
@@ -187,8 +178,8 @@ class Verbs:
 
     def create_model(self, body: dict[str, Any]) -> Future:
         s = self.session(body.get("session_id"))
-        seq = _get(body, "model_seq_id", int)
-        base = _get(body, "base_model", str)
+        seq = get_field(body, "model_seq_id", int)
+        base = get_field(body, "base_model", str)
         if not base:
             raise bad("base_model is empty; name a model folder the ranks can read.")
         self._check_optimizer(body.get("optimizer_config"))
@@ -330,7 +321,7 @@ class Verbs:
         if body.get("session_id") is not None:
             # create-via-load: the load is the new model's first request
             s = self.session(body.get("session_id"))
-            seq = _get(body, "model_seq_id", int)
+            seq = get_field(body, "model_seq_id", int)
             self._check_optimizer(body.get("optimizer_config"))
             base = body.get("base_model") or meta["base_model"]
             mid = proto.model_id(s.session_id, seq)
@@ -386,97 +377,11 @@ class Verbs:
                 "base_model": m.base_model,
                 "model_path": None,
                 "source": {"sampler_id": sampler},
+                "model_id": m.model_id,
             }
             return ("json", {"type": "save_weights_for_sampler", "sampling_session_id": sampler})
 
         return self.executor.submit(f"snapshot {m.model_id}", snapshot, m.model_id, seq)
-
-    # --- sampling -------------------------------------------------------------------------------
-    def _source(self, model_path: Any, base_model: Any) -> dict[str, Any]:
-        if model_path:
-            folder, meta = self._checkpoint(model_path, "sampler_weights")
-            base = base_model or meta["base_model"]
-            return {
-                "base_model": base,
-                "model_path": model_path,
-                "source": {"path": str(folder), "base_model": base},
-            }
-        if not isinstance(base_model, str) or not base_model:
-            raise bad(
-                "a sampler needs model_path (a tinker://.../sampler_weights/... path) or base_model."
-            )
-        return {"base_model": base_model, "model_path": None, "source": {"base_model": base_model}}
-
-    def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
-        s = self.session(body.get("session_id"))
-        seq = _get(body, "sampling_session_seq_id", int)
-        entry = self._source(body.get("model_path"), body.get("base_model"))
-        sampler = proto.sampler_id(s.session_id, seq)
-        self.samplers[sampler] = entry
-        return {"type": "create_sampling_session", "sampling_session_id": sampler}
-
-    def get_sampler(self, sampler: str) -> dict[str, Any]:
-        entry = self.samplers.get(sampler)
-        if entry is None:
-            raise RequestError(404, f"sampler {sampler!r} is not known to this service.")
-        return {
-            "sampler_id": sampler,
-            "base_model": entry["base_model"],
-            "model_path": entry["model_path"],
-        }
-
-    def asample(self, body: dict[str, Any]) -> tuple[Future, int]:
-        if body.get("sampling_session_id"):
-            sampler = body["sampling_session_id"]
-            if sampler not in self.samplers:
-                raise RequestError(404, f"sampler {sampler!r} is not known to this service.")
-            source = self.samplers[sampler]["source"]
-        else:
-            source = self._source(body.get("model_path"), body.get("base_model"))["source"]
-        prompt = wire.model_input_tokens(body.get("prompt"))
-        n = _get(body, "num_samples", int, 1)
-        if n < 1:
-            raise bad(f"num_samples must be at least 1, not {n}.")
-        for key, what in (
-            ("topk_prompt_logprobs", "top-k prompt log-probabilities"),
-            ("topk_sample_logprobs", "top-k sample log-probabilities"),
-            ("prompt_alt_tokens_k", "prompt alternative tokens"),
-        ):
-            if body.get(key):
-                raise bad(f"{key} ({what}) is not supported by nbtrain's Tinker service.")
-        if body.get("target_prompt_logprobs") is not None:
-            raise bad("target_prompt_logprobs is not supported by nbtrain's Tinker service.")
-        params = self._sampling_params(body.get("sampling_params"))
-        want_plp = bool(body.get("prompt_logprobs"))
-        last_n = body.get("prompt_logprobs_last_n")
-
-        def run() -> Payload:
-            result = self.backend.sample(source, prompt, n, params, want_plp, 0)
-            return ("proto", wire.encode_sample(result, last_n if want_plp else None))
-
-        return self.executor.submit("sample", run), n
-
-    @staticmethod
-    def _sampling_params(raw: Any) -> dict[str, Any]:
-        if not isinstance(raw, dict):
-            raise bad(
-                "sampling_params must be an object (max_tokens, temperature, top_p, top_k, seed, stop)."
-            )
-        params: dict[str, Any] = dict(SAMPLE_DEFAULTS)
-        for key in SAMPLE_DEFAULTS:
-            if raw.get(key) is not None:
-                params[key] = raw[key]
-        if not isinstance(params["max_tokens"], int) or params["max_tokens"] < 1:
-            raise bad(
-                f"sampling_params.max_tokens must be a positive integer, not {params['max_tokens']!r}."
-            )
-        if float(params["temperature"]) < 0 or not 0 < float(params["top_p"]) <= 1:
-            raise bad("sampling_params: temperature must be >= 0 and top_p in (0, 1].")
-        stop = raw.get("stop")
-        params["stop"] = (
-            [stop] if isinstance(stop, str) else (list(stop) if stop is not None else None)
-        )
-        return params
 
     # --- the kernel's view ----------------------------------------------------------------------
     def wait(self, what: str, fn: Any, timeout: float = 600.0) -> Any:

@@ -182,7 +182,7 @@ def test_save_and_load_with_the_optimizer_resumes_as_uninterrupted(sc, tc):
     np.testing.assert_allclose(_lp(resumed, data)[0], went_on[0], rtol=1e-4, atol=1e-5)
 
 
-def test_a_sampler_snapshot_samples_and_does_not_move_when_training_goes_on(sc, base, tc):
+def test_a_sampler_snapshot_samples_and_does_not_move_when_training_goes_on(svc, sc, base, tc):
     from tinker import types
 
     prompt = types.ModelInput.from_ints([11, 42, 7, 99, 3])
@@ -194,8 +194,14 @@ def test_a_sampler_snapshot_samples_and_does_not_move_when_training_goes_on(sc, 
     for seq in out.sequences:
         assert 1 <= len(seq.tokens) <= 4 and len(seq.logprobs) == len(seq.tokens)
         assert seq.stop_reason in ("stop", "length") and seq.sequence_id
+    # the samples are shown in the model's run (samples.jsonl, the Lab's samples panel), decoded
+    shown = svc.root / tc.model_id.replace(":", "_") / "samples.jsonl"
+    rows = [json.loads(line) for line in shown.read_text().splitlines()]
+    assert len(rows) == 3 and [r["tokens"] for r in rows] == [len(q.tokens) for q in out.sequences]
+    assert isinstance(rows[0]["prompt"], str) and rows[0]["prompt"]
     lp = sampler.compute_logprobs(prompt).result()
     assert lp[0] is None and len(lp) == 5
+    assert len(shown.read_text().splitlines()) == 3  # compute_logprobs is not a sample
     fwd = _lp(
         tc,
         [
