@@ -28,7 +28,7 @@ import {
 } from './metrics';
 import { shortPath } from './model';
 import { blankClass, settingNode } from './panel';
-import { sideBySide } from './samples';
+import { shownCompletion, sideBySide } from './samples';
 import { ICompareRun, IComparePage } from './tokens';
 
 /** The metrics of a comparison table: loss and the kinds' most watched, tokens/s, steps. */
@@ -249,7 +249,7 @@ export class ComparePanel extends Widget {
           ? blankClass('nbtrain-Sample-completion', sample.completion)
           : 'nbtrain-Sample-completion';
         td.dataset.runId = page.runs[r].id;
-        td.textContent = sample ? sample.completion : '–';
+        td.textContent = sample ? shownCompletion(sample.completion).text : '–';
       });
     }
     this._samples.replaceChildren(head, table);

@@ -21,7 +21,7 @@ import {
   stateTitle
 } from './model';
 import { formatSetting } from './compare';
-import { ISampledStep, RunSamples } from './samples';
+import { ISampledStep, RunSamples, shownCompletion } from './samples';
 import {
   IMetricsRow,
   IRunConfig,
@@ -52,11 +52,12 @@ function lineLabel(key: string): string {
   if (rank) {
     return `rank ${rank[1]}`;
   }
-  return key === 'eval_loss'
-    ? 'eval loss'
-    : key === 'peak_memory_gb'
-      ? 'peak'
-      : key;
+  const names: Record<string, string> = {
+    eval_loss: 'eval loss',
+    peak_memory_gb: 'peak',
+    mfu: 'MFU'
+  };
+  return names[key] ?? key;
 }
 
 export class RunPanel extends Widget {
@@ -371,11 +372,12 @@ export function sampleBlock(sample: ISample): HTMLElement {
     'nbtrain-Sample-completion',
     sample.completion
   );
-  completion.textContent = sample.completion;
+  const shown = shownCompletion(sample.completion);
+  completion.textContent = shown.text;
   completion.title =
-    sample.tokens !== null
+    (sample.tokens !== null
       ? `${sample.tokens} token${sample.tokens === 1 ? '' : 's'}`
-      : '';
+      : '') + (shown.cut ? ' (cut mid-character at the token limit)' : '');
   div.append(prompt, completion);
   if (sample.reference !== null) {
     const reference = document.createElement('div');

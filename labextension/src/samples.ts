@@ -139,3 +139,15 @@ export namespace RunSamples {
     standby?: Standby;
   }
 }
+
+/**
+ * A completion as shown: a multi-byte character cut by the token limit (decoded as U+FFFD at the
+ * end) is dropped and the cut marked with "…", rather than shown as "�". Replacement characters
+ * inside the text (the model wrote them) stay.
+ */
+export function shownCompletion(text: string): { text: string; cut: boolean } {
+  const m = /\uFFFD+$/.exec(text);
+  return m
+    ? { text: `${text.slice(0, m.index)}…`, cut: true }
+    : { text, cut: false };
+}

@@ -1,6 +1,12 @@
 import { describe, expect, it } from 'vitest';
 
-import { byStep, mergeSamples, RunSamples, sideBySide } from '../src/samples';
+import {
+  byStep,
+  mergeSamples,
+  RunSamples,
+  shownCompletion,
+  sideBySide
+} from '../src/samples';
 import {
   ICompareRun,
   IRun,
@@ -182,5 +188,16 @@ describe('RunSamples', () => {
     await samples.refresh();
     expect(samples.rows.map(r => r.completion)).toEqual(['new']);
     samples.dispose();
+  });
+});
+
+describe('shownCompletion', () => {
+  it('marks a character cut by the token limit with … instead of �', () => {
+    expect(shownCompletion('caf\uFFFD')).toEqual({ text: 'caf…', cut: true });
+    expect(shownCompletion('a \uFFFD b')).toEqual({
+      text: 'a \uFFFD b',
+      cut: false
+    });
+    expect(shownCompletion('done')).toEqual({ text: 'done', cut: false });
   });
 });

@@ -108,6 +108,7 @@ test('a DPO and a GRPO run chart their rewards first, every metric grouped by pr
     const first = grpo.locator(
       'details[data-group="overview"] figure.nbtrain-Chart'
     );
+    await expect(first).toHaveCount(6);
     expect(
       await first.evaluateAll(els =>
         els.map(e => (e as HTMLElement).dataset.chart)
@@ -236,7 +237,7 @@ test('a view of 3 runs keeps the run column while the table scrolls sideways; on
     await row.locator('input.nbtrain-Run-select').check();
   }
   await page.locator('.nbtrain-CompareButton').click();
-  const panel = page.locator('.nbtrain-ComparePanel');
+  const panel = page.locator('.nbtrain-ComparePanel').filter({ visible: true });
   await expect(panel.locator('figure[data-chart="loss"]')).toHaveAttribute(
     'data-series',
     /sweep/
@@ -295,6 +296,12 @@ test('a view of 3 runs keeps the run column while the table scrolls sideways; on
   }
   await setTheme(page, 'JupyterLab Light');
   await expectChartsLaidOut(panel);
+  // closed, so that compare.spec.ts's layout does not restore it
+  await page
+    .locator('.lm-TabBar-tab', { hasText: 'Compare:' })
+    .locator('.lm-TabBar-tabCloseIcon')
+    .click();
+  await expect(panel).toHaveCount(0);
 });
 
 test('sidebar: rows never wrap, the filter box, the config section, delete asks first and keeps the folder', async ({

@@ -142,7 +142,7 @@ async function openComparison(page: Page): Promise<Locator> {
   await expect(button).toHaveText('Compare (2)');
   await expect(button).toBeEnabled();
   await button.click();
-  const panel = page.locator('.nbtrain-ComparePanel');
+  const panel = page.locator('.nbtrain-ComparePanel').filter({ visible: true });
   await expect(panel).toBeVisible();
   await expect(
     panel.locator(
@@ -321,9 +321,35 @@ test('smoothing, log scale and time change the drawing; the CSV has both runs', 
   const file = path.join(uiDir, 'compare.csv');
   await download.saveAs(file);
   const lines = fs.readFileSync(file, 'utf8').trim().split('\n');
-  expect(lines[0]).toBe(
-    'run,step,loss,loss_smoothed,eval_loss,eval_loss_smoothed,grad_norm,grad_norm_smoothed,learning_rate,learning_rate_smoothed,tokens_per_s,tokens_per_s_smoothed,step_time,step_time_smoothed,epoch,epoch_smoothed'
+  // every numeric metric the runs logged, loss first; each with its smoothed value as drawn
+  const header = lines[0].split(',');
+  expect(header.slice(0, 6)).toEqual([
+    'run',
+    'step',
+    'loss',
+    'loss_smoothed',
+    'eval_loss',
+    'eval_loss_smoothed'
+  ]);
+  const logged = new Set<string>();
+  for (const rate of RATES) {
+    for (const row of metrics(rate)) {
+      for (const [k, v] of Object.entries(row)) {
+        if (k !== 'step' && k !== 'time' && typeof v === 'number') {
+          logged.add(k);
+        }
+      }
+    }
+  }
+  expect(new Set(header.slice(2))).toEqual(
+    new Set([...logged].flatMap(k => [k, `${k}_smoothed`]))
   );
+  // the learning rate is never smoothed: its smoothed column is its value
+  const lrAt = header.indexOf('learning_rate');
+  for (const line of lines.slice(1)) {
+    const cells = line.split(',');
+    expect(cells[lrAt + 1]).toBe(cells[lrAt]);
+  }
   for (const rate of RATES) {
     const mine = lines.slice(1).filter(l => l.startsWith(`lr-${rate},`));
     expect(mine.length).toBe(STEPS);
