@@ -198,6 +198,13 @@ export function filterRuns(runs: IRun[], query: string): IRun[] {
   });
 }
 
+/** `1 node`, `4 nodes` for the report's `1 node(s)`, `4 node(s)`. */
+export function plurals(text: string): string {
+  return text.replace(/\b(\d+) (\w+?)\(s\)/g, (_m, n: string, word: string) =>
+    Number(n) === 1 ? `${n} ${word}` : `${n} ${word}s`
+  );
+}
+
 /** Sidebar state: the runs and clusters on this server, refreshed on a Poll. */
 export class TrainingModel implements IDisposable {
   constructor(options: TrainingModel.IOptions) {

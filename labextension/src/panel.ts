@@ -15,6 +15,7 @@ import {
   fetchScaling,
   fetchRunConfig,
   formatDuration,
+  plurals,
   RunMetrics,
   scalingLines,
   shortPath,
@@ -414,7 +415,7 @@ class ScalingView {
     verdict.textContent = report.verdict.line;
     const machine = document.createElement('p');
     machine.className = 'nbtrain-Scaling-machine';
-    machine.textContent = `${report.machine} · ${page.folder}`;
+    machine.textContent = `${plurals(report.machine)} · ${page.folder}`;
     const table = document.createElement('table');
     table.className = 'nbtrain-Scaling-table';
     const header = table.createTHead().insertRow();

@@ -7,6 +7,7 @@ import {
   lossUnit,
   mergeRows,
   newestRunning,
+  plurals,
   RunMetrics,
   shortPath,
   stateTitle,
@@ -295,5 +296,13 @@ describe("issue 34: a run's kind and a preempted run", () => {
       "preempted at step 5; checkpoint at /tmp/sft/checkpoint-5; resume with resume='latest' in its config"
     );
     expect(stateTitle(makeRun({ state: 'stopped' }))).toBe('stopped');
+  });
+});
+
+describe('plurals', () => {
+  it("writes the scaling report's node(s) and rank(s) as words", () => {
+    expect(plurals('4 node(s) (a, b), 1 rank(s) per node')).toBe(
+      '4 nodes (a, b), 1 rank per node'
+    );
   });
 });
