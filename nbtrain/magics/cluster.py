@@ -255,6 +255,7 @@ class NbtrainMagics(Magics):
         cluster = current_cluster()
         if cluster is None:
             print("nbtrain: no cluster is running. Start one with %nbtrain start -n 2.")
+            serve.print_models()  # a Tinker service in this kernel
             return
         rows = cluster.status()
         header = ("rank", "host", "local", "device", "pid", "state")

@@ -8,6 +8,7 @@ In [2]: import tinker; sc = tinker.ServiceClient(base_url=svc.url)
 from __future__ import annotations
 
 import asyncio
+import atexit
 import ipaddress
 import os
 import secrets
@@ -195,6 +196,18 @@ def serve(
     _current = service
     _export(service)
     return service
+
+
+def _stop_at_exit() -> None:
+    # a kernel that ends leaves no run "running" in the registry (a cluster's stop does this too)
+    if _current is not None:
+        try:
+            _current.stop()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+atexit.register(_stop_at_exit)
 
 
 def current_service() -> TinkerService | None:

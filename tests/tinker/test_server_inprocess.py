@@ -57,6 +57,9 @@ def test_serve_in_this_kernel_trains_through_the_sdk_and_stops(ip, tiny, clean_e
         assert float(after[1:].sum()) > float(lp[1:].sum())  # one step up the weighted tokens
         rows = svc.status()
         assert [r["model_id"] for r in rows] == [tc.model_id] and rows[0]["steps"] == 1
+        capsys.readouterr()
+        ip.run_line_magic("nbtrain", "status")
+        assert f"{tc.model_id}  base {tiny}  LoRA rank 4  steps 1" in capsys.readouterr().out
         sc.close("success").result()
     finally:
         ip.run_line_magic("nbtrain", "serve stop")
