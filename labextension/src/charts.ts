@@ -16,8 +16,11 @@ import {
   niceRange,
   niceTicks
 } from './format';
-import { PALETTE_DARK, PALETTE_LIGHT } from './metrics';
+import { colourOf, colourVar, cssVar, isDark } from './palette';
+import { ITooltipLine, tooltipTable } from './tooltip';
 
+export { colourOf, colourVar, installPalette, isDark } from './palette';
+export type { ITooltipLine } from './tooltip';
 export {
   axisLabels,
   formatValue,
@@ -47,56 +50,6 @@ export interface IChartOptions {
   yTitle?: string;
   /** A remark beside the title (`smoothed 0.60`). */
   note?: string;
-}
-
-/** One tooltip line: a series, the x of its own nearest point, its value, and raw when smoothed. */
-export interface ITooltipLine {
-  label: string;
-  colour: number;
-  x: number;
-  value: number;
-  raw?: number;
-}
-
-/** Whether JupyterLab shows a dark theme now. */
-export function isDark(): boolean {
-  return document.body.dataset.jpThemeLight === 'false';
-}
-
-/** The colour of palette index `i` in the current theme. */
-export function colourOf(i: number): string {
-  const palette = isDark() ? PALETTE_DARK : PALETTE_LIGHT;
-  return palette[((i % palette.length) + palette.length) % palette.length];
-}
-
-/**
- * The palette as CSS variables (--nbtrain-c0 ... --nbtrain-c7), switched with the theme: the DOM's
- * colour keys (the sidebar's dots, legends, tables) follow a theme change by themselves.
- */
-export function installPalette(): void {
-  if (document.getElementById('nbtrain-palette')) {
-    return;
-  }
-  const vars = (palette: string[]) =>
-    palette.map((c, i) => `--nbtrain-c${i}: ${c};`).join(' ');
-  const style = document.createElement('style');
-  style.id = 'nbtrain-palette';
-  style.textContent =
-    `:root { ${vars(PALETTE_LIGHT)} }\n` +
-    `body[data-jp-theme-light='false'] { ${vars(PALETTE_DARK)} }`;
-  document.head.appendChild(style);
-}
-
-/** Palette index `i` as a CSS colour that follows the theme (for DOM elements). */
-export function colourVar(i: number): string {
-  installPalette();
-  const n = PALETTE_LIGHT.length;
-  return `var(--nbtrain-c${((i % n) + n) % n})`;
-}
-
-function cssVar(name: string, fallback: string): string {
-  const v = getComputedStyle(document.body).getPropertyValue(name).trim();
-  return v || fallback;
 }
 
 /**
@@ -599,50 +552,4 @@ export class LineChart {
   private _series: ISeries[] = [];
   private _hovered = false;
   private _resize: ResizeObserver | null = null;
-}
-
-/**
- * The tooltip's table: a line per series with the step of its own point nearest the pointer (an
- * eval series logged every 25 steps says its own step), its value, and raw beside smoothed.
- */
-function tooltipTable(xTitle: string, lines: ITooltipLine[]): HTMLElement {
-  const table = document.createElement('table');
-  const smoothed = lines.some(l => l.raw !== undefined);
-  const head = table.createTHead().insertRow();
-  head.className = 'nbtrain-Chart-tooltipHead';
-  for (const text of [
-    '',
-    xTitle,
-    ...(smoothed ? ['smoothed', 'value'] : ['value'])
-  ]) {
-    const th = document.createElement('th');
-    th.textContent = text;
-    head.appendChild(th);
-  }
-  const body = table.createTBody();
-  for (const line of lines) {
-    const tr = body.insertRow();
-    tr.className = 'nbtrain-Chart-tooltipLine';
-    tr.dataset.series = line.label;
-    const name = tr.insertCell();
-    const key = document.createElement('span');
-    key.className = 'nbtrain-Chart-key';
-    key.style.color = colourVar(line.colour);
-    key.textContent = line.label;
-    name.appendChild(key);
-    const x = tr.insertCell();
-    x.className = 'nbtrain-Chart-tooltipX';
-    x.textContent = Number.isInteger(line.x)
-      ? String(line.x)
-      : formatValue(line.x);
-    const value = tr.insertCell();
-    value.className = 'nbtrain-Chart-tooltipValue';
-    value.textContent = formatValue(line.value);
-    if (smoothed) {
-      const raw = tr.insertCell();
-      raw.className = 'nbtrain-Chart-tooltipRaw';
-      raw.textContent = line.raw === undefined ? '' : formatValue(line.raw);
-    }
-  }
-  return table;
 }

@@ -99,7 +99,10 @@ export function groupOf(key: string): string {
   ) {
     return 'reward';
   }
-  if (key !== 'tokens_per_s' && (key.endsWith('_time') || key.endsWith('_s'))) {
+  if (
+    key !== 'tokens_per_s' &&
+    (key.endsWith('_time') || key.endsWith('_s') || key.endsWith('_seconds'))
+  ) {
     return 'timings';
   }
   return key;

@@ -68,6 +68,7 @@ describe('chart groups', () => {
     expect(groupOf('eval_loss')).toBe('eval');
     expect(groupOf('peak_memory_gb_rank1')).toBe('memory');
     expect(groupOf('step_time')).toBe('timings');
+    expect(groupOf('sample_seconds')).toBe('timings');
     expect(groupOf('tokens_per_s')).toBe('tokens_per_s');
     expect(groupOf('reward_std')).toBe('reward');
   });

@@ -9,6 +9,7 @@ import * as path from 'path';
 import { expect, Locator, Page, test } from '@playwright/test';
 
 import {
+  closeAllTabs,
   dragChart,
   expectInside,
   expectNoOverlap,
@@ -296,12 +297,7 @@ test('a view of 3 runs keeps the run column while the table scrolls sideways; on
   }
   await setTheme(page, 'JupyterLab Light');
   await expectChartsLaidOut(panel);
-  // closed, so that compare.spec.ts's layout does not restore it
-  await page
-    .locator('.lm-TabBar-tab', { hasText: 'Compare:' })
-    .locator('.lm-TabBar-tabCloseIcon')
-    .click();
-  await expect(panel).toHaveCount(0);
+  await closeAllTabs(page);
 });
 
 test('sidebar: rows never wrap, the filter box, the config section, delete asks first and keeps the folder', async ({
@@ -395,4 +391,6 @@ test('sidebar: rows never wrap, the filter box, the config section, delete asks 
     fs.existsSync(path.join(uiDir, 'runs', 'grpo-math', 'metrics.jsonl'))
   ).toBe(true);
   await filter.fill('');
+  // the next specs start from an empty layout (their screenshots go to the README)
+  await closeAllTabs(page);
 });

@@ -167,3 +167,16 @@ export async function yTicks(figure: Locator): Promise<string[]> {
   const text = (await figure.getAttribute('data-y-ticks')) ?? '';
   return text.split(' ').filter(t => t);
 }
+
+/** Close every main-area tab (File > Close All Tabs), so the next spec's layout starts empty. */
+export async function closeAllTabs(page: Page): Promise<void> {
+  await page.locator('.lm-MenuBar-itemLabel', { hasText: 'File' }).click();
+  await page
+    .locator('.lm-Menu-itemLabel', { hasText: /^Close All Tabs$/ })
+    .click();
+  await expect(
+    page.locator('.nbtrain-RunPanel, .nbtrain-ComparePanel')
+  ).toHaveCount(0);
+  // Lab saves the layout a moment after it changes
+  await page.waitForTimeout(1000);
+}
