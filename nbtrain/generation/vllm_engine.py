@@ -163,9 +163,14 @@ class VLLMEngine(Engine):
         kw.update(o.extra)
         return kw
 
-    def _failed(self, what: str, cause: str) -> EngineError:
+    def _failed(self, what: str, cause: str, gone: bool = True) -> EngineError:
+        """The error for a failure; `gone`: the process ended or its connection broke."""
         self.failed = True
         code = self.proc.poll() if self.proc is not None else None
+        if gone and code is None and self.proc is not None:
+            # a broken connection is often seen before the process's end: give that a moment
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self.proc.wait(2)
         if code is not None:
             cause += f" (its process {self.pid} exited with {code})"
         msg = (
@@ -199,10 +204,13 @@ class VLLMEngine(Engine):
             self.close()
             raise
         if status != "ok":
+            err = self._failed(
+                "failed to start" if what == "start" else f"refused {op}", value, gone=False
+            )
             if op in ("start", "generate"):
                 # vLLM's scheduler after a failed step is not to be trusted: a new engine is
                 self.close()
-            raise self._failed("failed to start" if what == "start" else f"refused {op}", value)
+            raise err
         return value
 
     def _kill(self) -> None:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,6 +217,10 @@ def test_a_vllm_that_fails_to_start_is_named_with_its_log(setup, tmp_path):
     # which the engine's start generates
     assert "Unsupported CPU attention configuration: head_dim=24" in msg
     assert 'engine="hf"' in msg
+    # its log's tail, kept on disk: vLLM's own traceback
+    log, tail = msg.split("Its log, ")[1].split(", ends:\n")
+    assert Path(log).is_file()
+    assert 'File "' in tail and "head_dim=24" in tail
 
 
 def test_the_vllm_process_dies_with_its_rank():
