@@ -187,6 +187,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--vllm", action="store_true", help="engine='vllm' against engine='hf'")
     ap.add_argument("--gpu", action="store_true", help="with --vllm: one GPU rank, a 0.5B model")
+    ap.add_argument("--new", type=int, default=None, help="with --vllm: new tokens a completion")
     args = ap.parse_args()
     if args.quick:
         args.reps, args.steps, args.warmup = 1, 4, 1
@@ -291,11 +292,13 @@ def main_vllm(args: argparse.Namespace) -> None:
     from nbtrain.model.tiny import make_tiny_model
 
     name = "grpo-vllm-gpu" if args.gpu else "grpo-vllm"
+    if args.new and args.new != (64 if args.gpu else 16):
+        name += f"-{args.new}"
     rec = C.Recorder(name, args.quick)
     spec = GPU_MODEL if args.gpu else VLLM_MODEL
     model = make_tiny_model(C.WORK / f"{name}-model", **spec)
     n = 1 if args.gpu else 2
-    new = 64 if args.gpu else 16
+    new = args.new or (64 if args.gpu else 16)
     placements = ("collocated",) if args.gpu else ("collocated", "disaggregated")
     arms = [f"{p}/{e}" for p in placements for e in ("hf", "vllm")]
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
@@ -368,6 +371,8 @@ def main_vllm(args: argparse.Namespace) -> None:
 def render_vllm(data: dict[str, Any], results_md: Path) -> None:
     """The vLLM table (between its markers) in RESULTS.md, one per device kind."""
     kind = "gpu" if data["settings"]["gpu"] else "cpu"
+    if data["settings"]["new_tokens"] != (64 if kind == "gpu" else 16):  # a table of its own
+        kind += f"-{data['settings']['new_tokens']}"
     begin, end = f"<!-- grpo-vllm-{kind}:begin -->", f"<!-- grpo-vllm-{kind}:end -->"
     rows = ["| placement / engine | steps/s per round | median | sampling share | GPU memory |",
             "|---|---|---|---|---|"]  # fmt: skip
@@ -397,7 +402,8 @@ def render_vllm(data: dict[str, Any], results_md: Path) -> None:
         head, rest = text.split(begin, 1)
         text = head + block + rest.split(end, 1)[1]
     else:
-        title = "on a GPU" if kind == "gpu" else "on 2 CPU ranks"
+        title = "on a GPU" if kind.startswith("gpu") else "on 2 CPU ranks"
+        title += f", {data['settings']['new_tokens']} new tokens"
         text = (
             text.rstrip("\n") + f"\n\n## GRPO: engine='vllm' vs engine='hf', {title} "
             "(benchmarks/bench_grpo.py --vllm)\n\nThe same GRPO run with its rollouts sampled by "
