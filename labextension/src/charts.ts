@@ -249,7 +249,12 @@ export class LineChart {
     this._plot.classList.remove('nbtrain-Chart-empty');
     const data = this._aligned(shown);
     const layout = shown
-      .map(s => `${s.label}:${s.colour}:${s.dashed}:${Boolean(s.raw)}`)
+      // (whether its points are marked is set when the chart is built: a series that grows past
+      // 30 points rebuilds it once, without them)
+      .map(
+        s =>
+          `${s.label}:${s.colour}:${s.dashed}:${Boolean(s.raw)}:${s.points.length <= 30}`
+      )
       .join('|');
     if (!this._u || layout !== this._layout) {
       this._destroy();
