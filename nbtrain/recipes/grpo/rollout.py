@@ -190,8 +190,11 @@ def rollout_engine(
     spec = lora_spec(peft_model)
     options = engines.VLLMOptions(dtype="auto" if dtype is None else str(dtype).split(".")[-1])
     key = repr((str(model_path), spec, str(d.device), options))
-    if _ENGINE.get("key") == key:
-        return _ENGINE["engine"]
+    kept = _ENGINE.get("engine")
+    # an engine an interrupt or a failure closed, or whose process died, is started again
+    alive = kept is not None and not kept.closed and (kept.proc is None or kept.proc.poll() is None)
+    if _ENGINE.get("key") == key and alive:
+        return kept
     from nbtrain.generation import vllm_engine
 
     close_engine()
