@@ -128,6 +128,11 @@ class RunSetup:
         base_config = check_causal_lm(self.model_name)
         tokenizer = load_tokenizer(self.model_name)
         quant.check_quant(cfg, d.device, d.rank, d.host)
+        if getattr(cfg, "sample_engine", "hf") == "vllm" and getattr(cfg, "sample_prompts", None):
+            # samples through vLLM: its versions are checked here, before the model loads
+            from nbtrain.generation import engines
+
+            engines.check_vllm(d.rank, d.host)
         self.quantized = quant.quantized(cfg)
         fits = memory.check_fits(cfg, base_config, d.device, d.world)
         return {

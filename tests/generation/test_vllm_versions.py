@@ -59,3 +59,22 @@ def test_an_unknown_engine_is_refused_where_the_setting_enters(tiny, tmp_path):
             sample_engine="vllm",
             shard="fsdp",
         )
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here: the install hint is not shown")
+def test_sft_samples_through_vllm_are_refused_before_the_model_loads(tiny, tmp_path, capsys):
+    from nbtrain.generation import engines
+    from nbtrain.data.examples import instructions_path
+
+    cfg = nbtrain.SFTConfig(
+        model=str(tiny),
+        data=instructions_path(),
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        sample_prompts=["Say hi"],
+        sample_steps=1,
+        sample_engine="vllm",
+    )
+    with pytest.raises(engines.EngineError, match="vLLM is not installed"):
+        nbtrain.finetune(cfg)
+    assert "nbtrain: loading" not in capsys.readouterr().out

@@ -271,20 +271,26 @@ class GRPORecipe(Disaggregated):
         d = self.d
         prompts = self.order.step(data_step)
         n = len(prompts) * self.G
-        part, report = None, None
+        part, report, reward = None, None, False
         try:
             part = self._part(prompts, data_step, grpo_rollout.share(n, d.rank, d.world))
         except Exception as e:
-            report = str(e) if isinstance(e, RewardFunctionError) else f"{type(e).__name__}: {e}"
+            reward = isinstance(e, RewardFunctionError)
+            report = str(e) if reward else f"{type(e).__name__}: {e}"
             err = e
-        got = d.gather_objects((part, report))
+        got = d.gather_objects((part, report, reward))
         if report is not None:
             raise err
-        failed = [(r, rep) for r, (_, rep) in enumerate(got) if rep is not None]
+        failed = [(r, rep, rew) for r, (_, rep, rew) in enumerate(got) if rep is not None]
         if failed:
-            raise RewardFunctionError(failed[0][1])
+            # a reward function's failure is the user's; another (an engine that died) is not
+            rank, said, was_reward = failed[0]
+            if was_reward:
+                raise RewardFunctionError(said)
+            msg = f"rank {rank} failed while sampling its rollouts: {said}"
+            raise RuntimeError(msg)
         return grpo_rollout.finish(
-            [p for p, _ in got], self.func_names, self.weights, self.G, self.scale
+            [p for p, _, _ in got], self.func_names, self.weights, self.G, self.scale
         )
 
     def _part(self, prompts: list[int], data_step: int, span: tuple[int, int]) -> grpo_rollout.Part:
