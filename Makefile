@@ -13,7 +13,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: dev demo test test-python test-nodes test-runs test-main test-timed test-lab lint docs docs-table clean \
-	venv-vllm test-vllm
+	venv-vllm test-vllm test-vllm-nodes
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -98,7 +98,15 @@ venv-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider -rfEs --durations=10 --basetemp=/tmp/nbtrain-pytest-vllm \
-		tests/generation/test_vllm.py tests/generation/test_vllm_ranks.py tests/generation/test_vllm_versions.py
+		tests/generation/test_vllm.py tests/generation/test_vllm_ranks.py tests/generation/test_vllm_versions.py \
+		tests/recipes/grpo/test_grpo_vllm.py
+
+# GRPO through vLLM on 2 simulated nodes: the test bed's namespaces and bridge have fixed names, so
+# this runs after the lanes (beside test-nodes it would take the other's bridge down)
+test-vllm-nodes: $(VLLM_STAMP)
+	sh scripts/testbed-deps.sh
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider -rfEs --durations=5 --basetemp=/tmp/nbtrain-pytest-vllm-nodes \
+		-m multinode tests/multinode/test_grpo_vllm_nodes.py
 
 # two lanes at once on the 2-core machine, about equally long, and a short third, the vLLM venv's
 # build and tests (measured: the build 102 s at load 2, 574 s at load 13; the tests 131-225 s at
@@ -112,6 +120,7 @@ test: $(STAMP)
 		main '$(MAKE) -k --no-print-directory test-main' \
 		vllm '$(MAKE) -k --no-print-directory test-vllm'
 	$(MAKE) --no-print-directory test-timed
+	$(MAKE) --no-print-directory test-vllm-nodes
 
 clean:
 	rm -rf $(VENV) nbtrain-demo labextension/node_modules labextension/prebuilt labextension/lib
