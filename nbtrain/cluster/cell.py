@@ -229,6 +229,14 @@ class CellRun:
 
     # --- the run --------------------------------------------------------------------------------
     def run(self) -> list[Any]:
+        # the client is the cluster's, shared with the Tinker service's worker thread: one at a time
+        lock = getattr(self.cluster, "client_lock", None)
+        if lock is None:
+            return self._run()
+        with lock.held(say=True):
+            return self._run()
+
+    def _run(self) -> list[Any]:
         from nbtrain.cluster.faults import recovery as faults
 
         faults.check_alive(self.cluster, self.which)

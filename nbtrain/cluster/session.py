@@ -8,9 +8,12 @@ gave it a `stop` and, where it can, a `replace`) nor how a process group is made
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +41,52 @@ def close_client(client: Any) -> None:
             client.close(linger=0)
         except Exception:
             pass
+
+
+class ClientLock:
+    """One caller at a time on a session's ipyparallel client, which is not thread-safe: the notebook's
+    cells and the Tinker service's worker thread take turns, each for a whole call (submit and wait).
+
+    Re-entrant (a held call may call `Session.run`), and free of cost when nobody else holds it. The
+    fault paths (interrupt, stacks, status, diagnose) never take it: they rescue a stuck holder. A
+    replace of engines runs under `rescue()`, where this thread does not wait for it either."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        #: what holds it, where the holder says (e.g. "the Tinker service's forward_backward")
+        self.holder: str | None = None
+
+    @contextlib.contextmanager
+    def held(self, what: str | None = None, say: bool = False) -> Iterator[None]:
+        """Hold the client for a call; `what` names the holder to those who wait. With `say`, a wait
+        behind a named holder prints one line saying so (a cell behind the service's verb)."""
+        if getattr(self._local, "rescue", 0):
+            yield
+            return
+        if not self._lock.acquire(blocking=False):
+            holder = self.holder
+            if say and holder:
+                print(f"nbtrain: waiting for {holder} to finish", file=sys.stderr, flush=True)
+            self._lock.acquire()  # a KeyboardInterrupt ends the wait (POSIX lock waits are interruptible)
+        outer = self.holder
+        if what is not None:
+            self.holder = what
+        try:
+            yield
+        finally:
+            self.holder = outer
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def rescue(self) -> Iterator[None]:
+        """Calls in this thread do not wait for the lock: a restart must not queue behind the call
+        it is there to end."""
+        self._local.rescue = getattr(self._local, "rescue", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.rescue -= 1
 
 
 class Session:
@@ -85,6 +134,8 @@ class Session:
         self.group_specs: dict[str, list[int]] = {}
         # how many times the process group was re-created: torchrun's TORCHELASTIC_RESTART_COUNT
         self.reinits = 0
+        # cells (and run/push/pull) and the Tinker service's worker thread take turns on `client`
+        self.client_lock = ClientLock()
 
     @classmethod
     def from_launched(cls, launched: Launched) -> Any:
@@ -167,8 +218,9 @@ class Session:
         Out[1]: [0, 1]
         """
         which = parse_ranks(ranks, self.world_size)
-        ar = self.view(which).apply_async(fn, *args, **kwargs)
-        return self.gather(ar, which, timeout, what=getattr(fn, "__name__", "function"))
+        with self.client_lock.held(say=True):
+            ar = self.view(which).apply_async(fn, *args, **kwargs)
+            return self.gather(ar, which, timeout, what=getattr(fn, "__name__", "function"))
 
     def gather(self, ar: Any, which: list[int], timeout: float | None, what: str) -> list[Any]:
         """Wait for `ar` on ranks `which`; its results in rank order, or one error naming the ranks."""
@@ -186,14 +238,16 @@ class Session:
     def push(self, namespace: dict[str, Any], ranks: Any = None) -> None:
         """Put the names in `namespace` into every rank's cell namespace."""
         which = parse_ranks(ranks, self.world_size)
-        ar = self.view(which).push(namespace, block=False)
-        self.gather(ar, which, None, what="push")
+        with self.client_lock.held(say=True):
+            ar = self.view(which).push(namespace, block=False)
+            self.gather(ar, which, None, what="push")
 
     def pull(self, name: str, ranks: Any = None) -> list[Any]:
         """The value of `name` on every rank (or `ranks`), in rank order."""
         which = parse_ranks(ranks, self.world_size)
-        ar = self.view(which).pull(name, block=False)
-        return self.gather(ar, which, None, what=f"pull {name!r}")
+        with self.client_lock.held(say=True):
+            ar = self.view(which).pull(name, block=False)
+            return self.gather(ar, which, None, what=f"pull {name!r}")
 
     # --- watching and steering ----------------------------------------------------------------
     def status(self) -> list[dict[str, Any]]:
@@ -263,7 +317,8 @@ class Session:
                 f"single engines of this cluster. Restart the cluster: {hint}."
             )
             raise ClusterError(msg)
-        self._replace(self, ranks, timeout or self.options.timeout)
+        with self.client_lock.rescue():  # a held call may be what is stuck on these ranks
+            self._replace(self, ranks, timeout or self.options.timeout)
 
     # --- ending -------------------------------------------------------------------------------
     def stop(self) -> None:

@@ -66,6 +66,17 @@ class Backend:
         """A message naming dead ranks, or None when every rank is alive."""
         return None
 
+    #: `arm` works from any thread of this kernel (the ranks' main threads take the signals)
+    arms_anywhere = False
+
+    def arm(self, folder: str) -> bool:
+        """Checkpoint every live model under `folder` on a preemption notice (SIGTERM, or Slurm's
+        SIGUSR1); False where signals cannot be caught (not the main thread)."""
+        return False
+
+    def disarm(self) -> None:
+        """Put back the signal handlers `arm` replaced (where that is possible from here)."""
+
 
 class InProcessBackend(Backend):
     """The verbs in this process (world size 1, no process group): a laptop, or a test."""
@@ -75,6 +86,16 @@ class InProcessBackend(Backend):
 
     def call(self, verb: str, *args: Any) -> Any:
         return getattr(_service(), verb)(*args)
+
+    def arm(self, folder: str) -> bool:
+        # signal handlers belong to the main thread: serve() called there arms, a thread does not
+        return bool(_service().arm_preemption(folder))
+
+    def disarm(self) -> None:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            _service().disarm_preemption()
 
 
 class ClusterBackend(Backend):
@@ -95,11 +116,28 @@ class ClusterBackend(Backend):
         self.timeout = timeout
         self.watch = watch
 
+    arms_anywhere = True
+
     @property
     def where(self) -> str:  # type: ignore[override]
         return f"on {self.session.world_size} rank(s) of cluster {self.session.cluster_id}"
 
+    def arm(self, folder: str) -> bool:
+        # an apply runs in the engine's main thread, where signal handlers can be set: every rank
+        # answers True (rank 0 writes the checkpoints, the others record the notice)
+        armed = self.session.run(_service().arm_preemption, folder, timeout=self.timeout or 60.0)
+        return all(armed)
+
     def call(self, verb: str, *args: Any) -> Any:
+        # the client is shared with the notebook's cells (not thread-safe): hold it for the whole verb;
+        # a cell that comes meanwhile says it waits for this verb, and runs after it
+        lock = getattr(self.session, "client_lock", None)
+        if lock is None:
+            return self._call(verb, *args)
+        with lock.held(f"the Tinker service's {verb}"):
+            return self._call(verb, *args)
+
+    def _call(self, verb: str, *args: Any) -> Any:
         fn = getattr(_service(), verb)
         if self.watch is None:
             return self.session.run(fn, *args, timeout=self.timeout)[0]

@@ -13,6 +13,7 @@ import ipaddress
 import os
 import secrets
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,12 @@ class TinkerService:
         asked after the requests already queued, waiting at most `timeout` s."""
         return self.verbs.status(timeout)
 
+    @property
+    def preemption_folder(self) -> Path | None:
+        """Where a preemption notice (SIGTERM, Slurm's SIGUSR1) writes every live model's state, one
+        folder each; None where it is not armed (the service was started off the main thread)."""
+        return self.verbs.preempted if self.verbs.armed else None
+
     def reload(self) -> list[str]:
         """After `%nbtrain restart`: every model back from its last saved state; what was done."""
         return self.verbs.reload()
@@ -142,6 +149,11 @@ class TinkerService:
             return
         self.stopped = True
         self.verbs.close()
+        if self.verbs.armed:
+            try:
+                self.backend.disarm()
+            except Exception:  # noqa: BLE001 - the old handlers are a courtesy, the stop goes on
+                pass
 
         def halt() -> None:
             self._server.stop()
@@ -195,7 +207,28 @@ def serve(
     )
     _current = service
     _export(service)
+    _arm(service)
     return service
+
+
+def _arm(service: TinkerService) -> None:
+    # a preemption notice (SIGTERM, Slurm's --signal=USR1@90) checkpoints every live model: armed
+    # in each rank's main thread, or in this kernel's where it serves (a thread cannot take signals)
+    try:
+        service.verbs.arm()
+    except Exception as e:  # noqa: BLE001 - serving goes on; the notice then saves nothing
+        print(
+            f"nbtrain: the Tinker service could not arm its preemption checkpoints ({e}); a "
+            "SIGTERM or SIGUSR1 will not save the models. Save them with save_state.",
+            file=sys.stderr,
+        )
+        return
+    if not service.verbs.armed and service.backend.arms_anywhere:
+        print(
+            "nbtrain: some ranks refused the preemption handlers (not their main thread); a "
+            "preemption notice will not save the models there.",
+            file=sys.stderr,
+        )
 
 
 def _stop_at_exit() -> None:

@@ -94,6 +94,14 @@ class ModelRun:
         self._draw({"kind": "row", "row": row})
         return row
 
+    def resume(self, step: int) -> None:
+        """The model was reloaded holding `step` optimizer steps (after a restart): the same run goes
+        on from there, its next row numbered `step + 1`; a step under way is dropped."""
+        with self._lock:
+            self.step = step
+            self._loss, self._tokens, self._since = 0.0, 0, None
+            runs.update_run(self.run_id, step=step, state="running", ended=None)
+
     def samples(self, prompt: list[int], sequences: list[dict[str, Any]], seconds: float) -> None:
         """Completions drawn from this model's weights, shown as they come: samples.jsonl (the Lab's
         samples panel) and the live display's table; at most `SAMPLES_PER_STEP` per step."""

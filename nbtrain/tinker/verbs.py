@@ -24,6 +24,8 @@ from nbtrain.tinker.sampling import Sampling
 from nbtrain.tinker.tracking import ModelRun, write_json
 
 MODEL_FILE = "model.json"  # in a model's folder: its base model and LoRA settings, for loads
+#: under the service's folder: where a preemption notice writes every live model's state
+PREEMPTED = "preempted"
 ADAM_DEFAULTS = {
     "learning_rate": 1e-4,
     "beta1": 0.9,
@@ -68,6 +70,18 @@ class Verbs(Sampling):
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
+        #: whether a preemption notice checkpoints the models (`arm`)
+        self.armed = False
+
+    @property
+    def preempted(self) -> Path:
+        """The folder a preemption notice writes every live model's state to, one folder each."""
+        return self.root / PREEMPTED
+
+    def arm(self) -> bool:
+        """Arm the preemption notice where the models live (every rank, or this kernel)."""
+        self.armed = self.backend.arm(str(self.preempted))
+        return self.armed
 
     # --- sessions -------------------------------------------------------------------------------
     def create_session(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -402,19 +416,45 @@ class Verbs(Sampling):
             row["last_state"] = m.last_state if m is not None else None
         return rows
 
+    def _newest_state(self, m: Model) -> tuple[Path | None, str]:
+        """The state a restart reloads `m` from: its last named save, or its preemption checkpoint
+        where that is newer (or the only one); (folder, what to say), (None, "") for neither."""
+        from nbtrain.recipes.service.state import META_FILE, checkpoint_folder
+
+        def written(folder: Path | None) -> float | None:
+            meta = folder / META_FILE if folder is not None else None
+            return meta.stat().st_mtime if meta is not None and meta.is_file() else None
+
+        named = self._checkpoint(m.last_state, "weights")[0] if m.last_state else None
+        preempted = Path(checkpoint_folder(str(self.preempted), m.model_id))
+        at_named, at_preempted = written(named), written(preempted)
+        if at_preempted is not None and (at_named is None or at_preempted > at_named):
+            than = f"newer than {m.last_state}" if m.last_state else "never saved by name"
+            return preempted, f"its preemption checkpoint {preempted} ({than})"
+        if named is not None:
+            return named, str(m.last_state)
+        return None, ""
+
     def reload(self) -> list[str]:
-        """After a restart: every model back on the ranks, from its last saved state (or fresh)."""
+        """After a restart: every model back on the ranks, from its last saved state (its last named
+        save, or its preemption checkpoint where newer; fresh where neither), its run continuing
+        from the step that state holds."""
         self.executor.broken = None
         said = []
 
         def run() -> list[str]:
+            if self.armed and self.backend.arms_anywhere:
+                self.arm()  # replaced ranks start without the handlers
             for m in list(self.models.values()):
                 if m.info is None:
                     continue
-                if m.last_state:
-                    folder, _ = self._checkpoint(m.last_state, "weights")
-                    self.backend.load_state(m.model_id, str(folder), True, m.base_model, m.lora)
-                    said.append(f"{m.model_id}: reloaded from {m.last_state}")
+                folder, source = self._newest_state(m)
+                if folder is not None:
+                    out = self.backend.load_state(
+                        m.model_id, str(folder), True, m.base_model, m.lora
+                    )
+                    steps = int((out or {}).get("steps", 0))
+                    said.append(f"{m.model_id}: reloaded from {source}, at step {steps}")
                 else:
                     try:
                         # the ranks that lived still hold it, the new ones do not: drop it everywhere
@@ -422,7 +462,10 @@ class Verbs(Sampling):
                     except Exception:  # noqa: BLE001 - refused by the ranks that never had it
                         pass
                     self.backend.create_model(m.model_id, m.base_model, m.lora)
+                    steps = 0
                     said.append(f"{m.model_id}: never saved, recreated with fresh LoRA weights")
+                if m.run is not None:
+                    m.run.resume(steps)
             return said
 
         return self.wait("reload", run)

@@ -283,6 +283,134 @@ def test_a_key_is_checked_when_bound_beyond_the_loopback(base):
         svc.stop()
 
 
+def _weights(cluster, model_id):
+    from nbtrain.recipes import service
+
+    return cluster.run(service.weights, model_id, ranks=[0], timeout=60)[0]
+
+
+def test_a_preemption_notice_checkpoints_every_live_model_and_reload_prefers_it(svc, sc, base):
+    """SIGUSR1 (Slurm's --signal=USR1@90) on both ranks' engines: rank 0 writes every live model's
+    state under <root>/preempted while the engines go on serving; a reload then takes that state
+    where it is newer than the model's last named save, and the model's run goes on from its step."""
+    import signal
+    import time
+
+    from tinker import types
+
+    from nbtrain import runs
+    from nbtrain.recipes import service
+    from nbtrain.recipes.service.state import checkpoint_folder
+
+    cluster = svc.backend.session
+    assert svc.preemption_folder == svc.root / "preempted"
+    assert [s["signal"] for s in cluster.run(service.preemption_status)] == [None, None]
+    data = [_datum(7, 21)]
+    p = sc.create_lora_training_client(base_model=base, rank=RANK, seed=3).result()
+    named = p.save_state("named").result().path
+    p.forward_backward(data, "cross_entropy").result()
+    p.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    at_notice = _weights(cluster, p.model_id)
+
+    for r in cluster.ranks:
+        os.kill(r.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 60
+    while True:
+        st = cluster.run(service.preemption_status, timeout=30)
+        if st[0]["saved"] or st[0]["errors"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert [s["signal"] for s in st] == ["SIGUSR1", "SIGUSR1"] and not st[0]["errors"]
+    live = sorted(r["model_id"] for r in svc.status())
+    folder = checkpoint_folder(str(svc.preemption_folder), p.model_id)
+    assert sorted(st[0]["saved"]) == sorted(
+        checkpoint_folder(str(svc.preemption_folder), m) for m in live
+    )
+    assert st[1]["saved"] == []  # rank 0 alone writes: every rank holds the same state
+    # the engines still serve, and the folder is a state load_state accepts, with these weights
+    cluster.run(service.load_state, "probe:train:0", folder, True, timeout=60)
+    probe = _weights(cluster, "probe:train:0")
+    cluster.run(service.unload, "probe:train:0", timeout=60)
+    for name, w in at_notice.items():
+        np.testing.assert_array_equal(probe[name], w)
+
+    # a step after the notice; the reload goes back to the notice's state, not to the named save
+    p.forward_backward(data, "cross_entropy").result()
+    p.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    said = svc.reload()
+    assert (
+        f"{p.model_id}: reloaded from its preemption checkpoint {folder} (newer than {named}), "
+        "at step 1" in said
+    )
+    for name, w in _weights(cluster, p.model_id).items():
+        np.testing.assert_array_equal(w, at_notice[name])
+    # the run continues: the next step is step 2 of the same record
+    p.forward_backward(data, "cross_entropy").result()
+    p.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    record = next(r for r in runs.list_runs() if p.model_id in r["name"])
+    assert record["step"] == 2 and record["state"] == "running"
+    rows = (svc.root / p.model_id.replace(":", "_") / runs.METRICS_FILE).read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1, 2, 2]
+    # re-armed by the reload: a later notice would save again
+    assert [s["signal"] for s in cluster.run(service.preemption_status)] == [None, None]
+
+
+def test_a_cell_waits_for_a_running_service_verb_and_a_verb_waits_for_a_cell(svc, tc, capfd):
+    """The cluster's ipyparallel client is shared by the service's worker and the notebook's cells:
+    a cell issued while a (made slow) forward_backward runs says it waits, runs after it, and both
+    answers are right; a verb sent while a cell holds the client stays pending until it ends."""
+    import threading
+    import time
+
+    from tinker import types
+
+    cluster = svc.backend.session
+    cluster.execute(
+        # ipyparallel sends the verb by its code, which looks its helper up in the module then
+        "import time as _t, nbtrain.recipes.service.train as _svc_train\n"
+        "_fb = _svc_train._forward_backward\n"
+        "def _slow(*a):\n"
+        "    out = _fb(*a); _t.sleep(2.0)\n"
+        "    globals()['fb_end'] = _t.time(); return out\n"
+        "_svc_train._forward_backward = _slow",
+        output="none",
+    )
+    data = [_datum(8, 31)]
+    try:
+        fut = tc.forward_backward(data, "cross_entropy")
+        deadline = time.monotonic() + 30
+        while cluster.client_lock.holder != "the Tinker service's forward_backward":
+            assert time.monotonic() < deadline, "the verb never took the client"
+            time.sleep(0.01)
+        capfd.readouterr()
+        out = cluster.execute("cell_start = _t.time(); print(6 * 7)")
+        said = capfd.readouterr()
+        fb = fut.result()
+    finally:
+        cluster.execute("_svc_train._forward_backward = _fb", output="none")
+    assert (
+        said.err.count("nbtrain: waiting for the Tinker service's forward_backward to finish") == 1
+    )
+    assert "42" in said.out and len(out) == 2
+    ends, starts = cluster.pull("fb_end"), cluster.pull("cell_start")
+    assert all(s >= e for s, e in zip(starts, ends)), "the cell ran while the verb held the client"
+    lp = fb.loss_fn_outputs[0]["logprobs"].to_numpy()
+    w = np.asarray(data[0].loss_fn_inputs["weights"].data)
+    assert fb.metrics["loss:sum"] == pytest.approx(-float((lp * w).sum()), rel=1e-4)
+    np.testing.assert_allclose(_lp(tc, data)[0], lp, rtol=1e-5, atol=1e-6)  # no step between
+
+    # the other way round: a verb behind a cell is pending (the SDK's try_again), then answers
+    with cluster.client_lock.held():
+        pending = tc.forward(data, "cross_entropy")
+        time.sleep(0.5)
+        queued = [f for f in svc.verbs.executor._futures.values() if not f.finished()]
+        assert queued, "the verb ran while a cell held the client"
+    done = threading.Event()
+    threading.Thread(target=lambda: (pending.result(), done.set()), daemon=True).start()
+    assert done.wait(60)
+    tc.optim_step(types.AdamParams(learning_rate=0.0)).result()  # drop the accumulated gradients
+
+
 def test_a_dead_rank_fails_the_futures_and_restart_reloads_the_last_saved_state(svc, tc):
     """Last in the module: it kills rank 1 (this module's own engine) and restarts it."""
     import signal

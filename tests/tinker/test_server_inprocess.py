@@ -29,11 +29,17 @@ def clean_env(tmp_path):
 
 
 def test_serve_in_this_kernel_trains_through_the_sdk_and_stops(ip, tiny, clean_env, capsys):
+    import signal
+
     import tinker
     from tinker import types
 
     import nbtrain
+    from nbtrain.recipes import service
+    from nbtrain.recipes.service.state import checkpoint_folder
     from nbtrain.tinker import current_service
+
+    before = signal.getsignal(signal.SIGUSR1)
 
     with pytest.raises(nbtrain.ConfigError, match="api_key"):
         ip.run_line_magic("nbtrain", "serve tinker --host 0.0.0.0")
@@ -55,6 +61,14 @@ def test_serve_in_this_kernel_trains_through_the_sdk_and_stops(ip, tiny, clean_e
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         after = tc.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
         assert float(after[1:].sum()) > float(lp[1:].sum())  # one step up the weighted tokens
+        # served from this kernel's main thread: a preemption notice here saves the model
+        assert svc.preemption_folder == svc.root / "preempted"
+        os.kill(os.getpid(), signal.SIGUSR1)
+        saved = service.preemption_status()
+        assert saved["signal"] == "SIGUSR1" and saved["saved"] == [
+            checkpoint_folder(str(svc.preemption_folder), tc.model_id)
+        ]
+        assert (svc.preemption_folder / tc.model_id.replace(":", "_") / "service.json").is_file()
         rows = svc.status()
         assert [r["model_id"] for r in rows] == [tc.model_id] and rows[0]["steps"] == 1
         capsys.readouterr()
@@ -64,5 +78,6 @@ def test_serve_in_this_kernel_trains_through_the_sdk_and_stops(ip, tiny, clean_e
     finally:
         ip.run_line_magic("nbtrain", "serve stop")
     assert current_service() is None and "TINKER_BASE_URL" not in os.environ
+    assert signal.getsignal(signal.SIGUSR1) == before  # the stop put the old handlers back
     assert "stopped" in capsys.readouterr().out
     assert np.isfinite(lp).all()

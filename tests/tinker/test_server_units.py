@@ -165,3 +165,50 @@ def test_bad_protobuf_or_a_missing_input_is_400(body):
     with pytest.raises(protocol.RequestError) as e:
         wire.decode_forward_backward(body)
     assert e.value.status == 400
+
+
+def test_the_client_lock_makes_a_cell_wait_for_a_verb_and_says_so_once(capsys):
+    """`Session.client_lock`: re-entrant in its holder, one line for a cell behind the service's
+    verb, no line for a verb behind a cell, and no wait at all under `rescue()` (a restart)."""
+    from nbtrain.cluster.session import ClientLock
+
+    lock = ClientLock()
+    taken, release = threading.Event(), threading.Event()
+
+    def verb():
+        with lock.held("the Tinker service's optim_step"):
+            with lock.held():  # Session.run inside the held verb
+                assert lock.holder == "the Tinker service's optim_step"
+            taken.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=verb)
+    worker.start()
+    assert taken.wait(10)
+    with lock.rescue(), lock.held(say=True):  # does not wait: it is there to end a stuck call
+        pass
+    assert capsys.readouterr().err == ""
+    threading.Timer(0.3, release.set).start()
+    t0 = time.monotonic()
+    with lock.held(say=True):
+        waited = time.monotonic() - t0
+        assert lock.holder is None
+    worker.join(10)
+    assert waited >= 0.25
+    assert capsys.readouterr().err == (
+        "nbtrain: waiting for the Tinker service's optim_step to finish\n"
+    )
+    # a verb behind a cell (no name, say=False) waits without a word
+    done = threading.Event()
+
+    def behind():
+        with lock.held("the Tinker service's forward"):
+            done.set()
+
+    with lock.held(say=True):
+        t = threading.Thread(target=behind)
+        t.start()
+        assert not done.wait(0.2)
+    assert done.wait(5)
+    t.join(5)
+    assert capsys.readouterr().err == ""
