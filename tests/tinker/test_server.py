@@ -283,6 +283,13 @@ def test_a_key_is_checked_when_bound_beyond_the_loopback(base):
         svc.stop()
 
 
+def _usr1_handler():
+    import signal
+
+    handler = signal.getsignal(signal.SIGUSR1)
+    return getattr(handler, "__name__", str(handler))
+
+
 def _weights(cluster, model_id):
     from nbtrain.recipes import service
 
@@ -431,3 +438,5 @@ def test_a_dead_rank_fails_the_futures_and_restart_reloads_the_last_saved_state(
     said = cluster.restart()
     assert f"{tc.model_id}: reloaded from tinker://{tc.model_id}/weights/before-kill" in said
     np.testing.assert_allclose(_lp(tc, data)[0], saved, rtol=1e-5, atol=1e-6)
+    # the fresh rank 1 is armed again for a preemption notice, as rank 0 still is
+    assert cluster.run(_usr1_handler) == ["_on_signal", "_on_signal"]
