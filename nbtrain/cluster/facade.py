@@ -120,7 +120,9 @@ class Cluster(Session):
         from nbtrain.cluster.faults.recovery import restart
 
         before = self.engine_ids()
-        said = restart(self, all_ranks=all_ranks, timeout=timeout)
+        # a restart must not queue behind the Tinker service's verb it is there to end
+        with self.client_lock.rescue():
+            said = restart(self, all_ranks=all_ranks, timeout=timeout)
         service = self._tinker_service()
         if service is not None and self.engine_ids() != before:
             # the replaced ranks lost the service's models: back from their last saved states
