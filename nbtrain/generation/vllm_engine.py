@@ -46,12 +46,21 @@ TAIL_LINES = 30
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
+    """The last `lines` lines of the engine's log that say something ("" when it has none)."""
+    text = path.read_text(errors="replace")
     kept = [x for x in text.splitlines() if x.strip() and not x.startswith("WARNING: Location")]
     return "\n".join(kept[-lines:])
+
+
+def log_note(path: Path) -> str:
+    """The sentence an engine's error ends with: where its log is and its tail, or that there is none."""
+    try:
+        end = tail(path)
+    except OSError as e:
+        return f"Its log, {path}, cannot be read ({type(e).__name__}: {e.strerror or e})."
+    if not end:
+        return f"Its log is {path}: the vLLM process wrote nothing to it."
+    return f"Its log, {path}, ends:\n{end}"
 
 
 class VLLMEngine(Engine):
@@ -175,7 +184,7 @@ class VLLMEngine(Engine):
             cause += f" (its process {self.pid} exited with {code})"
         msg = (
             f"vLLM engine on rank {self.rank} ({self.host}) {what}: {cause}. The rank is usable; "
-            f'start a new engine or use engine="hf". Its log, {self.log}, ends:\n{tail(self.log)}'
+            f'start a new engine or use engine="hf". {log_note(self.log)}'
         )
         return EngineError(msg)
 
@@ -364,32 +373,66 @@ def lora_tensors(adapter: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, config
 
 
-# this rank's engine, kept between calls: a start costs a minute on a loaded CPU (docs/generate.md)
+# this rank's engine, kept between calls: a start costs a minute on a loaded CPU (docs/generate.md).
+# Every user of vLLM on a rank goes through `kept` (generate, samples, GRPO's rollouts): one engine a rank
 _kept: dict[str, VLLMEngine] = {}
 
 
+def _start_options(options: VLLMOptions, gpu: bool) -> tuple[Any, ...]:
+    """What of `options` an engine is started with (all but the start's timeout), its dtype resolved
+    as `VLLMEngine` resolves "auto" on a CPU (float32), so that "auto" and "float32" are one engine."""
+    dtype = options.dtype if options.dtype != "auto" or gpu else "float32"
+    return (
+        options.gpu_memory_utilization, options.sleep, options.max_model_len, options.enforce_eager,
+        dtype, options.cpu_kv_cache_gib, options.cpu_threads, sorted(options.extra.items(), key=str),
+    )  # fmt: skip
+
+
+def _fits(
+    old: VLLMEngine, model_path: str, device: Any, need: int, options: VLLMOptions | None
+) -> bool:
+    """Whether the kept engine serves what is asked: alive, the same base on the same device, room for
+    a LoRA of rank `need` (0: none), and started with `options` where they are given."""
+    alive = not old.closed and (old.proc is None or old.proc.poll() is None)
+    room = need == 0 or (old.lora_spec is not None and old.lora_spec.r >= need)
+    same = options is None or _start_options(options, old.gpu) == _start_options(
+        old.options, old.gpu
+    )
+    return (
+        alive and old.model_path == model_path and str(old.device) == str(device) and room and same
+    )
+
+
 def kept(
-    model_path: str, tokenizer: Any, device: Any, lora: LoraSpec | None, rank: int, host: str
+    model_path: str,
+    tokenizer: Any,
+    device: Any,
+    lora: LoraSpec | None,
+    rank: int,
+    host: str,
+    options: VLLMOptions | None = None,
 ) -> VLLMEngine:
-    """The rank's vLLM engine on `model_path`, started once and kept for the next `generate` or
-    sample: the one kept is reused where it serves the same model and has room for `lora`'s rank,
-    else ended and a new one started (one engine a rank). It ends with its rank, or with `forget()`."""
+    """The rank's vLLM engine on `model_path`, started once and kept for the next `generate`, sample or
+    GRPO run: the one kept is reused where it is alive, serves the same model on the same device, has
+    room for `lora`'s rank and was started with `options` (None: any; a new engine gets the defaults),
+    else ended first and a new one started, so a rank never holds two (on a GPU each takes its share
+    of the memory). It ends with its rank, or with `forget()`. Its adapter is whatever the last user
+    set: set yours (`set_adapter`) before generating."""
     old = _kept.get("engine")
     need = (lora.r if lora is not None else 0) or 0
-    if (
-        old is not None
-        and not old.closed
-        and (old.proc is None or old.proc.poll() is None)
-        and old.model_path == model_path
-        and (need == 0 or (old.lora_spec is not None and old.lora_spec.r >= need))
-    ):
+    if old is not None and _fits(old, model_path, device, need, options):
         return old
     forget()
     # room for the adapters a notebook tries next: vLLM sizes its LoRA slots once
-    spec = LoraSpec(r=max(need, 16)) if lora is not None else None
-    eng = VLLMEngine(model_path, tokenizer, device, spec, rank, host, VLLMOptions())
+    spec = None if lora is None else LoraSpec(max(need, 16), lora.alpha, lora.target_modules)
+    eng = VLLMEngine(model_path, tokenizer, device, spec, rank, host, options or VLLMOptions())
     _kept["engine"] = eng
     return eng
+
+
+def current() -> VLLMEngine | None:
+    """The rank's kept engine, if it has one (closed or dead included: `kept` replaces those)."""
+    return _kept.get("engine")
 
 
 def forget() -> None:

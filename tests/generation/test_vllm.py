@@ -223,6 +223,31 @@ def test_a_vllm_that_fails_to_start_is_named_with_its_log(setup, tmp_path):
     assert 'File "' in tail and "head_dim=24" in tail
 
 
+def test_the_kept_engine_is_reused_only_for_what_it_was_started_for(setup):
+    """`vllm_engine.kept`, which generate, samples and GRPO's rollouts share: the rank's live engine is
+    handed back where the base, the device, the room for the LoRA and the start options asked for match
+    (dtype "auto" is float32 on a CPU), else it would be ended and another started. Checked on the
+    module's engine, so nothing starts here."""
+    from nbtrain.generation import engines, vllm_engine
+
+    eng, base = setup["eng"], setup["base"]
+    fits = vllm_engine._fits
+    assert fits(eng, base, CPU, 8, None)
+    assert fits(eng, base, CPU, 0, engines.VLLMOptions(dtype="float32", start_timeout=5))
+    assert not fits(eng, base, CPU, 8, engines.VLLMOptions(dtype="bfloat16"))
+    assert not fits(eng, base, CPU, 8, engines.VLLMOptions(cpu_kv_cache_gib=2))
+    assert not fits(eng, base, CPU, 32, None)  # started with max LoRA rank 8
+    assert not fits(eng, base + "-other", CPU, 0, None)
+    assert not fits(eng, base, torch.device("cuda", 0), 0, None)
+    vllm_engine._kept["engine"] = eng
+    try:
+        spec = engines.LoraSpec(r=4, alpha=8, target_modules=["q_proj"])
+        got = vllm_engine.kept(base, setup["tok"], CPU, spec, 0, "h", engines.VLLMOptions())
+        assert got is eng and vllm_engine.current() is eng
+    finally:
+        vllm_engine._kept.pop("engine", None)  # the module's engine is the fixture's to close
+
+
 def test_the_vllm_process_dies_with_its_rank():
     """The worker, started by a process that is then SIGKILLed, ends by itself (PR_SET_PDEATHSIG)."""
     code = (

@@ -63,8 +63,8 @@ def test_an_unknown_engine_is_refused_where_the_setting_enters(tiny, tmp_path):
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here: the install hint is not shown")
 def test_sft_samples_through_vllm_are_refused_before_the_model_loads(tiny, tmp_path, capsys):
-    from nbtrain.generation import engines
     from nbtrain.data.examples import instructions_path
+    from nbtrain.generation import engines
 
     cfg = nbtrain.SFTConfig(
         model=str(tiny),
@@ -78,3 +78,15 @@ def test_sft_samples_through_vllm_are_refused_before_the_model_loads(tiny, tmp_p
     with pytest.raises(engines.EngineError, match="vLLM is not installed"):
         nbtrain.finetune(cfg)
     assert "nbtrain: loading" not in capsys.readouterr().out
+
+
+def test_an_engine_error_says_where_its_log_is_and_its_tail_or_that_it_wrote_nothing(tmp_path):
+    from nbtrain.generation.vllm_engine import log_note
+
+    log = tmp_path / "vllm.log"
+    log.write_text("")
+    assert log_note(log) == f"Its log is {log}: the vLLM process wrote nothing to it."
+    log.write_text("WARNING: Location of a package\n\nINFO starting\nValueError: head_dim=24\n")
+    assert log_note(log) == f"Its log, {log}, ends:\nINFO starting\nValueError: head_dim=24"
+    gone = tmp_path / "gone" / "vllm.log"
+    assert log_note(gone).startswith(f"Its log, {gone}, cannot be read (FileNotFoundError")

@@ -7,8 +7,9 @@ the k-th of R ranks generates and trains completions [k N / R, (k + 1) N / R), T
 a completion's draws depend on its number and the step, not on the rank that drew it.
 
 The completions come from transformers' `generate` on the live model (`engine="hf"`, the reference), or
-from a vLLM engine beside the rank (`engine="vllm"`, `nbtrain.generation.engines`): started once per
-process and kept for the runs after it on the same base and LoRA shape (starting one takes 70-90 s on
+from a vLLM engine beside the rank (`engine="vllm"`, `nbtrain.generation.engines`): the rank's one
+kept engine (`vllm_engine.kept`, which `generate` and samples use too), started once and reused by the
+runs and calls after it on the same base, dtype and room for the LoRA (starting one takes 70-90 s on
 a CPU), given the model's current adapter in memory before each step's sampling (so after each
 optimizer step), and on a GPU woken for the sampling and put to sleep for the training after it.
 
@@ -163,10 +164,6 @@ class RolloutDecoding(decode.Decoding):
     engine: Any = None
 
 
-#: this process's vLLM engine for rollouts, and what it was started for: (key, engine)
-_ENGINE: dict[str, Any] = {}
-
-
 def lora_spec(peft_model: Any) -> Any:
     """The LoRA shape vLLM must be started for (rank, alpha, target modules), read off the peft model."""
     from nbtrain.generation import engines
@@ -181,44 +178,16 @@ def rollout_engine(
     model_path: str, tokenizer: Any, peft_model: Any, d: Any, dtype: Any = None
 ) -> Any:
     """This rank's vLLM engine for GRPO's rollouts, on `model_path`'s base with room for the peft
-    model's LoRA, computing in `dtype` (the training's compute dtype; None: the weights' own): the one
-    this process started for an earlier run where all of these are the same (a start costs 70-90 s on
-    a CPU), else a new one (the old one ended first: one vLLM a rank, which on a GPU shares its
-    memory with training)."""
-    from nbtrain.generation import engines
+    model's LoRA, computing in `dtype` (the training's compute dtype; None: the weights' own): the
+    rank's kept engine (`vllm_engine.kept`, shared with `generate` and samples) where it was started
+    for all of these (a start costs 70-90 s on a CPU), else a new one, the old one ended first: one
+    vLLM a rank, which on a GPU shares its memory with training."""
+    from nbtrain.generation import engines, vllm_engine
 
-    spec = lora_spec(peft_model)
     options = engines.VLLMOptions(dtype="auto" if dtype is None else str(dtype).split(".")[-1])
-    key = repr((str(model_path), spec, str(d.device), options))
-    kept = _ENGINE.get("engine")
-    # an engine an interrupt or a failure closed, or whose process died, is started again
-    alive = kept is not None and not kept.closed and (kept.proc is None or kept.proc.poll() is None)
-    if _ENGINE.get("key") == key and alive:
-        return kept
-    from nbtrain.generation import vllm_engine
-
-    close_engine()
-    vllm_engine.forget()  # the engine `generate` or samples kept, if any: one vLLM a rank
-    eng = engines.make(
-        "vllm",
-        model_path=str(model_path),
-        tokenizer=tokenizer,
-        device=d.device,
-        lora=spec,
-        rank=d.rank,
-        host=d.host,
-        options=options,
+    return vllm_engine.kept(
+        str(model_path), tokenizer, d.device, lora_spec(peft_model), d.rank, d.host, options
     )
-    _ENGINE.update(key=key, engine=eng)
-    return eng
-
-
-def close_engine() -> None:
-    """End this process's rollout engine, if it started one (its vLLM process ends with it)."""
-    eng = _ENGINE.pop("engine", None)
-    _ENGINE.pop("key", None)
-    if eng is not None:
-        eng.close()
 
 
 def _engine_rows(

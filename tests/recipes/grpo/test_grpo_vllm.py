@@ -13,6 +13,7 @@ and LoRA shape) and samples with it, so the module pays for engine starts once.
   rank 0 broadcast after each step; the reward rises (at learning rate 1e-2: see the test).
 
 - an engine whose process died between runs is started again by the next run;
+- `generate(engine="vllm")` after GRPO takes the engine GRPO kept: one vLLM worker process a rank;
 - an engine that cannot start (a model vLLM refuses) is an error named on every rank, and the cluster
   stays usable with no vLLM process left (the module's last test).
 
@@ -173,10 +174,10 @@ def _learned(history, label):
 
 
 def _engine_pids(cluster):
-    """Each rank's rollout engine's process id (None where it has none), and whether it is alive."""
+    """Each rank's kept vLLM engine's process id (None where it has none), and whether it is alive."""
     code = (
-        "import psutil\nfrom nbtrain.recipes.grpo import rollout as _ro\n"
-        "_pid = getattr(_ro._ENGINE.get('engine'), 'pid', None)\n"
+        "import psutil\nfrom nbtrain.generation import vllm_engine as _ve\n"
+        "_pid = getattr(_ve.current(), 'pid', None)\n"
         "_eng = (_pid, _pid is not None and psutil.pid_exists(_pid))"
     )
     cluster.execute(code, output="none")
@@ -245,12 +246,51 @@ def test_an_engine_that_died_between_runs_is_started_again(cluster, tiny64, tmp_
     os.kill(before[1][0], signal.SIGKILL)
     # gone, not still tearing down (a run started at once can find it half dead: then the run fails
     # with the engine's EngineError, 'died during lora', naming rank 1)
-    cluster.execute("_ro._ENGINE['engine'].proc.wait(30)", ranks=[1], output="none")
+    cluster.execute("_ve.current().proc.wait(30)", ranks=[1], output="none")
     got = _run(cluster, _kw(tiny64, tmp_path / "again", max_steps=3))
     after = _engine_pids(cluster)
     assert got[0]["state"] == "done" and len(got[0]["history"]) == 3
     assert after[0] == before[0]
     assert after[1][1] and after[1][0] != before[1][0], (before, after)
+
+
+def _vllm_workers(cluster):
+    """Each rank's vLLM worker processes, counted among the rank's child processes."""
+    code = (
+        "import psutil\n"
+        "def _workers():\n"
+        "    out = []\n"
+        "    for p in psutil.Process().children(recursive=True):\n"
+        "        try:\n"
+        "            if 'nbtrain.generation.vllm_worker' in ' '.join(p.cmdline()):\n"
+        "                out.append(p.pid)\n"
+        "        except psutil.Error:\n"
+        "            pass\n"
+        "    return sorted(out)\n"
+        "_w = _workers()"
+    )
+    cluster.execute(code, output="none")
+    return cluster.pull("_w")
+
+
+def test_generate_after_grpo_takes_the_ranks_one_vllm_engine(cluster, tiny64):
+    """After the GRPO runs above, `generate(engine="vllm")` on the same base reuses each rank's kept
+    engine (`vllm_engine.kept`, which GRPO's rollouts also use): one vLLM worker process a rank, not a
+    rollout engine and a second one for generate (twice the memory on a GPU), and no engine start."""
+    before = _engine_pids(cluster)
+    assert all(alive for _, alive in before), before
+    cluster.push({"M": str(tiny64)})
+    t0 = time.perf_counter()
+    cluster.execute(
+        "g = nbtrain.generate(['What is 2 plus 3?\\nAnswer: '], model=M, max_new_tokens=4, "
+        "engine='vllm')",
+        output="none",
+    )
+    took = time.perf_counter() - t0
+    print(f"generate through the engines GRPO kept: {took:.1f} s")
+    assert len(cluster.pull("g", ranks=0)[0]) == 1
+    assert _engine_pids(cluster) == before
+    assert _vllm_workers(cluster) == [[before[0][0]], [before[1][0]]]
 
 
 def test_an_engine_that_cannot_start_is_named_on_every_rank_and_the_cluster_stays(
