@@ -24,7 +24,7 @@ RUN = """
 import os, socket
 import torch
 import nbtrain
-from nbtrain.recipes.grpo import rollout as _ro
+from nbtrain.generation import vllm_engine
 
 torch.set_num_threads(1)
 
@@ -41,7 +41,7 @@ for name, extra in PLACEMENTS.items():
         lr_scheduler_type="constant", logging_steps=1, save_steps=None, lora_dropout=0.0,
         data_cache="off", overwrite=True, seed=3, engine="vllm", **extra,
     ))
-    eng = _ro._ENGINE.get("engine")
+    eng = vllm_engine.current()
     results[name] = {
         "rewards": [float(x) for x in r.history["reward"]],
         "state": r.state,
