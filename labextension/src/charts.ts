@@ -16,6 +16,7 @@ import {
   niceRange,
   niceTicks
 } from './format';
+import { RAW_ALPHA, withAlpha } from './metrics';
 import { colourOf, colourVar, cssVar, isDark } from './palette';
 import { ITooltipLine, tooltipTable } from './tooltip';
 
@@ -398,7 +399,10 @@ export class LineChart {
       .filter(s => s.raw)
       .map(s => ({
         label: `${s.label} (raw)`,
-        stroke: colourOf(s.colour) + (dark ? '73' : '59'),
+        stroke: withAlpha(
+          colourOf(s.colour),
+          dark ? RAW_ALPHA.dark : RAW_ALPHA.light
+        ),
         width: 1,
         spanGaps: true,
         points: { show: false }

@@ -46,6 +46,32 @@ export function runColour(runId: string): number {
 }
 
 /**
+ * The colour indexes of one run's `n` lines in a chart of its own panel: the run's colour (the
+ * sidebar's dot, its colour in compare) for the first (the loss, or the chart's first series), then
+ * the next palette colours after it, so no colour is used twice in a chart of up to 8 lines.
+ */
+export function runLineColours(runId: string, n: number): number[] {
+  const first = runColour(runId);
+  return Array.from(
+    { length: n },
+    (_, i) => (first + i) % PALETTE_LIGHT.length
+  );
+}
+
+/**
+ * How opaque a raw (unsmoothed) line is behind its smoothed one, per theme. Dark: 0.6, so the raw
+ * line reads on #111111 (>= 3:1 for every palette colour) and the smoothed line still stands out
+ * from it (>= 2:1); at 0.45 the raw lines faded into the background. Light: 0.35, as the notebook.
+ */
+export const RAW_ALPHA = { light: 0.35, dark: 0.6 };
+
+/** `#rrggbb` at `alpha` as `#rrggbbaa` (uPlot's canvas strokes). */
+export function withAlpha(hex: string, alpha: number): string {
+  const a = Math.round(Math.min(1, Math.max(0, alpha)) * 255);
+  return hex + a.toString(16).padStart(2, '0');
+}
+
+/**
  * Each run's colour index (metrics.runColour: from its id, the same in every view); where two runs
  * share a colour, the later one is drawn dashed.
  */

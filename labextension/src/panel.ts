@@ -10,7 +10,12 @@ import { Widget } from '@lumino/widgets';
 
 import { ChartBoard, IRawSeries } from './board';
 import { formatValue, LineChart } from './charts';
-import { chartGroups, IChartSpec, numericKeys } from './metrics';
+import {
+  chartGroups,
+  IChartSpec,
+  numericKeys,
+  runLineColours
+} from './metrics';
 import {
   fetchScaling,
   fetchRunConfig,
@@ -239,14 +244,16 @@ export class RunPanel extends Widget {
     }
     const keys = numericKeys(rows);
     const groups = chartGroups(keys, run?.kind, true);
-    this._board.render(groups, (spec: IChartSpec) =>
-      spec.keys.map((key, i): IRawSeries => ({
+    this._board.render(groups, (spec: IChartSpec) => {
+      // the run's own colour first (as its sidebar dot and in compare), then the next ones
+      const colours = runLineColours(this.metrics.runId, spec.keys.length);
+      return spec.keys.map((key, i): IRawSeries => ({
         label: lineLabel(key),
-        colour: i,
+        colour: colours[i],
         points: seriesPoints(rows, key, spec.scale),
         rows: rows.length
-      }))
-    );
+      }));
+    });
     this.node.dataset.charts = groups
       .flatMap(g => g.charts.map(c => c.key))
       .join(',');
@@ -281,7 +288,8 @@ export class RunPanel extends Widget {
       return;
     }
     if (!this.isDisposed) {
-      this._scaling.show(page);
+      // measured in the run's own colour (its sidebar dot), predicted in the next one
+      this._scaling.show(page, runLineColours(this.metrics.runId, 2));
     }
   }
 
@@ -404,7 +412,7 @@ class ScalingView {
 
   readonly node: HTMLElement;
 
-  show(page: IScalingPage): void {
+  show(page: IScalingPage, colours: number[] = [0, 1]): void {
     const report = page.report;
     const unit = report.unit === 'ranks' ? 'ranks' : 'nodes';
     const head = document.createElement('h3');
@@ -464,10 +472,10 @@ class ScalingView {
       grid.appendChild(chart.node);
       this._charts.push(chart);
       chart.update([
-        { label: 'measured', colour: 0, points: measured },
+        { label: 'measured', colour: colours[0], points: measured },
         {
           label: 'predicted',
-          colour: 1,
+          colour: colours[1],
           dashed: true,
           // from the largest measured size on, so the two lines meet
           points: predicted.length ? [...measured.slice(-1), ...predicted] : []

@@ -7,10 +7,13 @@ import {
   numericKeys,
   PALETTE_DARK,
   PALETTE_LIGHT,
+  RAW_ALPHA,
   runColour,
+  runLineColours,
   runStyles,
   smoothed,
-  unitOf
+  unitOf,
+  withAlpha
 } from '../src/metrics';
 
 /** WCAG contrast of two #rrggbb colours. */
@@ -217,6 +220,57 @@ describe('colours', () => {
     }
     for (const c of PALETTE_LIGHT) {
       expect(contrast(c, '#ffffff')).toBeGreaterThanOrEqual(4.5);
+    }
+  });
+
+  it("draws a run panel's first line in the run's own colour (its sidebar dot), then the next ones", () => {
+    // ids that hash to every palette index, so the first line is not palette index 0 by chance
+    const ids = Array.from({ length: 64 }, (_, i) =>
+      (i * 2654435761).toString(16)
+    );
+    expect(new Set(ids.map(runColour)).size).toBe(8);
+    for (const id of ids) {
+      // the sidebar's dot is colourVar(runColour(run.id)); compare uses runColour(run.id) too
+      const dot = runColour(id);
+      const lines = runLineColours(id, 3);
+      expect(lines[0]).toBe(dot);
+      expect(lines).toEqual([dot, (dot + 1) % 8, (dot + 2) % 8]);
+      // up to 8 lines in a chart: never one colour twice
+      expect(new Set(runLineColours(id, 8)).size).toBe(8);
+    }
+    expect(runLineColours('3f2a9c', 1)).toEqual([runColour('3f2a9c')]);
+    expect(runLineColours('3f2a9c', 0)).toEqual([]);
+  });
+
+  it('draws raw lines that read on the dark background and stay apart from the smoothed line', () => {
+    const blend = (hex: string, alpha: number, bg: string) => {
+      const ch = (h: string, i: number) => parseInt(h.slice(i, i + 2), 16);
+      return (
+        '#' +
+        [1, 3, 5]
+          .map(i => Math.round(alpha * ch(hex, i) + (1 - alpha) * ch(bg, i)))
+          .map(v => v.toString(16).padStart(2, '0'))
+          .join('')
+      );
+    };
+    expect(withAlpha('#5aa9f2', RAW_ALPHA.dark)).toBe('#5aa9f299');
+    expect(withAlpha('#1f6fb4', RAW_ALPHA.light)).toBe('#1f6fb459');
+    for (const c of PALETTE_DARK) {
+      const raw = blend(c, RAW_ALPHA.dark, '#111111');
+      // the raw line is seen (>= 3:1, WCAG's bar for graphics)
+      expect(contrast(raw, '#111111')).toBeGreaterThanOrEqual(3);
+      // and the smoothed line over it is told apart from it
+      expect(contrast(c, raw)).toBeGreaterThanOrEqual(2);
+    }
+    // at the old 0.45 every raw line but the yellow was under 3:1 (2.4:1 the least)
+    const old = PALETTE_DARK.map(c =>
+      contrast(blend(c, 0.45, '#111111'), '#111111')
+    );
+    expect(Math.min(...old)).toBeLessThan(3);
+    for (const c of PALETTE_LIGHT) {
+      expect(
+        contrast(c, blend(c, RAW_ALPHA.light, '#ffffff'))
+      ).toBeGreaterThanOrEqual(2);
     }
   });
 });

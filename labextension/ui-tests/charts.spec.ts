@@ -57,6 +57,41 @@ async function themeName(page: Page): Promise<string> {
   return light === 'false' ? 'dark' : 'light';
 }
 
+/**
+ * How many pixels of a chart's canvas are `colour` (a computed rgb(), within 6 per channel), and
+ * how many are the colour of every other palette entry (the same test), as `{ colour: n }`.
+ */
+async function canvasColours(
+  figure: Locator,
+  colours: string[]
+): Promise<number[]> {
+  return figure.locator('canvas').evaluate((c, wanted) => {
+    const canvas = c as HTMLCanvasElement;
+    const rgb = (s: string) =>
+      (s.match(/[\d.]+/g) ?? []).slice(0, 3).map(Number);
+    const targets = wanted.map(rgb);
+    const data = canvas
+      .getContext('2d')!
+      .getImageData(0, 0, canvas.width, canvas.height).data;
+    const counts = targets.map(() => 0);
+    for (let i = 0; i < data.length; i += 4) {
+      if (data[i + 3] < 250) {
+        continue;
+      }
+      targets.forEach(([r, g, b], t) => {
+        if (
+          Math.abs(data[i] - r) <= 6 &&
+          Math.abs(data[i + 1] - g) <= 6 &&
+          Math.abs(data[i + 2] - b) <= 6
+        ) {
+          counts[t] += 1;
+        }
+      });
+    }
+    return counts;
+  }, colours);
+}
+
 test.describe.configure({ mode: 'serial' });
 
 test('a DPO and a GRPO run chart their rewards first, every metric grouped by prefix, in both themes', async ({
@@ -81,6 +116,32 @@ test('a DPO and a GRPO run chart their rewards first, every metric grouped by pr
       'data-series',
       'loss|eval loss'
     );
+    // the run's loss line is drawn in its sidebar dot's colour (its colour in compare too), the
+    // eval loss over it in another; the canvas is read back, in this theme's palette
+    const dpoRow = page.locator('.nbtrain-Run', {
+      has: page.locator('.nbtrain-Item-name', { hasText: /^dpo-prefs$/ })
+    });
+    const dot = await dpoRow
+      .locator('.nbtrain-Dot')
+      .evaluate(e => getComputedStyle(e).backgroundColor);
+    const lossKey = overview
+      .first()
+      .locator('.nbtrain-Chart-key[data-series="loss"]');
+    const evalKey = overview
+      .first()
+      .locator('.nbtrain-Chart-key[data-series="eval loss"]');
+    await expect(lossKey).toHaveCSS('color', dot);
+    const evalColour = await evalKey.evaluate(e => getComputedStyle(e).color);
+    expect(evalColour).not.toBe(dot);
+    await expect(async () => {
+      const [ofDot, ofEval] = await canvasColours(overview.first(), [
+        dot,
+        evalColour
+      ]);
+      // a line 1.75 px wide across the plot: hundreds of pixels of its colour
+      expect(ofDot, `pixels of the dot's colour ${dot}`).toBeGreaterThan(150);
+      expect(ofEval, `pixels of eval loss's ${evalColour}`).toBeGreaterThan(0);
+    }).toPass({ timeout: 10_000 });
     // no nats/token on a DPO loss
     await expect(overview.first()).toHaveAttribute('data-y-title', 'loss');
     await expect(
