@@ -235,6 +235,18 @@ WORKER = textwrap.dedent(
     model, data, setting, out = sys.argv[1:5]
     # a progress line after every batch of 50 rows, so a small data set shows what a big one does
     tokens.EVERY, tokens.CHUNK = 0.0, 50
+    if os.environ["RANK"] == "0" and os.environ["WORLD_SIZE"] == "2":
+        # on a loaded machine rank 0 can end its part before rank 1 has published a count: its lines
+        # wait (60 s at most) for rank 1's first, so that they show whether both ranks are counted
+        import time
+        update = tokens._Progress.update
+        def waiting(self, rows, fraction):
+            if self.store is not None:
+                t = time.time()
+                while not self.store.check([self._key(1)]) and time.time() - t < 60:
+                    time.sleep(0.05)
+            update(self, rows, fraction)
+        tokens._Progress.update = waiting
     tok = load_tokenizer(model)
     calls = []
     real = tokens.encode_batch
