@@ -162,6 +162,58 @@ def _new_record(
     }
 
 
+#: a "running" record whose process this machine cannot check (it ran on another host) is taken for
+#: dead once neither it nor its metrics changed for this long: a live run rewrites its record at
+#: every logged step
+STALE_AFTER_S = 3600.0
+
+
+def _last_sign(record: dict[str, Any]) -> float:
+    """When the run last wrote: its record (rewritten at every logged step) or its metrics file."""
+    times = [record.get("started") or 0.0]
+    paths = [registry_dir() / f"{record.get('id')}.json"]
+    if record.get("output_dir"):
+        paths.append(Path(record["output_dir"]) / METRICS_FILE)
+    for path in paths:
+        try:
+            times.append(path.stat().st_mtime)
+        except OSError:
+            continue
+    return max(times)
+
+
+def liveness(record: dict[str, Any]) -> tuple[bool, str]:
+    """Whether a run's process still runs, and why this says so.
+
+    A record stays "running" when its process died without a word (a killed kernel, a rebooted
+    machine). On the host that ran it, the recorded pid decides: gone, or now a process that began
+    after the run (a pid reused after a reboot), is dead. On another host, a record unchanged for
+    `STALE_AFTER_S` is dead. Only a "running" record can be live."""
+    state = record.get("state")
+    if state != "running":
+        return False, f"it is {state}"
+    host, pid = record.get("host"), record.get("pid")
+    if host == socket.gethostname() and isinstance(pid, int):
+        import psutil
+
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return False, f"its process {pid} on {host} has exited"
+            # one second of slack: create_time and the record's start are both rounded clocks
+            if proc.create_time() > (record.get("started") or 0.0) + 1.0:
+                return False, f"its process {pid} on {host} is gone (the pid is another's now)"
+            return True, f"its process {pid} on {host} runs"
+        except psutil.NoSuchProcess:
+            return False, f"its process {pid} on {host} is gone"
+        except psutil.Error:
+            pass  # not ours to inspect: fall back on its last write
+    quiet = time.time() - _last_sign(record)
+    if quiet > STALE_AFTER_S:
+        return False, f"it ran on {host} and wrote nothing for {quiet / 60:.0f} min"
+    return True, f"it ran on {host} and wrote {quiet:.0f} s ago"
+
+
 def update_run(run_id: str, **fields: Any) -> None:
     """Merge `fields` (step, loss, tokens_per_s, ...) into a run's record."""
     record = get_run(run_id)

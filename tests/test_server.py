@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -681,6 +684,64 @@ def test_deleting_a_record_keeps_the_run_folder(fetch, finished_run, tmp_path):
     assert (folder / runs.METRICS_FILE).is_file()  # the folder stays
     assert [r["id"] for r in _json(fetch("nbtrain", "api", "runs"))["runs"]] == [running]
     assert _status(fetch, "nbtrain", "api", "runs", finished_run, method="DELETE") == 404
+
+
+def _refused(fetch, run_id):
+    try:
+        fetch("nbtrain", "api", "runs", run_id, method="DELETE")
+    except HTTPClientError as e:
+        assert e.code == 409
+        return json.loads(e.response.body)["message"]
+    raise AssertionError(f"the live run {run_id}'s record was deleted")
+
+
+def test_a_run_left_running_by_a_dead_process_can_be_deleted(fetch, tmp_path):
+    """A killed kernel leaves its record "running": the sidebar may delete it, not a live run's."""
+    # a process that ran and ended: its pid is the dead rank 0 of the run
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "killed"
+    out.mkdir()
+    killed = runs.register_run(out, name="killed")
+    runs.update_run(killed, pid=dead.pid)
+    # a pid this machine reuses for a process that began after the run (after a reboot, say)
+    reused_out = tmp_path / "reused"
+    reused_out.mkdir()
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        reused = runs.register_run(reused_out, name="reused")
+        runs.update_run(reused, pid=later.pid, started=time.time() - 600)
+        listed = {r["id"]: r for r in _json(fetch("nbtrain", "api", "runs"))["runs"]}
+        assert listed[killed]["live"] is False
+        assert f"process {dead.pid}" in listed[killed]["stale"]
+        assert "gone" in listed[killed]["stale"]
+        assert listed[reused]["live"] is False and "another's" in listed[reused]["stale"]
+        assert listed[reused]["state"] == "running"  # the record is served as written
+        for run_id in (killed, reused):
+            got = _json(fetch("nbtrain", "api", "runs", run_id, method="DELETE"))
+            assert got == {"id": run_id, "deleted": True}
+            assert runs.get_run(run_id) is None
+    finally:
+        later.kill()
+        later.wait()
+    assert out.is_dir() and reused_out.is_dir()  # the folders stay
+
+    # a run on another host: its pid cannot be checked here, its last write decides
+    away_out = tmp_path / "away"
+    away_out.mkdir()
+    (away_out / runs.METRICS_FILE).write_text('{"step": 1, "loss": 2.0}\n')
+    away = runs.register_run(away_out, name="away")
+    long_ago = time.time() - runs.STALE_AFTER_S - 60
+    runs.update_run(away, host="elsewhere.invalid", pid=1, started=long_ago)
+    assert _json(fetch("nbtrain", "api", "runs", away))["live"] is True
+    assert "stop it first" in _refused(fetch, away)
+    # its metrics file alone is a sign of life (the record's own mtime is old now)
+    os.utime(runs.registry_dir() / f"{away}.json", (long_ago, long_ago))
+    assert _json(fetch("nbtrain", "api", "runs", away))["live"] is True
+    os.utime(away_out / runs.METRICS_FILE, (long_ago, long_ago))
+    got = _json(fetch("nbtrain", "api", "runs", away))
+    assert got["live"] is False and "elsewhere.invalid" in got["stale"]
+    assert _json(fetch("nbtrain", "api", "runs", away, method="DELETE"))["deleted"] is True
 
 
 def test_run_kinds_and_loss_units(tmp_path):

@@ -68,9 +68,14 @@ def _run_or_404(run_id: str) -> dict[str, Any]:
 
 def served(record: dict[str, Any]) -> dict[str, Any]:
     """A run record as the browser reads it: a record from before kinds (none, or "finetune") is
-    an SFT run."""
+    an SFT run; a "running" one says whether its process still runs (`live`) and, where it does
+    not, why (`stale`)."""
     if record.get("kind") in (None, "finetune"):
-        return {**record, "kind": "sft"}
+        record = {**record, "kind": "sft"}
+    if record.get("state") == "running":
+        # a "running" record whose process died is listed as such, and may be deleted
+        live, why = runs.liveness(record)
+        record = {**record, "live": live, **({} if live else {"stale": why})}
     return record
 
 
@@ -99,16 +104,22 @@ class RunHandler(_Base):
     @tornado.web.authenticated
     def delete(self, run_id: str) -> None:
         """DELETE /nbtrain/api/runs/<id>: forget the run's record (the sidebar lists it no more);
-        its folder, metrics and checkpoints stay. 409 while it runs."""
+        its folder, metrics and checkpoints stay. 409 while it runs; a record left "running" by a
+        process that died (`runs.liveness`) is deleted."""
         record = self._run_or_404(run_id)
-        if record.get("state") == "running":
+        if record.get("live"):
             msg = (
-                f"run {record.get('name')!r} is running (on {record.get('host')}): stop it first, "
-                "then delete its record"
+                f"run {record.get('name')!r} is running (process {record.get('pid')} on "
+                f"{record.get('host')}): stop it first, then delete its record"
             )
             raise tornado.web.HTTPError(409, msg)
         runs.forget_run(run_id)
-        self.log.info("nbtrain: forgot the record of run %s (%s)", run_id, record.get("output_dir"))
+        self.log.info(
+            "nbtrain: forgot the record of run %s (%s)%s",
+            run_id,
+            record.get("output_dir"),
+            f", left running: {record['stale']}" if record.get("stale") else "",
+        )
         self.finish({"id": run_id, "deleted": True})
 
 
