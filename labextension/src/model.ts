@@ -34,11 +34,23 @@ export function lossTitle(
   return units.size === 1 ? [...units][0] : 'loss (nats/token for SFT runs)';
 }
 
+/**
+ * Whether a run runs now: its record says "running" and the server found its process (a killed
+ * kernel leaves its record "running", with `live: false`). Only such a run can be stopped; any
+ * other run's record can be deleted.
+ */
+export function isLive(run: IRun): boolean {
+  return run.state === 'running' && run.live !== false;
+}
+
 /** A run's state pill's tooltip: for a preempted run, the step and the checkpoint to resume from. */
 export function stateTitle(run: IRun): string {
   if (run.state === 'preempted') {
     const where = run.checkpoint ? `; checkpoint at ${run.checkpoint}` : '';
     return `preempted at step ${run.step}${where}; resume with resume='latest' in its config`;
+  }
+  if (run.state === 'running' && !isLive(run)) {
+    return `running, by its record, but ${run.stale ?? 'its process is gone'}: delete its record`;
   }
   return run.state;
 }
@@ -88,7 +100,7 @@ export function shortPath(path: string, parts = 2): string {
 export function newestRunning(runs: IRun[]): IRun | null {
   let newest: IRun | null = null;
   for (const run of runs) {
-    if (run.state === 'running' && (!newest || run.started > newest.started)) {
+    if (isLive(run) && (!newest || run.started > newest.started)) {
       newest = run;
     }
   }

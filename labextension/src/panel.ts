@@ -20,6 +20,7 @@ import {
   fetchScaling,
   fetchRunConfig,
   formatDuration,
+  isLive,
   plurals,
   RunMetrics,
   scalingLines,
@@ -237,7 +238,7 @@ export class RunPanel extends Widget {
       this._summary.innerHTML = parts.join(' · ');
       this._summary.title = '';
       // (the hidden attribute loses to .jp-Button's display rule)
-      this._stop.style.display = run.state === 'running' ? '' : 'none';
+      this._stop.style.display = isLive(run) ? '' : 'none';
     }
     if (this.metrics.error) {
       this._summary.title = `last poll failed: ${this.metrics.error}`;

@@ -8,6 +8,7 @@ import { runColour } from './metrics';
 import {
   baseName,
   filterRuns,
+  isLive,
   progressParts,
   stateTitle,
   TrainingModel
@@ -270,7 +271,7 @@ function renderRun(run: IRun, selected: boolean): HTMLElement {
     text.title = parts.join(' · ');
   }
   // the buttons sit on the second line: the name keeps the first line's width
-  if (run.state === 'running') {
+  if (isLive(run)) {
     const stop = el(
       'button',
       'jp-Button jp-mod-styled jp-mod-warn nbtrain-StopButton',
@@ -289,7 +290,11 @@ function renderRun(run: IRun, selected: boolean): HTMLElement {
   } else {
     const del = el('button', 'nbtrain-DeleteButton', '×');
     del.dataset.deleteRun = run.id;
-    del.title = 'Delete this run from the list (asks first; its folder stays)';
+    // a record left "running" by a process that died: delete in place of stop
+    del.title =
+      run.state !== 'running'
+        ? 'Delete this run from the list (asks first; its folder stays)'
+        : `Its process is gone (${run.stale ?? 'no sign of life'}): delete its record (asks first; its folder stays)`;
     del.setAttribute('aria-label', `delete ${run.name} from the list`);
     detail.append(del);
   }

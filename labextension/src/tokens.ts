@@ -32,6 +32,10 @@ export interface IRun {
   measured?: string | null;
   /** A preempted run: the checkpoint it wrote, to resume from (its step is `step`). */
   checkpoint?: string | null;
+  /** A running record: whether its process still runs (false when it died without a word). */
+  live?: boolean;
+  /** A running record whose process is gone: why the server says so. */
+  stale?: string;
 }
 
 /** One logged step of a run's metrics.jsonl. */

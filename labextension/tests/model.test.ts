@@ -3,6 +3,7 @@ import { describe, expect, it } from 'vitest';
 import { formatValue } from '../src/charts';
 import {
   formatDuration,
+  isLive,
   lossTitle,
   lossUnit,
   mergeRows,
@@ -140,6 +141,34 @@ describe('newestRunning', () => {
     ];
     expect(newestRunning(runs)?.id).toBe('b');
     expect(newestRunning([makeRun({ state: 'failed' })])).toBeNull();
+  });
+
+  it('skips a record left running by a process that died', () => {
+    const runs = [
+      makeRun({ id: 'dead', started: 300, live: false, stale: 'gone' }),
+      makeRun({ id: 'b', started: 200, live: true })
+    ];
+    expect(newestRunning(runs)?.id).toBe('b');
+  });
+});
+
+describe('isLive', () => {
+  it('is a running record whose process the server found', () => {
+    // a server from before liveness sends no `live`: its running runs stay stoppable
+    expect(isLive(makeRun())).toBe(true);
+    expect(isLive(makeRun({ live: true }))).toBe(true);
+    expect(
+      isLive(makeRun({ live: false, stale: 'its process 7 on h is gone' }))
+    ).toBe(false);
+    expect(isLive(makeRun({ state: 'done' }))).toBe(false);
+  });
+
+  it("says in the state's tooltip why a dead run's record may be deleted", () => {
+    const dead = makeRun({ live: false, stale: 'its process 7 on h is gone' });
+    expect(stateTitle(dead)).toBe(
+      'running, by its record, but its process 7 on h is gone: delete its record'
+    );
+    expect(stateTitle(makeRun({ live: true }))).toBe('running');
   });
 });
 
