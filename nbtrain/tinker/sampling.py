@@ -80,26 +80,37 @@ class Sampling:
         n = get_field(body, "num_samples", int, 1)
         if n < 1:
             raise bad(f"num_samples must be at least 1, not {n}.")
-        for key, what in (
-            ("topk_prompt_logprobs", "top-k prompt log-probabilities"),
-            ("topk_sample_logprobs", "top-k sample log-probabilities"),
-            ("prompt_alt_tokens_k", "prompt alternative tokens"),
-        ):
-            if body.get(key):
-                raise bad(f"{key} ({what}) is not supported by nbtrain's Tinker service.")
+        if body.get("prompt_alt_tokens_k"):
+            raise bad(
+                "prompt_alt_tokens_k (prompt alternative tokens) is not supported by nbtrain's "
+                "Tinker service; topk_prompt_logprobs gives the most likely tokens at each position."
+            )
+        topk_prompt = get_field(body, "topk_prompt_logprobs", int, 0) or 0
+        topk_sample = get_field(body, "topk_sample_logprobs", int, 0) or 0
+        if topk_prompt < 0 or topk_sample < 0:
+            raise bad("topk_prompt_logprobs and topk_sample_logprobs must be integers >= 0.")
         if body.get("target_prompt_logprobs") is not None:
             raise bad("target_prompt_logprobs is not supported by nbtrain's Tinker service.")
         params = self._sampling_params(body.get("sampling_params"))
         want_plp = bool(body.get("prompt_logprobs"))
         last_n = body.get("prompt_logprobs_last_n")
+        if last_n is not None and not (
+            isinstance(last_n, int) and want_plp and 1 <= last_n <= len(prompt) - 1
+        ):
+            raise bad(
+                f"prompt_logprobs_last_n={last_n!r} needs prompt_logprobs and must be between 1 and "
+                f"len(prompt) - 1 = {len(prompt) - 1}."
+            )
 
         def run() -> Payload:
             t0 = time.time()
-            result = self.backend.sample(source, prompt, n, params, want_plp, 0)
+            result = self.backend.sample(
+                source, prompt, n, params, want_plp, topk_prompt, topk_sample
+            )
             if owner is not None and owner.run is not None and params["max_tokens"] > 1:
                 # a compute_logprobs (max_tokens 1) is not a sample worth showing
                 owner.run.samples(prompt, result.get("sequences") or [], time.time() - t0)
-            return ("proto", wire.encode_sample(result, last_n if want_plp else None))
+            return ("proto", wire.encode_sample(result, last_n))
 
         return self.executor.submit("sample", run), n
 

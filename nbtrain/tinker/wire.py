@@ -166,8 +166,29 @@ def encode_forward_backward(result: dict[str, Any]) -> bytes:
     return out.SerializeToString()
 
 
+#: the SDK's filler for a top-k cell with nothing in it (tinker.types.topk_logprobs.MASK_LOGPROB)
+TOPK_EMPTY = -99999.0
+
+
+def _encode_topk(msg: Any, rows: list[Any]) -> None:
+    """Per position None or [(token_id, logprob), ...] -> a `TopkLogprobs` message: two (positions,
+    k) matrices, empty cells (a None position) holding token 0 and `TOPK_EMPTY`, as the SDK reads them."""
+    k = max((len(r) for r in rows if r), default=0)
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    lps = np.full((len(rows), k), TOPK_EMPTY, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (t, lp) in enumerate(row or []):
+            ids[i, j], lps[i, j] = t, lp
+    msg.token_ids = ids.tobytes()
+    msg.logprobs = lps.tobytes()
+    msg.k = k
+    msg.length = len(rows)
+
+
 def encode_sample(result: dict[str, Any], prompt_logprobs_last_n: int | None = None) -> bytes:
-    """The engine's {"sequences", "prompt_logprobs"} -> a `SampleResponse` protobuf (None -> NaN)."""
+    """The engine's {"sequences", "prompt_logprobs", "topk_prompt_logprobs"} -> a `SampleResponse`
+    protobuf (None -> NaN, or an empty top-k row); `prompt_logprobs_last_n` blanks the positions
+    before the prompt's last n."""
     p = pb()
     out = p.SampleResponse()
     for seq in result.get("sequences") or []:
@@ -178,12 +199,20 @@ def encode_sample(result: dict[str, Any], prompt_logprobs_last_n: int | None = N
         s.tokens = np.asarray(seq["tokens"], dtype=np.int32).tobytes()
         if seq.get("logprobs") is not None:
             s.logprobs = np.asarray(seq["logprobs"], dtype=np.float32).tobytes()
+        if seq.get("topk_logprobs") is not None:
+            _encode_topk(s.topk_sampled_logprobs, seq["topk_logprobs"])
     plp = result.get("prompt_logprobs")
     if plp is not None:
         values = np.array([np.nan if v is None else v for v in plp], dtype=np.float32)
         if prompt_logprobs_last_n is not None:
             values[: len(values) - prompt_logprobs_last_n] = np.nan
         out.prompt_logprobs = values.tobytes()
+    top = result.get("topk_prompt_logprobs")
+    if top is not None:
+        top = list(top)
+        if prompt_logprobs_last_n is not None:
+            top[: len(top) - prompt_logprobs_last_n] = [None] * (len(top) - prompt_logprobs_last_n)
+        _encode_topk(out.topk_prompt_logprobs, top)
     return out.SerializeToString()
 
 

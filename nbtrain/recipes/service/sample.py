@@ -120,19 +120,35 @@ def _cut(new: list[int], stop_ids: list[int], strings: list[str], tokenizer: Any
     return None
 
 
-def _prompt_logprobs(model: Any, prompt: list[int], device: Any) -> list[float | None]:
-    """log p(prompt[i] | prompt[:i]) for every i (None for the first: nothing predicts it)."""
+def _topk(logp: Any, k: int) -> list[list[tuple[int, float]]]:
+    """The k most likely tokens at each row of `logp` (positions, vocab): [(token_id, logprob)]
+    from the most likely down, as `torch.topk` orders them."""
+    import torch
+
+    values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+def _prompt_logprobs(
+    model: Any, prompt: list[int], device: Any, topk: int = 0
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None] | None]:
+    """log p(prompt[i] | prompt[:i]) for every i (None for the first: nothing predicts it), and the
+    `topk` most likely tokens at every position (None for the first; None for all when topk is 0)."""
     import torch
 
     ids = torch.as_tensor([prompt], dtype=torch.long, device=device)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()[0]
-    lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-    return [None, *(float(x) for x in lp.cpu())]
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    lp = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+    top: list[list[tuple[int, float]] | None] | None = (
+        [None, *_topk(logp.cpu(), topk)] if topk > 0 else None
+    )
+    return [None, *(float(x) for x in lp.cpu())], top
 
 
 def _decode_share(
-    base: registry.Base, prompt: list[int], n: int, p: dict[str, Any], seed: int
+    base: registry.Base, prompt: list[int], n: int, p: dict[str, Any], seed: int, topk: int = 0
 ) -> list[dict[str, Any]]:
     import torch
 
@@ -168,7 +184,8 @@ def _decode_share(
     steps = len(out.logits)
     logits = torch.stack([x.float() for x in out.logits], dim=1)  # (n, steps, vocab)
     new = out.sequences[:, len(prompt) : len(prompt) + steps]
-    lps = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None]).squeeze(-1)
+    logp = torch.log_softmax(logits, dim=-1)
+    lps = logp.gather(-1, new[..., None]).squeeze(-1)
     rows = []
     for j in range(n):
         toks = new[j].tolist()
@@ -181,6 +198,8 @@ def _decode_share(
                 "stop_reason": "stop" if cut is not None else "length",
             }
         )
+        if topk > 0:
+            rows[-1]["topk_logprobs"] = _topk(logp[j, :keep].cpu(), topk)
     return rows
 
 
@@ -191,20 +210,28 @@ def sample(
     params: dict[str, Any],
     prompt_logprobs: bool = False,
     topk_prompt_logprobs: int = 0,
+    topk_sample_logprobs: int = 0,
 ) -> dict[str, Any]:
     """`num_samples` completions of `prompt` (token ids) from the weights `source` names:
     {"sampler_id"} (a snapshot), {"model_id"} (a training model's current weights), {"path",
     "base_model"?} (a peft adapter folder) or {"base_model"} (no adapter). Returns, on every rank,
-    {"sequences": [{"tokens", "logprobs", "stop_reason"}, ...], "prompt_logprobs": [...] | None}."""
+    {"sequences": [{"tokens", "logprobs", "stop_reason", "topk_logprobs"?}, ...], "prompt_logprobs":
+    [...] | None, "topk_prompt_logprobs": [...] | None}. A top-k is, per position, the k most likely
+    [(token_id, logprob)] of the unprocessed logits (as the logprobs), most likely first, k at most
+    the vocabulary; the prompt's first position has None (nothing predicts it)."""
     p = check_params(params)
     if not prompt:
         raise ConfigError("the prompt has no tokens; give it at least one")
     if not (isinstance(num_samples, int) and num_samples >= 1):
         msg = f"num_samples={num_samples!r} must be an integer >= 1"
         raise ConfigError(msg)
-    if topk_prompt_logprobs:
-        msg = "topk_prompt_logprobs is not supported by nbtrain's service; ask for prompt_logprobs"
-        raise ConfigError(msg)
+    for name, k in (
+        ("topk_prompt_logprobs", topk_prompt_logprobs),
+        ("topk_sample_logprobs", topk_sample_logprobs),
+    ):
+        if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+            msg = f"{name}={k!r} must be an integer >= 0 (0: none)"
+            raise ConfigError(msg)
     d = registry.dist()
     # without a seed, one drawn on rank 0 for all: ranks whose generators were seeded alike for
     # training would otherwise draw the same samples
@@ -215,20 +242,22 @@ def sample(
     )
     mine = list(range(d.rank, num_samples, d.world))
 
-    def local() -> tuple[list[tuple[int, dict[str, Any]]], list[float | None] | None]:
+    def local() -> tuple[list[tuple[int, dict[str, Any]]], Any, Any]:
         rows: list[tuple[int, dict[str, Any]]] = []
-        plp = None
+        plp = top = None
         with _weights(source) as base:
             if mine:
-                got = _decode_share(base, prompt, len(mine), p, hash((seed, d.rank)) % (2**63))
+                rng = hash((seed, d.rank)) % (2**63)
+                got = _decode_share(base, prompt, len(mine), p, rng, topk_sample_logprobs)
                 rows = list(zip(mine, got))
-            if prompt_logprobs and d.is_zero:
-                plp = _prompt_logprobs(base.model, prompt, base.device)
-        return rows, plp
+            if (prompt_logprobs or topk_prompt_logprobs) and d.is_zero:
+                plp, top = _prompt_logprobs(base.model, prompt, base.device, topk_prompt_logprobs)
+        return rows, plp if prompt_logprobs else None, top
 
     gathered = registry.exchange(d, local)
-    by_index = {i: r for part, _ in gathered for i, r in part}
+    by_index = {i: r for part, _, _ in gathered for i, r in part}
     return {
         "sequences": [by_index[i] for i in range(num_samples)],
         "prompt_logprobs": gathered[0][1],
+        "topk_prompt_logprobs": gathered[0][2],
     }
