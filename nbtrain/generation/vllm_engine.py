@@ -37,6 +37,7 @@ from nbtrain.generation.engine_base import (
     VLLMOptions,
     check_vllm,
 )
+from nbtrain.generation.utf8 import decode_completion
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 # the rank's process group must not leak into vLLM's own (a group of one, in its process)
@@ -291,7 +292,7 @@ class VLLMEngine(Engine):
                 Completion(
                     p.index,
                     ids[:n],
-                    self.tokenizer.decode(ids[:n], skip_special_tokens=True),
+                    decode_completion(self.tokenizer, ids[:n]),
                     lps[:n] if lps is not None else None,
                     stopped,
                     took,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain import runs
+from nbtrain.generation.utf8 import decode_completion
 
 KIND = "tinker"
 LOSS_UNIT = "summed loss"
@@ -118,7 +119,7 @@ class ModelRun:
                 "step": step,
                 "index": start + i,
                 "prompt": text(prompt),
-                "completion": text(list(seq.get("tokens") or [])),
+                "completion": self._decode(list(seq.get("tokens") or []), completion=True),
                 "reference": None,
                 "tokens": len(seq.get("tokens") or []),
                 "seconds": seconds,
@@ -129,7 +130,8 @@ class ModelRun:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         self._draw({"kind": "samples", "step": step, "rows": rows})
 
-    def _decode(self, tokens: list[int]) -> str:
+    def _decode(self, tokens: list[int], completion: bool = False) -> str:
+        """The text of `tokens`; a completion's without the half character a length cut leaves."""
         if self._tokenizer is None:
             try:
                 from transformers import AutoTokenizer
@@ -139,6 +141,8 @@ class ModelRun:
                 self._tokenizer = False
         if self._tokenizer is False:
             return " ".join(map(str, tokens))
+        if completion:
+            return decode_completion(self._tokenizer, tokens, skip_special_tokens=False)
         return str(self._tokenizer.decode(tokens))
 
     def _draw(self, payload: dict[str, Any]) -> None:
