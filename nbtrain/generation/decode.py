@@ -153,6 +153,71 @@ def own_rng(seed: int, device: Any) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def generation_mode(model: Any) -> Iterator[Any]:
+    """`model` in eval mode (no dropout drawn) with its KV cache on (`config.use_cache`) inside; its
+    train mode and `use_cache` as they were after, an exception or interrupt included.
+
+    In [1]: with decode.generation_mode(peft_model):
+       ...:     rows = decode.generate_across(peft_model, tok, prompts, d, decoding)
+    """
+    was_training = model.training
+    config: Any = getattr(model, "config", None)
+    # a config without the setting (not a transformers model) is left without it
+    had_cache = config is not None and hasattr(config, "use_cache")
+    use_cache = config.use_cache if had_cache else None
+    model.eval()
+    try:
+        if had_cache:
+            config.use_cache = True
+        yield model
+    finally:
+        model.train(was_training)
+        if had_cache:
+            config.use_cache = use_cache
+
+
+def generate_kwargs(
+    decoding: Decoding,
+    pad: int,
+    eos: list[int],
+    tokenizer: Any,
+    *,
+    synced: bool = False,
+    full_length: bool = False,
+    logprobs: bool = False,
+) -> dict[str, Any]:
+    """The keyword arguments of transformers' `generate` for `decoding`: no beams, the KV cache, `pad`
+    for finished rows, `eos` (empty: the model's generation_config decides) and the stop strings; with
+    `logprobs` the raw logits of every step come back (`output_logits`); greedy unless
+    `decoding.do_sample`. `full_length` and `synced` as in `generate_batch`."""
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": decoding.max_new_tokens,
+        "do_sample": decoding.do_sample,
+        "num_beams": 1,
+        "pad_token_id": pad,
+        "use_cache": True,
+    }
+    if full_length:
+        # no eos (the model's generation_config would stop a row at its own), and not synced:
+        # transformers would turn that on by itself for an FSDP model
+        kwargs.update(eos_token_id=None, synced_gpus=False)
+    else:
+        if eos:
+            kwargs["eos_token_id"] = eos
+        if synced:
+            kwargs["synced_gpus"] = True
+        if decoding.stop:
+            kwargs.update(stop_strings=list(decoding.stop), tokenizer=tokenizer)
+    if logprobs:
+        kwargs.update(output_logits=True, return_dict_in_generate=True)
+    if decoding.do_sample:
+        kwargs.update(temperature=decoding.temperature, top_p=decoding.top_p, top_k=decoding.top_k)
+    else:  # whatever sampling settings the model's generation_config carries do not apply
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    return kwargs
+
+
 def generate_batch(
     model: Any,
     tokenizer: Any,
@@ -179,30 +244,9 @@ def generate_batch(
         [[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in batch], device=device
     )
     eos = _eos_ids(model, tokenizer) + list(decoding.stop_token_ids)
-    kwargs: dict[str, Any] = {
-        "max_new_tokens": decoding.max_new_tokens,
-        "do_sample": decoding.do_sample,
-        "num_beams": 1,
-        "pad_token_id": pad,
-        "use_cache": True,
-    }
-    if full_length:
-        # no eos (the model's generation_config would stop a row at its own), and not synced:
-        # transformers would turn that on by itself for an FSDP model
-        kwargs.update(eos_token_id=None, synced_gpus=False)
-    else:
-        if eos:
-            kwargs["eos_token_id"] = eos
-        if synced:
-            kwargs["synced_gpus"] = True
-        if decoding.stop:
-            kwargs.update(stop_strings=list(decoding.stop), tokenizer=tokenizer)
-    if logprobs:
-        kwargs.update(output_logits=True, return_dict_in_generate=True)
-    if decoding.do_sample:
-        kwargs.update(temperature=decoding.temperature, top_p=decoding.top_p, top_k=decoding.top_k)
-    else:  # whatever sampling settings the model's generation_config carries do not apply
-        kwargs.update(temperature=None, top_p=None, top_k=None)
+    kwargs = generate_kwargs(
+        decoding, pad, eos, tokenizer, synced=synced, full_length=full_length, logprobs=logprobs
+    )
     # a batch's draws depend only on the seed and which prompts it holds, not on the rank
     seed = hash((decoding.seed, tuple(p.index for p in batch))) % (2**63)
     t0 = time.perf_counter()

@@ -40,8 +40,10 @@ __all__ = [
     "HFEngine",
     "LoraSpec",
     "VLLMOptions",
+    "call_problems",
     "check_name",
     "check_vllm",
+    "from_model",
     "make",
 ]
 
@@ -64,11 +66,9 @@ class HFEngine(Engine):
     def generate(
         self, prompts: list[decode.Prompt], decoding: decode.Decoding, logprobs: bool = False
     ) -> list[Completion]:
-        was_training = self.model.training
-        self.model.eval()
         out: list[Completion] = []
         t0 = time.perf_counter()
-        try:
+        with decode.generation_mode(self.model):
             for b in range(0, len(prompts), decoding.batch_size):
                 rows = decode.generate_batch(
                     self.model,
@@ -85,8 +85,6 @@ class HFEngine(Engine):
                     )
                     for r in rows
                 ]
-        finally:
-            self.model.train(was_training)
         took = time.perf_counter() - t0
         for c in out:
             c.seconds = took
@@ -124,3 +122,58 @@ def make(
     return vllm_engine.VLLMEngine(
         model_path, tokenizer, device, lora, rank, host, options or VLLMOptions()
     )
+
+
+def call_problems(decoding: decode.Decoding, engine: Any, chat_template_kwargs: Any) -> list[str]:
+    """What is wrong with a generate call's decoding, `engine` and `chat_template_kwargs` (none: [])."""
+    problems = decoding.problems() + check_name(engine)
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        problems.append(
+            f"chat_template_kwargs={chat_template_kwargs!r} must be a dict such as {{'enable_thinking': False}}, or None"
+        )
+    return problems
+
+
+def from_model(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[decode.Prompt],
+    d: Any,
+    decoding: decode.Decoding,
+    *,
+    engine: str = "hf",
+    synced: bool = False,
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+    model_path: str | None = None,
+    lora: LoraSpec | None = None,
+) -> list[dict[str, Any]] | None:
+    """Every prompt's completion from `model` as it is now, across the ranks of `d`: rank 0 gets the rows
+    of `decode.generate_across`, the others None; the model generates in `decode.generation_mode`.
+
+    engine "hf": transformers' `generate` on `model` itself (`synced`: it is sharded). "vllm": the rank's
+    kept vLLM engine on the base `model_path` (`vllm_engine.kept`, with room for `lora`), given `model`'s
+    adapter as it is now, in memory; the engine is kept for the next call (asleep, on a GPU) unless it
+    failed. Every rank must call it alike."""
+    problems = check_name(engine)
+    if problems:
+        raise ValueError(problems[0])
+    with decode.generation_mode(model):
+        if engine == "hf":
+            return decode.generate_across(model, tokenizer, prompts, d, decoding, synced, autocast)
+        from nbtrain.generation import vllm_engine
+
+        if model_path is None:
+            msg = 'engine="vllm" loads its own weights: pass model_path= (the base model)'
+            raise ValueError(msg)
+        # every rank has its engine before any generates: one that fails stops all of them
+        eng = d.agree(
+            lambda: vllm_engine.kept(model_path, tokenizer, d.device, lora, d.rank, d.host)
+        )
+        try:
+            eng.set_adapter(model)
+            rows = decode.generate_across(model, tokenizer, prompts, d, decoding, engine=eng)
+        except BaseException:
+            vllm_engine.forget()  # an engine that failed, or was interrupted mid-call, is not kept
+            raise
+        eng.sleep()  # on a GPU, its memory back to training until the next call
+        return rows

@@ -368,21 +368,23 @@ def _fill_lora(model: Any, adapter: str) -> None:
         raise ConfigError(msg)
 
 
-def _frame(rows_by_model: list[tuple[_Model, list[dict[str, Any]]]]) -> Any:
+def frame(columns: list[tuple[str, list[dict[str, Any]]]]) -> Any:
+    """The table rank 0 returns: (label, `decode.generate_across`'s rows) a column of completions each;
+    one column alone gives prompt, <label>, reference where known, tokens, seconds."""
     import pandas as pd
 
-    first = rows_by_model[0][1]
+    first = columns[0][1]
     table: dict[str, list[Any]] = {"prompt": [r["prompt"] for r in first]}
-    single = len(rows_by_model) == 1
-    texts = {"prompt", "reference", *(m.label for m, _ in rows_by_model)}
-    for m, rows in rows_by_model:
-        table[m.label] = [r["completion"] for r in rows]
+    single = len(columns) == 1
+    texts = {"prompt", "reference", *(label for label, _ in columns)}
+    for label, rows in columns:
+        table[label] = [r["completion"] for r in rows]
     if any(r["reference"] is not None for r in first):
         table["reference"] = [r["reference"] for r in first]
-    for m, rows in rows_by_model:
-        table["tokens" if single else f"tokens_{m.label}"] = [r["tokens"] for r in rows]
-    for m, rows in rows_by_model:
-        table["seconds" if single else f"seconds_{m.label}"] = [r["seconds"] for r in rows]
+    for label, rows in columns:
+        table["tokens" if single else f"tokens_{label}"] = [r["tokens"] for r in rows]
+    for label, rows in columns:
+        table["seconds" if single else f"seconds_{label}"] = [r["seconds"] for r in rows]
     # text columns as objects: a reference that is not known stays None (pandas' string dtype makes it NaN)
     return pd.DataFrame(
         {k: pd.Series(v, dtype=object if k in texts else None) for k, v in table.items()}
@@ -434,22 +436,17 @@ def generate(
     decoding = decode.Decoding(
         max_new_tokens, do_sample, temperature, top_p, top_k, seed, batch_size
     )
-    problems = decoding.problems()
+    problems = engines.call_problems(decoding, engine, chat_template_kwargs)
     if shard not in SHARDS:
         problems.append(
             f"shard={shard!r} is not supported by generate; use one of {', '.join(SHARDS)}"
         )
-    problems += engines.check_name(engine)
     if engine == "vllm" and (shard != "ddp" or load_in_4bit):
         problems.append(
             'engine="vllm" loads its own weights: use it with shard="ddp", no load_in_4bit'
         )
     if not isinstance(load_in_4bit, bool):
         problems.append(f"load_in_4bit={load_in_4bit!r} must be True or False")
-    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-        problems.append(
-            f"chat_template_kwargs={chat_template_kwargs!r} must be a dict such as {{'enable_thinking': False}}, or None"
-        )
     if model is not None and not isinstance(model, str | os.PathLike):
         problems.append(f"model={model!r} must be a Hub id or a model folder (a string)")
     if problems:
@@ -499,13 +496,13 @@ def generate(
         from nbtrain.generation import vllm_engine
 
         columns = vllm_engine.columns(models, base, tokenizer, tokenized, d, decoding)
-        return _frame(columns) if d.is_zero else None
+        return frame([(m.label, rows) for m, rows in columns]) if d.is_zero else None
     loader = _Loader(d, base, shard, load_in_4bit, dtype)
     synced = loader.sharded and d.world > 1
-    done: list[tuple[_Model, list[dict[str, Any]]]] = []
+    done: list[tuple[str, list[dict[str, Any]]]] = []
     for m in models:
         with loader.model(m) as net:
-            rows = decode.generate_across(net, tokenizer, tokenized, d, decoding, synced)
+            rows = engines.from_model(net, tokenizer, tokenized, d, decoding, synced=synced)
         if rows is not None:
-            done.append((m, rows))
-    return _frame(done) if d.is_zero else None
+            done.append((m.label, rows))
+    return frame(done) if d.is_zero else None

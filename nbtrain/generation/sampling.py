@@ -80,24 +80,21 @@ class Sampler:
         self.last = step
         d, model = recipe.d, recipe.peft_model
         t0 = time.perf_counter()
-        was_training, use_cache = model.training, model.config.use_cache
-        model.eval()
         try:
-            if self.engine is not None:
-                self.engine.set_adapter(model)  # this step's LoRA weights, in memory
-            rows = decode.generate_across(
-                model,
-                recipe.tokenizer,
-                self.prompts,
-                d,
-                self.decoding,
-                synced=recipe.sharded and d.world > 1 and self.engine is None,
-                autocast=recipe.autocast,
-                engine=self.engine,
-            )
+            with decode.generation_mode(model):
+                if self.engine is not None:
+                    self.engine.set_adapter(model)  # this step's LoRA weights, in memory
+                rows = decode.generate_across(
+                    model,
+                    recipe.tokenizer,
+                    self.prompts,
+                    d,
+                    self.decoding,
+                    synced=recipe.sharded and d.world > 1 and self.engine is None,
+                    autocast=recipe.autocast,
+                    engine=self.engine,
+                )
         finally:
-            model.train(was_training)
-            model.config.use_cache = use_cache
             if self.engine is not None:
                 self.engine.sleep()
         took = time.perf_counter() - t0

@@ -312,54 +312,51 @@ class Run:
         seed: int = 0,
         batch_size: int = 8,
         chat_template_kwargs: dict | None = None,
+        engine: str = "hf",
     ) -> Any:
         """Completions of `prompts` from the weights as they are now (nothing reloaded), across the
         run's ranks: on rank 0 a DataFrame (prompt, completion, reference where known, tokens, seconds),
-        None elsewhere. The arguments are `nbtrain.generate`'s; its draws leave the run's RNG alone."""
+        None elsewhere. The arguments are `nbtrain.generate`'s; its draws leave the run's RNG alone.
+
+        `engine="vllm"`: the rank's kept vLLM engine (the one the run's samples or rollouts use, or
+        `nbtrain.generate(engine="vllm")` left) on the run's base, given the adapter's current weights
+        in memory; for a run with shard="ddp" and no load_in_4bit.
+        """
         from nbtrain.data.prompts import read_prompts
-        from nbtrain.generation import decode
+        from nbtrain.generation import decode, engines
+        from nbtrain.generation.generate import frame
 
         r = self.recipe
         decoding = decode.Decoding(
             max_new_tokens, do_sample, temperature, top_p, top_k, seed, batch_size
         )
-        problems = decoding.problems()
+        problems = engines.call_problems(decoding, engine, chat_template_kwargs)
+        if engine == "vllm" and (r.cfg.shard != "ddp" or r.cfg.load_in_4bit):
+            problems.append(
+                'engine="vllm" loads the base in full precision, whole, beside each rank: use it in '
+                'a run with shard="ddp" and no load_in_4bit, or generate with engine="hf"'
+            )
         if problems:
             lines = "\n".join(f"  - {p}" for p in problems)
             msg = f"invalid Run.generate arguments:\n{lines}"
             raise ConfigError(msg)
         entries = read_prompts(prompts)
         kwargs = chat_template_kwargs if chat_template_kwargs is not None else r.template_kwargs
-        d, model = r.d, r.peft_model
+        d = r.d
         tokenized = d.agree(lambda: decode.encode(entries, r.tokenizer, kwargs))
-        was_training, use_cache = model.training, model.config.use_cache
-        model.eval()
-        try:
-            rows = decode.generate_across(
-                model,
-                r.tokenizer,
-                tokenized,
-                d,
-                decoding,
-                synced=r.sharded and d.world > 1,
-                autocast=r.autocast,
-            )
-        finally:
-            model.train(was_training)
-            model.config.use_cache = use_cache
-        if rows is None:
-            return None
-        import pandas as pd
-
-        table: dict[str, list[Any]] = {
-            "prompt": [x["prompt"] for x in rows],
-            "completion": [x["completion"] for x in rows],
-        }
-        if any(x["reference"] is not None for x in rows):
-            table["reference"] = [x["reference"] for x in rows]
-        table["tokens"] = [x["tokens"] for x in rows]
-        table["seconds"] = [x["seconds"] for x in rows]
-        return pd.DataFrame({k: pd.Series(v, dtype=object) for k, v in table.items()})
+        rows = engines.from_model(
+            r.peft_model,
+            r.tokenizer,
+            tokenized,
+            d,
+            decoding,
+            engine=engine,
+            synced=r.sharded and d.world > 1,
+            autocast=r.autocast,
+            model_path=r.cfg.model,
+            lora=engines.LoraSpec(r=r.cfg.lora_r, alpha=r.cfg.lora_alpha),
+        )
+        return None if rows is None else frame([("completion", rows)])
 
     # ---- writing
 

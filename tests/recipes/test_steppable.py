@@ -265,6 +265,29 @@ def test_set_learning_rate_and_refusals(tiny, tmp_path, capsys):
     assert resumed.global_step == 8
 
 
+def test_generate_engine_hf_is_the_default_and_nbtrain_generate_s(tiny, tmp_path):
+    """Run.generate(engine="hf") is the default's table, and the one nbtrain.generate makes from the
+    adapter the run exports at that step (one generation path); the run's train mode comes back."""
+    from pandas.testing import assert_frame_equal
+
+    out = tmp_path / "gen"
+    prompts = ["Add 12 and 30.", [{"role": "user", "content": "Say hi"}], "Name a colour."]
+    run = nbtrain.Run(_sft(tiny, out, max_steps=4))
+    run.train(steps=2)
+    kw = dict(max_new_tokens=6, do_sample=True, seed=4, batch_size=2)
+    default = run.generate(prompts, **kw)
+    hf = run.generate(prompts, engine="hf", **kw)
+    assert run.model.training and len(default) == 3 and default["tokens"].min() >= 1
+    # seconds are each call's own
+    assert_frame_equal(default.drop(columns="seconds"), hf.drop(columns="seconds"))
+    run.export()
+    exported = nbtrain.generate(prompts, model=tiny, adapter=str(out / "adapter"), **kw)
+    assert_frame_equal(default.drop(columns="seconds"), exported.drop(columns="seconds"))
+    with pytest.raises(ConfigError, match="engine='tgi' is not an engine"):
+        run.generate(prompts, engine="tgi")
+    run.close()
+
+
 def test_disaggregated_grpo_is_refused(tiny, tmp_path):
     with pytest.raises(ConfigError, match="collocated only"):
         nbtrain.Run(_grpo(tiny, tmp_path / "d", actor="actor", rollout="rollout"))

@@ -232,17 +232,13 @@ def generate_part(
     if engine is not None:
         got = _engine_rows(engine, model, todo, decoding)
     else:
-        was_training = model.training
-        model.eval()
-        try:
+        with decode.generation_mode(model):
             size = decoding.batch_size
             for b in range(0, len(todo), size):
                 out = decode.generate_batch(
                     model, tokenizer, todo[b : b + size], decoding, device, False, autocast
                 )
                 got.update({r["index"]: list(r["ids"]) for r in out})
-        finally:
-            model.train(was_training)
     eos = eos_ids(model, tokenizer) | {tokenizer.pad_token_id}
     completion_ids = [got[p.index] for p in todo]
     return Part(
