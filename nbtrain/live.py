@@ -22,7 +22,7 @@ from nbtrain.plots import (
     format_value,
     numeric_keys,
     overview,
-    series_colour,
+    run_line_colours,
     unit,
 )
 
@@ -78,6 +78,8 @@ class LiveDisplay:
         self.run_kind: str | None = None
         #: the loss axis' title a caller gave without a kind (the Tinker service's "summed loss")
         self.loss_unit: str | None = None
+        #: the run's registry id: its loss is drawn in the run's colour, as in the Lab
+        self.run_id: str | None = None
         self.ended: str | None = None
         self.t0 = time.monotonic()
         self.closed = False
@@ -95,6 +97,7 @@ class LiveDisplay:
             self.name = payload.get("name")
             self.run_kind = payload.get("run_kind")
             self.loss_unit = payload.get("loss_unit")
+            self.run_id = payload.get("run_id")
             self.ended = None
             self.t0 = time.monotonic()
             self.rows = []
@@ -159,13 +162,14 @@ class LiveDisplay:
         for ax, chart in zip(self._axes, plots, strict=True):
             ax.clear()
             ax.patch.set_alpha(0.0)
-            for i, key in enumerate(chart.keys):
+            colours = run_line_colours(self.run_id, len(chart.keys))
+            for key, colour in zip(chart.keys, colours, strict=True):
                 pts = _points(self.rows, key)
                 if pts:
                     # eval loss is sparse: its points marked
                     style = "o-" if key.startswith("eval_") else "-"
                     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-                    ax.plot(xs, ys, style, color=series_colour(i), label=key, lw=1.5, ms=3)
+                    ax.plot(xs, ys, style, color=colour, label=key, lw=1.5, ms=3)
             style_axes(ax, title=chart.title, ylabel=self._y_title(chart.keys[0]), xlabel="step")
             if len(chart.keys) > 1 and ax.get_lines():
                 legend(ax, loc="upper right")
@@ -181,7 +185,7 @@ class LiveDisplay:
         panels = [
             _svg_panel(
                 self.rows,
-                [(k, series_colour(j)) for j, k in enumerate(chart.keys)],
+                list(zip(chart.keys, run_line_colours(self.run_id, len(chart.keys)), strict=True)),
                 chart.title,
                 x0=(i % 2) * SVG_W,
                 y0=(i // 2) * SVG_H,

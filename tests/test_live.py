@@ -6,6 +6,8 @@ characters."""
 from __future__ import annotations
 
 import io
+import re
+from pathlib import Path
 
 from nbtrain import plots
 from nbtrain.live import LiveDisplay
@@ -257,3 +259,49 @@ def test_a_dpo_run_titles_its_loss_without_a_unit(tiny, tmp_path, monkeypatch):
         "rewards/accuracies",
         "tokens/s",
     ]
+
+
+LAB = Path(__file__).resolve().parents[1] / "labextension"
+
+
+def _ts_palette(name):
+    """A palette array as labextension/src/metrics.ts declares it (the Lab's own colours)."""
+    src = (LAB / "src" / "metrics.ts").read_text()
+    body = re.search(rf"export const {name} = \[(.*?)\];", src, re.S)
+    assert body is not None, f"metrics.ts declares no {name}"
+    return tuple(re.findall(r"'(#[0-9a-fA-F]{6})'", body.group(1)))
+
+
+def test_the_loss_is_drawn_in_the_runs_colour_of_the_lab():
+    # the Lab's vitest pins what its run panel draws for this run (tests/metrics.test.ts, SHARED_RUN)
+    vitest = (LAB / "tests" / "metrics.test.ts").read_text()
+    pinned = re.search(r"SHARED_RUN = \{ id: '(\w+)', lines: \['(#\w+)', '(#\w+)'\] \}", vitest)
+    assert pinned is not None, "metrics.test.ts pins no SHARED_RUN"
+    run_id, lab_loss, lab_next = pinned.groups()
+    assert _ts_palette("PALETTE_LIGHT") == plots.PALETTE_LIGHT
+    assert _ts_palette("PALETTE_DARK") == plots.PALETTE_DARK
+    # the run's colour is not the palette's first: the notebook used to start every run there
+    assert plots.run_colour(run_id) == lab_loss != plots.PALETTE_LIGHT[0]
+    rows = [
+        {"step": s, "loss": 0.69 - 0.01 * s, "eval_loss": 0.7 if s == 3 else None}
+        for s in (1, 2, 3)
+    ]
+    live = LiveDisplay(min_interval=1e9)
+    live.feed(
+        {"kind": "begin", "total_steps": 4, "name": "run", "run_kind": "dpo", "run_id": run_id}
+    )
+    for row in rows:
+        live.feed({"kind": "row", "row": row})
+    svg = live._svg()
+    live._png()
+    loss_ax = live._axes[0]
+    lines = {line.get_label(): line.get_color() for line in loss_ax.get_lines()}
+    assert lines == {"loss": lab_loss, "eval_loss": lab_next}
+    assert f"stroke='{lab_loss}'" in svg and f"stroke='{lab_next}'" in svg
+    assert f"stroke='{plots.PALETTE_LIGHT[1]}'" not in svg  # not the palette in order
+    # a new run in the same display takes its own colour
+    other = "5e1f0c2a9d3b"
+    live.feed({"kind": "begin", "run_kind": "dpo", "run_id": other})
+    live.feed({"kind": "row", "row": rows[0]})
+    assert f"stroke='{plots.run_colour(other)}'" in live._svg()
+    assert plots.run_colour(other) != lab_loss

@@ -195,6 +195,9 @@ describe('smoothing that never lies', () => {
   });
 });
 
+// a run id whose colour is palette index 7 (its next line wraps to 0), pinned for the notebook's test
+const SHARED_RUN = { id: 'c0ffee123456', lines: ['#666666', '#1f6fb4'] };
+
 describe('colours', () => {
   it('hashes a run id with FNV-1a, as the notebook does', () => {
     // the published FNV-1a 32-bit test vectors
@@ -221,6 +224,14 @@ describe('colours', () => {
     for (const c of PALETTE_LIGHT) {
       expect(contrast(c, '#ffffff')).toBeGreaterThanOrEqual(4.5);
     }
+  });
+
+  it("draws the pinned run's lines in the colours the notebook's live plot uses", () => {
+    // tests/test_live.py reads SHARED_RUN and checks that the notebook draws this run's loss and
+    // eval loss in these colours: the Lab and the notebook give a run one colour
+    expect(runLineColours(SHARED_RUN.id, 2).map(i => PALETTE_LIGHT[i])).toEqual(
+      SHARED_RUN.lines
+    );
   });
 
   it("draws a run panel's first line in the run's own colour (its sidebar dot), then the next ones", () => {

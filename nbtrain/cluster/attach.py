@@ -231,6 +231,7 @@ def follow_run(
                     "total_steps": run.get("total_steps"),
                     "name": run.get("name"),
                     "loss_unit": loss_unit(run.get("kind")),
+                    "run_id": run.get("id"),
                 }
             )
     rows: list[dict[str, Any]] = []

@@ -92,9 +92,11 @@ def begin(
     name: str | None = None,
     kind: str | None = None,
     loss_unit: str | None = None,
+    run_id: str | None = None,
 ) -> None:
-    """Announce a run: the live display sizes its progress bar from `total_steps` and titles the loss
-    axis `loss_unit` (a recipe's: `nbtrain.runs.loss_unit(kind)`; "nats/token" when not given)."""
+    """Announce a run: the live display sizes its progress bar from `total_steps`, titles the loss
+    axis `loss_unit` (a recipe's: `nbtrain.runs.loss_unit(kind)`; "nats/token" when not given) and
+    draws the loss in the colour of `run_id` (`nbtrain.runs.run_id_for`), as the Lab does."""
     _publish(
         {
             "kind": "begin",
@@ -102,6 +104,7 @@ def begin(
             "name": name,
             "run_kind": kind,
             "loss_unit": loss_unit,
+            "run_id": run_id,
         }
     )
 

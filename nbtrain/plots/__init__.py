@@ -28,6 +28,7 @@ from nbtrain.plots.style import (
     nice_ticks,
     png_bytes,
     run_colour,
+    run_line_colours,
     series_colour,
     style_axes,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "overview",
     "png_bytes",
     "run_colour",
+    "run_line_colours",
     "series_colour",
     "smoothed",
     "style_axes",

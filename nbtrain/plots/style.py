@@ -75,6 +75,17 @@ def series_colour(i: int, palette: tuple[str, ...] = PALETTE_LIGHT) -> str:
     return palette[i % len(palette)]
 
 
+def run_line_colours(
+    run_id: str | None, n: int, palette: tuple[str, ...] = PALETTE_LIGHT
+) -> list[str]:
+    """The colours of one run's `n` lines in a chart of its own, as the Lab's run panel draws them
+    (metrics.ts `runLineColours`): the run's colour for the first (the loss), then the palette's
+    next ones, so no colour repeats in a chart of up to 8 lines. Rows with no run (your own
+    `nbtrain.log`) take the palette in order."""
+    first = 0 if run_id is None else fnv1a32(run_id) % len(palette)
+    return [palette[(first + i) % len(palette)] for i in range(n)]
+
+
 def nice_ticks(lo: float, hi: float, n: int = Y_TICKS, integer: bool = False) -> list[float]:
     """Ticks of step 1, 2 or 5 x 10^n covering [lo, hi]: the first at or below lo, the last at or
     above hi, about `n` of them (whole numbers only when `integer`)."""
@@ -219,6 +230,7 @@ __all__ = [
     "nice_ticks",
     "png_bytes",
     "run_colour",
+    "run_line_colours",
     "series_colour",
     "style_axes",
 ]

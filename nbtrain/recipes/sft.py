@@ -37,7 +37,7 @@ from nbtrain.recipes.preempt import Preempted, Preemption
 from nbtrain.recipes.preempt import message as preempt_message
 from nbtrain.recipes.run_setup import RunSetup
 from nbtrain.recipes.span import drop_taken
-from nbtrain.runs import loss_unit
+from nbtrain.runs import loss_unit, run_id_for
 from nbtrain.telemetry.report import Meter, flops_per_token, peak_flops
 
 
@@ -124,6 +124,7 @@ class SFTRecipe(RunSetup):
             name=self.name,
             kind=self.kind,
             loss_unit=loss_unit(self.kind),
+            run_id=run_id_for(self.out),
         )
         self.state = "failed"
         self.step = self.start_step

@@ -154,7 +154,12 @@ class ModelRun:
 
                 self._display = LiveDisplay()
                 self._display.feed(
-                    {"kind": "begin", "name": f"tinker {self.model_id}", "loss_unit": LOSS_UNIT}
+                    {
+                        "kind": "begin",
+                        "name": f"tinker {self.model_id}",
+                        "loss_unit": LOSS_UNIT,
+                        "run_id": self.run_id,
+                    }
                 )
             self._display.feed(payload)
         except Exception:  # noqa: BLE001 - a plot that cannot draw must not fail the request
