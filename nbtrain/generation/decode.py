@@ -27,6 +27,7 @@ from nbtrain.data import chat
 from nbtrain.data.prompts import Entry
 from nbtrain.engine import interrupts
 from nbtrain.errors import ConfigError, NbtrainError
+from nbtrain.generation.utf8 import decode_completion
 
 
 class EngineFailedElsewhere(NbtrainError, RuntimeError):
@@ -267,7 +268,7 @@ def generate_batch(
         rows.append(
             {
                 "index": p.index,
-                "completion": tokenizer.decode(new[:n], skip_special_tokens=True),
+                "completion": decode_completion(tokenizer, new[:n]),
                 "tokens": n,
                 "seconds": seconds,
                 "ids": new[:n],  # the token ids themselves (GRPO trains on them)

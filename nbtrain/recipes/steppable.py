@@ -28,7 +28,7 @@ from nbtrain.errors import ConfigError
 from nbtrain.model import checkpoint as ckpt
 from nbtrain.recipes.hooks import Hooks
 from nbtrain.recipes.sft import SFTRecipe, TrainResult
-from nbtrain.runs import loss_unit
+from nbtrain.runs import loss_unit, run_id_for
 
 __all__ = ["CHANGEABLE", "Run"]
 
@@ -208,7 +208,13 @@ class Run:
             ckpt.set_rng_state(self._rng)
         r.model.train()
         r.meter.exclude(time.perf_counter() - self._paused_at)
-        live.begin(total_steps=r.total_steps, name=r.name, kind=r.kind, loss_unit=loss_unit(r.kind))
+        live.begin(
+            total_steps=r.total_steps,
+            name=r.name,
+            kind=r.kind,
+            loss_unit=loss_unit(r.kind),
+            run_id=run_id_for(r.out),
+        )
         for row in r.history:
             live.log(**row)
 
