@@ -117,14 +117,22 @@ async function runCell(page: Page, index: number): Promise<Locator> {
   const run = page.locator(
     '.jp-NotebookPanel-toolbar [data-command="notebook:run-cell-and-select-next"]'
   );
-  // a click can land while Lab is still moving focus about: until the cell is queued ([*]: or
-  // a number; [ ]: is not run), select it and press run again
+  // a click can land while Lab is still moving focus about, and on a loaded machine (the CI runs
+  // this beside two other lanes) the toolbar can be slow to answer: until the cell is queued ([*]:
+  // or a number; [ ]: is not run), select it and run it again, by the toolbar's button and by the
+  // keyboard (Ctrl+Enter in command mode) in turn, no one try allowed to use up the time
+  let tries = 0;
   await expect(async () => {
-    await prompt.click();
-    await expect(c).toHaveClass(/jp-mod-selected/, { timeout: 1_000 });
-    await run.click();
-    await expect(prompt).not.toHaveText('[ ]:', { timeout: 3_000 });
-  }).toPass({ timeout: 30_000 });
+    tries += 1;
+    await prompt.click({ timeout: 5_000 });
+    await expect(c).toHaveClass(/jp-mod-selected/, { timeout: 2_000 });
+    if (tries % 2 === 1) {
+      await run.click({ timeout: 5_000 });
+    } else {
+      await page.keyboard.press('Control+Enter');
+    }
+    await expect(prompt).not.toHaveText('[ ]:', { timeout: 5_000 });
+  }).toPass({ timeout: 90_000 });
   await expect(prompt).toHaveText(/^\[\d+\]:$/, { timeout: 60_000 });
   return c;
 }
@@ -158,7 +166,7 @@ test.afterAll(async () => {
 test('the cluster picker renders, starts 2 local engines, probes and stops them', async ({
   page
 }) => {
-  test.setTimeout(150_000);
+  test.setTimeout(300_000);
   writeNotebook();
   // a workspace of its own: the default one, which training.spec.ts opens, keeps no notebook tab
   await page.goto(`/lab/workspaces/picker/tree/${notebook}?token=${token}`);
