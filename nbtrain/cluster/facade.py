@@ -131,7 +131,12 @@ class Cluster(Session):
         return said
 
     def serve_tinker(
-        self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, root: Any = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        root: Any = None,
+        session_timeout: float = 600.0,
     ) -> Any:
         """Serve the Tinker protocol on this cluster's ranks; twin of %nbtrain serve tinker.
 
@@ -141,7 +146,8 @@ class Cluster(Session):
 
         Listens on the loopback unless `host` says otherwise, which needs an `api_key` ("tml-...")
         that every request must then send. Checkpoints go under `root` (default
-        $NBTRAIN_HOME/tinker).
+        $NBTRAIN_HOME/tinker). A session with no heartbeat or request for `session_timeout` s
+        (0: never) ends: its models are saved, then unloaded.
         """
         from nbtrain.cluster.faults import recovery
         from nbtrain.tinker import serve
@@ -151,7 +157,15 @@ class Cluster(Session):
             dead = recovery.dead_ranks(self)
             return "; ".join(recovery.describe_death(self, r).describe() for r in dead) or None
 
-        return serve(self, host=host, port=port, api_key=api_key, root=root, watch=watch)
+        return serve(
+            self,
+            host=host,
+            port=port,
+            api_key=api_key,
+            root=root,
+            watch=watch,
+            session_timeout=session_timeout,
+        )
 
     def _tinker_service(self) -> Any:
         serving = sys.modules.get("nbtrain.tinker.serve")  # never served: nothing to import or stop

@@ -34,6 +34,13 @@ def add_serve_command(sub: Any) -> None:
         default=None,
         help="folder of the models' runs and checkpoints (default $NBTRAIN_HOME/tinker)",
     )
+    p.add_argument(
+        "--session-timeout",
+        type=float,
+        default=600.0,
+        help="seconds without a heartbeat or request after which a session ends, its models "
+        "saved then unloaded (default 600; 0: never)",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> Any:
@@ -50,7 +57,12 @@ def cmd_serve(args: argparse.Namespace) -> Any:
         return None
     cluster = current_cluster()
     service = serve_tinker(
-        cluster, host=args.host, port=args.port, api_key=args.api_key, root=args.root
+        cluster,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        root=args.root,
+        session_timeout=args.session_timeout,
     )
     where = (
         f"{cluster.world_size} rank(s)"

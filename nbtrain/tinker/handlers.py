@@ -156,6 +156,7 @@ class RetrieveFuture(Base):
                 404, f"request {rid!r} is not known to this service (it may have been restarted)."
             )
             return
+        self.verbs.seen(fut.model_id)  # a client that polls is alive
         if not fut.finished():
             wrapped = asyncio.wrap_future(fut.done)
             await asyncio.wait([wrapped], timeout=POLL_S)

@@ -20,6 +20,7 @@ from typing import Any
 
 from nbtrain.errors import ConfigError
 from nbtrain.tinker.backend import Backend, ClusterBackend, InProcessBackend
+from nbtrain.tinker.expiry import SESSION_TIMEOUT_S
 from nbtrain.tinker.verbs import Verbs
 
 _current: TinkerService | None = None
@@ -56,7 +57,10 @@ def check_key(host: str, api_key: str | None) -> None:
 
 
 class TinkerService:
-    """A Tinker-compatible service: `.url`, `.api_key`, `.status()`, `.reload()`, `.stop()`."""
+    """A Tinker-compatible service: `.url`, `.api_key`, `.status()`, `.reload()`, `.stop()`.
+
+    A session with no heartbeat or request for `session_timeout` seconds (0: never) is ended: its
+    models are saved, then unloaded (`nbtrain.tinker.expiry`)."""
 
     def __init__(
         self,
@@ -67,6 +71,7 @@ class TinkerService:
         root: str | os.PathLike[str] | None = None,
         cluster_id: str | None = None,
         world: int = 1,
+        session_timeout: float = SESSION_TIMEOUT_S,
     ):
         import tornado.httpserver
         import tornado.netutil
@@ -76,6 +81,9 @@ class TinkerService:
         from nbtrain.tinker.handlers import routes
 
         check_key(host, api_key)
+        from nbtrain.tinker.expiry import check_timeout
+
+        check_timeout(session_timeout)
         wire.pb()  # the SDK's messages: a clear ImportError now, not a 400 per request later
         from nbtrain.runs import nbtrain_home
 
@@ -86,7 +94,9 @@ class TinkerService:
         self.checked = api_key is not None
         self.api_key = api_key or f"tml-nbtrain-{secrets.token_hex(12)}"
         self.backend = backend
-        self.verbs = Verbs(backend, self.root, cluster_id=cluster_id, world=world)
+        self.verbs = Verbs(
+            backend, self.root, cluster_id=cluster_id, world=world, session_timeout=session_timeout
+        )
         # no access log: a training loop makes thousands of requests, and refusals are the client's to show
         app = tornado.web.Application(
             routes(self.verbs, api_key), log_function=lambda handler: None
@@ -94,6 +104,8 @@ class TinkerService:
         sockets = tornado.netutil.bind_sockets(port, address=host, family=socket.AF_UNSPEC)
         self.port = sockets[0].getsockname()[1]
         self._loop = asyncio.new_event_loop()
+        self.stopped = False
+        self._timer: asyncio.TimerHandle | None = None
         started = threading.Event()
 
         def serve() -> None:
@@ -102,6 +114,7 @@ class TinkerService:
                 app, max_body_size=1 << 30, idle_connection_timeout=300
             )
             self._server.add_sockets(sockets)
+            self._rearm()
             started.set()
             self._loop.run_forever()
             self._loop.close()
@@ -111,7 +124,32 @@ class TinkerService:
         )
         self._thread.start()
         started.wait(10)
-        self.stopped = False
+
+    def _expire_idle(self) -> None:
+        # on the server's loop, between requests: one timer for every session
+        try:
+            self.verbs.expire_idle()
+        except Exception as e:  # noqa: BLE001 - the service serves on; the next tick tries again
+            print(f"nbtrain: the Tinker service's session expiry failed: {e}", file=sys.stderr)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self.stopped:
+            self._timer = self._loop.call_later(self.verbs.check_every(), self._expire_idle)
+
+    @property
+    def session_timeout(self) -> float:
+        """Seconds without a heartbeat or request after which a session ends (0: never); settable."""
+        return self.verbs.session_timeout
+
+    @session_timeout.setter
+    def session_timeout(self, seconds: float) -> None:
+        from nbtrain.tinker.expiry import check_timeout
+
+        self.verbs.session_timeout = check_timeout(seconds)
+        self._loop.call_soon_threadsafe(self._rearm)  # the next check at the new pace
 
     @property
     def url(self) -> str:
@@ -185,9 +223,11 @@ def serve(
     api_key: str | None = None,
     root: str | os.PathLike[str] | None = None,
     watch: Any = None,
+    session_timeout: float = SESSION_TIMEOUT_S,
 ) -> TinkerService:
     """Serve the Tinker protocol over `session`'s ranks (a `Cluster`), or in this kernel when None;
-    `watch()` names dead ranks (see `ClusterBackend`).
+    `watch()` names dead ranks (see `ClusterBackend`); `session_timeout` (s, 0: never) ends idle
+    sessions, their models saved first.
 
     One service at a time: a running one is stopped first."""
     global _current
@@ -204,6 +244,7 @@ def serve(
         root=root,
         cluster_id=getattr(session, "cluster_id", None),
         world=getattr(session, "world_size", 1),
+        session_timeout=session_timeout,
     )
     _current = service
     _export(service)
@@ -262,10 +303,15 @@ def serve_tinker(
     port: int = 0,
     api_key: str | None = None,
     root: str | os.PathLike[str] | None = None,
+    session_timeout: float = SESSION_TIMEOUT_S,
 ) -> TinkerService:
     """`nbtrain.serve_tinker()`: the Tinker service on `cluster`'s ranks, or in this kernel (None).
+    A session with no heartbeat or request for `session_timeout` seconds (0: never) is ended, its
+    models saved (the path is printed, and named to later requests) and then unloaded.
 
     In [1]: svc = nbtrain.serve_tinker()            # no cluster: the models live in this kernel
     In [2]: sc = tinker.ServiceClient(base_url=nbtrain.tinker_url())
     """
-    return serve(cluster, host=host, port=port, api_key=api_key, root=root)
+    return serve(
+        cluster, host=host, port=port, api_key=api_key, root=root, session_timeout=session_timeout
+    )

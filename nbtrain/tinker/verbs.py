@@ -18,6 +18,7 @@ from typing import Any
 from nbtrain.tinker import protocol as proto
 from nbtrain.tinker import wire
 from nbtrain.tinker.backend import Backend
+from nbtrain.tinker.expiry import SESSION_TIMEOUT_S, Expiry, check_timeout
 from nbtrain.tinker.futures import Executor, Future, Payload
 from nbtrain.tinker.protocol import RequestError, bad, get_field
 from nbtrain.tinker.sampling import Sampling
@@ -53,14 +54,24 @@ class Model:
 class Session:
     session_id: str
     created: float = field(default_factory=time.time)
+    #: its last heartbeat or request (what `Expiry` measures idleness from)
     heartbeat: float = field(default_factory=time.time)
     finished: str | None = None
+    #: why it expired and where its models' state went (`Expiry`)
+    expired: str | None = None
 
 
-class Verbs(Sampling):
+class Verbs(Sampling, Expiry):
     """The service's state and its endpoints' logic; `backend` runs the verbs."""
 
-    def __init__(self, backend: Backend, root: Path, cluster_id: str | None = None, world: int = 1):
+    def __init__(
+        self,
+        backend: Backend,
+        root: Path,
+        cluster_id: str | None = None,
+        world: int = 1,
+        session_timeout: float = SESSION_TIMEOUT_S,
+    ):
         self.backend = backend
         self.root = root
         self.cluster_id = cluster_id
@@ -69,6 +80,8 @@ class Verbs(Sampling):
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, dict[str, Any]] = {}
+        self.session_timeout = check_timeout(session_timeout)
+        self.expired: dict[str, str] = {}
         self._lock = threading.Lock()
         #: whether a preemption notice checkpoints the models (`arm`)
         self.armed = False
@@ -90,24 +103,29 @@ class Verbs(Sampling):
             self.sessions[sid] = Session(sid)
         return {"type": "create_session", "session_id": sid}
 
-    def session(self, sid: Any) -> Session:
+    def session(self, sid: Any, live: bool = True) -> Session:
         s = self.sessions.get(sid) if isinstance(sid, str) else None
         if s is None:
             raise RequestError(
                 404, f"session {sid!r} is not known to this service (create_session first)."
             )
+        if live and s.expired is not None:
+            raise RequestError(404, f"{s.expired} Start a new session (a new ServiceClient).")
+        self.touch(s)
         return s
 
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
-        s = self.session(body.get("session_id"))
+        s = self.session(body.get("session_id"), live=False)
         if s.finished is not None:
-            raise RequestError(410, f"session {s.session_id} has finished ({s.finished}).")
-        s.heartbeat = time.time()
+            # 410: the SDK stops heartbeating a finished session
+            raise RequestError(
+                410, s.expired or f"session {s.session_id} has finished ({s.finished})."
+            )
         return {"type": "session_heartbeat"}
 
     def finish_session(self, sid: str, body: dict[str, Any]) -> dict[str, Any]:
         """Mark the session finished, free its models on the ranks, finish their runs."""
-        s = self.session(sid)
+        s = self.session(sid, live=False)
         if s.finished is not None:
             return {}
         reason: dict[str, Any] = body["reason"] if isinstance(body.get("reason"), dict) else {}
@@ -134,7 +152,11 @@ class Verbs(Sampling):
 
     # --- models ---------------------------------------------------------------------------------
     def model(self, mid: Any) -> Model:
+        if isinstance(mid, str) and mid in self.expired:
+            raise RequestError(404, self.expired[mid])
         m = self.models.get(mid) if isinstance(mid, str) else None
+        if m is not None:
+            self.touch(self.sessions.get(m.session_id))
         if m is None:
             raise RequestError(
                 404, f"model {mid!r} is not held by this service; create_model or load it first."
@@ -471,8 +493,10 @@ class Verbs(Sampling):
         return self.wait("reload", run)
 
     def close(self) -> None:
+        # the worker first (what it runs now ends, what is queued fails): an unload it runs would
+        # otherwise write a run's record while this thread writes it too
+        self.executor.fail_all("the Tinker service was stopped.")
+        self.executor.stop()
         for m in list(self.models.values()):
             if m.run is not None:
                 m.run.finish("stopped")
-        self.executor.fail_all("the Tinker service was stopped.")
-        self.executor.stop()

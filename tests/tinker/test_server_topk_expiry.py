@@ -105,3 +105,57 @@ def test_topk_prompt_and_sample_logprobs_are_torch_topk_of_the_models_logits(tin
     plain = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
     assert plain[0] is None and plain[1] == pytest.approx(float(logp[0, prompt[1]]), abs=1e-4)
     sc.close("success").result()
+
+
+def test_an_idle_session_is_saved_then_unloaded_and_load_weights_resumes_it(tiny, env, capfd):
+    import time
+
+    import tinker
+    import torch
+    from tinker import types
+
+    import nbtrain
+
+    with pytest.raises(nbtrain.ConfigError, match="session_timeout"):
+        nbtrain.serve_tinker(root=env / "svc", session_timeout=-1)
+    svc = nbtrain.serve_tinker(root=env / "svc", session_timeout=0)  # 0: never, while it trains
+    sc = tinker.ServiceClient(base_url=svc.url, api_key=svc.api_key)
+    tc = sc.create_lora_training_client(base_model=tiny, rank=4, seed=0).result()
+    sid = tc.model_id.split(":")[0]
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 17, 33, 80, 9]),
+        loss_fn_inputs={"target_tokens": [17, 33, 80, 9, 2], "weights": [0, 1, 1, 1, 1]},
+    )
+    tc.forward_backward([d], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    trained = tc.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+    assert [r["model_id"] for r in svc.status()] == [tc.model_id]
+
+    # the SDK heartbeats every 10 s: with a 1 s timeout the session is idle long enough at once
+    svc.session_timeout = 1.0
+    t0 = time.time()
+    while tc.model_id in svc.verbs.models and time.time() - t0 < 30:
+        time.sleep(0.1)
+    waited = time.time() - t0
+    assert tc.model_id not in svc.verbs.models, "the session did not expire within 30 s"
+    assert 0.5 < waited < 10
+    assert svc.status() == []  # the ranks hold it no more
+    saved = svc.verbs.sessions[sid].expired
+    assert saved is not None and "expired" in saved
+    path = next(w.rstrip(".") for w in saved.split() if w.startswith("tinker://"))
+    assert path.startswith(f"tinker://{tc.model_id}/weights/expired-")
+    folder = svc.root / tc.model_id.replace(":", "_") / "weights" / path.rsplit("/", 1)[1]
+    assert (folder / "service.json").is_file()
+    assert path in capfd.readouterr().err  # logged, naming the path
+
+    # a later request for the model: a 404 naming the path (not retried by the SDK)
+    with pytest.raises(tinker.NotFoundError, match=path):
+        tc.forward([d], "cross_entropy").result()
+    sc.close("success").result()  # finishing an expired session is no error
+
+    svc.session_timeout = 0
+    sc2 = tinker.ServiceClient(base_url=svc.url, api_key=svc.api_key)
+    tc2 = sc2.create_training_client_from_state_with_optimizer(path).result()
+    again = tc2.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+    torch.testing.assert_close(again, trained)
+    sc2.close("success").result()
