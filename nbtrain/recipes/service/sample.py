@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import ConfigError
-from nbtrain.generation.decode import own_rng
+from nbtrain.generation.decode import Decoding, generate_kwargs, own_rng
 from nbtrain.recipes.service import registry, state
 
 
@@ -158,27 +158,18 @@ def _decode_share(
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     ids = torch.as_tensor([prompt] * n, dtype=torch.long, device=base.device)
     greedy = p["temperature"] == 0
-    kwargs: dict[str, Any] = {
-        "max_new_tokens": p["max_tokens"],
-        "do_sample": not greedy,
-        "num_beams": 1,
-        "pad_token_id": pad,
-        "use_cache": True,
-        # the model's own end-of-sequence would stop rows that the caller's `stop` lets go on
-        "eos_token_id": stop_ids or None,
-        "output_logits": True,
-        "return_dict_in_generate": True,
-    }
-    if strings:
-        kwargs.update(stop_strings=strings, tokenizer=tok)
-    if greedy:
-        kwargs.update(temperature=None, top_p=None, top_k=None)
-    else:
-        kwargs.update(
-            temperature=float(p["temperature"]),
-            top_p=float(p["top_p"]),
-            top_k=p["top_k"] if p["top_k"] > 0 else 0,
-        )
+    decoding = Decoding(
+        max_new_tokens=p["max_tokens"],
+        do_sample=not greedy,
+        temperature=float(p["temperature"]),
+        top_p=float(p["top_p"]),
+        top_k=p["top_k"] if p["top_k"] > 0 else 0,
+        stop=tuple(strings),
+    )
+    kwargs = generate_kwargs(decoding, pad, stop_ids, tok, logprobs=True)
+    # the caller's stop ids alone (none: None), even empty: the model's own end-of-sequence would stop
+    # rows that the caller's `stop` lets go on
+    kwargs["eos_token_id"] = stop_ids or None
     with own_rng(seed, base.device), torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
     steps = len(out.logits)
