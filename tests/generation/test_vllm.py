@@ -248,6 +248,35 @@ def test_the_kept_engine_is_reused_only_for_what_it_was_started_for(setup):
         vllm_engine._kept.pop("engine", None)  # the module's engine is the fixture's to close
 
 
+def test_run_generate_with_vllm_equals_hf_on_the_weights_as_they_are(setup, tmp_path):
+    """nbtrain.Run.generate(engine="vllm") takes the rank's kept engine (the module's: nothing starts),
+    sends it the adapter as trained so far, and gives the greedy table engine="hf" gives."""
+    import nbtrain
+    from nbtrain.data.examples import instructions_path
+    from nbtrain.generation import vllm_engine
+
+    cfg = nbtrain.SFTConfig(
+        model=setup["base"], data=instructions_path(), output_dir=str(tmp_path / "run"), max_steps=4,
+        per_device_train_batch_size=4, learning_rate=5e-2, max_length=64, save_steps=None, lora_r=8,
+    )  # fmt: skip
+    run = nbtrain.Run(cfg)
+    vllm_engine._kept["engine"] = setup["eng"]
+    try:
+        run.train(steps=2)
+        kw = dict(max_new_tokens=12, batch_size=2)
+        hf = run.generate(TEXTS, **kw)
+        got = run.generate(TEXTS, engine="vllm", **kw)
+        assert vllm_engine.current() is setup["eng"] and setup["eng"].lora is not None
+        assert run.model.training  # the run's train mode is back
+        assert got["completion"].tolist() == hf["completion"].tolist()
+        assert got["tokens"].tolist() == hf["tokens"].tolist()
+        base = nbtrain.generate(TEXTS, model=setup["base"], **kw)
+        assert got["completion"].tolist() != base["completion"].tolist()  # the adapter counts
+    finally:
+        vllm_engine._kept.pop("engine", None)  # the module's engine is the fixture's to close
+        run.close()
+
+
 def test_the_vllm_process_dies_with_its_rank():
     """The worker, started by a process that is then SIGKILLed, ends by itself (PR_SET_PDEATHSIG)."""
     code = (
