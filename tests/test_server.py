@@ -717,6 +717,13 @@ def test_a_run_left_running_by_a_dead_process_can_be_deleted(fetch, tmp_path):
         assert "gone" in listed[killed]["stale"]
         assert listed[reused]["live"] is False and "another's" in listed[reused]["stale"]
         assert listed[reused]["state"] == "running"  # the record is served as written
+        # a stop request would never be read: it is refused, naming why and what to do instead
+        with pytest.raises(HTTPClientError) as refused:
+            fetch("nbtrain", "api", "runs", killed, "stop", method="POST", body=b"")
+        assert refused.value.code == 409
+        message = json.loads(refused.value.response.body)["message"]
+        assert "is gone" in message and "delete its record instead" in message
+        assert not runs.stop_requested(killed)
         for run_id in (killed, reused):
             got = _json(fetch("nbtrain", "api", "runs", run_id, method="DELETE"))
             assert got == {"id": run_id, "deleted": True}

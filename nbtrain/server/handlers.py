@@ -232,6 +232,12 @@ class StopHandler(_Base):
     def post(self, run_id: str) -> None:
         """POST /nbtrain/api/runs/<id>/stop: ask the run to checkpoint and end at its next step."""
         record = self._run_or_404(run_id)
+        live, why = runs.liveness(record)
+        if record.get("state") == "running" and not live:
+            # nothing would ever read the stop request: say so, and what to do instead
+            raise tornado.web.HTTPError(
+                409, f"run {run_id!r} cannot be stopped: {why}; delete its record instead"
+            )
         if not runs.request_stop(run_id):
             raise tornado.web.HTTPError(
                 409, f"run {run_id!r} is {record.get('state')}, not running"
