@@ -510,3 +510,38 @@ def test_tinker_notebook_runs(tmp_path, monkeypatch):
     assert re.search(r"tinker://\S+:train:\d+/sampler_weights/final", text), text[-3000:]
     assert "['adapter_config.json', 'adapter_model.safetensors']" in text
     assert re.search(r"PeftModelForCausalLM: logits of shape \(1, \d+, \d+\)", text), text[-3000:]
+
+
+# the cells of notebooks/10 that its vLLM section needs: the set-up, section 3's GRPO settings and
+# reward (its collocated run), then section 5 and the stop; DPO and the disaggregated run are the
+# main lane's (test_preference_notebook_runs, where section 5 says it skips)
+VLLM_SECTION_CELLS = (
+    "5c9eb26c",
+    "522ec81d",
+    "fd2780af",
+    "0e033ac4",
+    "3d5f0c47",
+    "9a4c6e18",
+    "49a6df44",
+)
+
+
+@pytest.mark.timeout(500)
+def test_preference_notebooks_vllm_section_runs(tmp_path, monkeypatch):
+    """notebooks/10's section 5 in a real kernel where vLLM is installed (the vLLM lane's venv): GRPO
+    with its rollouts sampled by vLLM on two CPU ranks learns the digits format."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this")
+    monkeypatch.setenv("NBTRAIN_DEMO_OUT", str(tmp_path / "out"))
+    nb = nbformat.read(ROOT / "notebooks" / "10-preference-and-rl.ipynb", as_version=4)
+    by_id = {c.get("id"): c for c in nb.cells}
+    assert set(VLLM_SECTION_CELLS) <= set(by_id), "notebooks/10's cells were renumbered"
+    nb.cells = [by_id[i] for i in VLLM_SECTION_CELLS]
+    _execute(nb, tmp_path, timeout=450)
+    text = _all_text(nb)
+    assert "skipped" not in text, text[-3000:]
+    got = re.search(
+        r"GRPO through vLLM: reward ([\d.]+) \(step 1\) -> ([\d.]+) \(last 3 steps\)", text
+    )
+    assert got and float(got[2]) > float(got[1]) + 0.3, text[-3000:]
+    run = tmp_path / "out" / "runs" / "grpo-vllm"
+    assert (run / "adapter" / "adapter_config.json").is_file()
