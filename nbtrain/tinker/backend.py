@@ -46,6 +46,18 @@ class Backend:
     def call(self, verb: str, *args: Any) -> Any:
         raise NotImplementedError
 
+    def batch(self, calls: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        """Training verbs ((verb, args) each) run one after the other, each as it would run alone:
+        one answer per call, or the exception it would have raised. Here one call each; the
+        backends below make one trip (the engine side's `batch`)."""
+        out: list[Any] = []
+        for verb, args in calls:
+            try:
+                out.append(self.call(verb, *args))
+            except Exception as e:  # noqa: BLE001 - that call's own error, the next ones still run
+                out.append(e)
+        return out
+
     def __getattr__(self, verb: str) -> Any:
         if verb not in VERBS:
             raise AttributeError(verb)
@@ -87,6 +99,10 @@ class InProcessBackend(Backend):
     def call(self, verb: str, *args: Any) -> Any:
         return getattr(_service(), verb)(*args)
 
+    def batch(self, calls: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        # in this process the verbs' own exceptions come back, as each would raise alone
+        return [o.get("exception", o.get("value")) for o in self.call("batch", calls, True)]
+
     def arm(self, folder: str) -> bool:
         # signal handlers belong to the main thread: serve() called there arms, a thread does not
         return bool(_service().arm_preemption(folder))
@@ -96,6 +112,23 @@ class InProcessBackend(Backend):
 
         if threading.current_thread() is threading.main_thread():
             _service().disarm_preemption()
+
+
+def _failure(verb: str, failed: list[dict[str, Any]], world: int) -> DistributedCellError:
+    """One verb of a batch that failed on some ranks, as a cell failing there says it: identical
+    failures once, with their ranks and hosts."""
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for o in failed:
+        e = o["error"]
+        g = groups.setdefault((e["ename"], e["evalue"]), {**e, "ranks": [], "where": []})
+        g["ranks"].append(o["rank"])
+        g["where"].append(f"rank {o['rank']} on {o['host']}")
+    parts = [f"{verb} failed on {len(failed)} of {world} rank(s)"]
+    for g in groups.values():
+        first, *rest = f"{g['ename']}: {g['evalue']}".split("\n")
+        parts.append("\n".join([f"\n{first}  [{'; '.join(g.pop('where'))}]", *rest]))
+        parts.append(g["traceback"].rstrip())
+    return DistributedCellError("\n".join(parts), list(groups.values()))
 
 
 class ClusterBackend(Backend):
@@ -129,18 +162,33 @@ class ClusterBackend(Backend):
         return all(armed)
 
     def call(self, verb: str, *args: Any) -> Any:
+        return self._every(verb, verb, *args)[0]
+
+    def batch(self, calls: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        """One trip to every rank; a call that failed on some rank is a `DistributedCellError`
+        naming those ranks and hosts, as that verb alone would have raised."""
+        every = self._every("batch", " + ".join(verb for verb, _ in calls), calls)
+        out: list[Any] = []
+        for i, (verb, _) in enumerate(calls):
+            outcomes = [rank_out[i] for rank_out in every]
+            failed = [o for o in outcomes if "error" in o]
+            out.append(_failure(verb, failed, len(outcomes)) if failed else outcomes[0]["value"])
+        return out
+
+    def _every(self, verb: str, what: str, *args: Any) -> list[Any]:
         # the client is shared with the notebook's cells (not thread-safe): hold it for the whole verb;
         # a cell that comes meanwhile says it waits for this verb, and runs after it
         lock = getattr(self.session, "client_lock", None)
         if lock is None:
-            return self._call(verb, *args)
-        with lock.held(f"the Tinker service's {verb}"):
-            return self._call(verb, *args)
+            return self._call(verb, what, *args)
+        with lock.held(f"the Tinker service's {what}"):
+            return self._call(verb, what, *args)
 
-    def _call(self, verb: str, *args: Any) -> Any:
+    def _call(self, verb: str, what: str, *args: Any) -> list[Any]:
+        """Every rank's answer to the engine-side `verb` (`what` it does, for messages), in rank order."""
         fn = getattr(_service(), verb)
         if self.watch is None:
-            return self.session.run(fn, *args, timeout=self.timeout)[0]
+            return self.session.run(fn, *args, timeout=self.timeout)
         which = list(range(self.session.world_size))
         ar = self.session.view(which).apply_async(fn, *args)
         while not ar.wait(self.WATCH_S):
@@ -151,12 +199,12 @@ class ClusterBackend(Backend):
                 except Exception:  # noqa: BLE001 - best effort; the restart replaces what is stuck
                     pass
                 msg = (
-                    f"{verb} failed: {said}\nEvery pending request failed. %nbtrain restart "
+                    f"{what} failed: {said}\nEvery pending request failed. %nbtrain restart "
                     "(Cluster.restart()) replaces the rank and reloads the service's models from "
                     "their last saved state."
                 )
                 raise RankDiedError(msg)
-        return self.session.gather(ar, which, self.timeout, what=verb)[0]
+        return self.session.gather(ar, which, self.timeout, what=what)
 
     def classify(self, error: BaseException) -> tuple[str, str, bool]:
         if isinstance(error, RankDiedError):

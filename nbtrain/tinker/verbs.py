@@ -19,7 +19,7 @@ from nbtrain.tinker import protocol as proto
 from nbtrain.tinker import wire
 from nbtrain.tinker.backend import Backend
 from nbtrain.tinker.expiry import SESSION_TIMEOUT_S, Expiry, check_timeout
-from nbtrain.tinker.futures import Executor, Future, Payload
+from nbtrain.tinker.futures import Executor, Future, Payload, Step
 from nbtrain.tinker.protocol import RequestError, bad, get_field
 from nbtrain.tinker.sampling import Sampling
 from nbtrain.tinker.tracking import ModelRun, write_json
@@ -76,7 +76,8 @@ class Verbs(Sampling, Expiry):
         self.root = root
         self.cluster_id = cluster_id
         self.world = world
-        self.executor = Executor(backend.classify)
+        # a model's training verbs queued back to back run in one trip to the ranks (`Step`)
+        self.executor = Executor(backend.classify, backend.batch)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, dict[str, Any]] = {}
@@ -264,19 +265,20 @@ class Verbs(Sampling, Expiry):
         tokens = sum(len(d["tokens"]) for d in req["datums"])
         what = "forward" if req["forward_only"] else "forward_backward"
 
-        def run() -> Payload:
-            result = self.backend.forward_backward(
-                m.model_id,
-                req["datums"],
-                req["loss_fn"],
-                req["loss_fn_config"],
-                req["forward_only"],
-            )
+        def finish(result: dict[str, Any]) -> Payload:
             if not req["forward_only"] and m.run is not None:
                 m.run.forward_backward(result.get("metrics") or {}, tokens)
             return ("proto", wire.encode_forward_backward(result))
 
-        return self.executor.submit(f"{what} {m.model_id}", run, m.model_id, req["seq_id"])
+        args = (
+            m.model_id,
+            req["datums"],
+            req["loss_fn"],
+            req["loss_fn_config"],
+            req["forward_only"],
+        )
+        step = Step(self.backend.call, "forward_backward", args, finish)
+        return self.executor.submit(f"{what} {m.model_id}", step, m.model_id, req["seq_id"])
 
     def optim_step(self, body: dict[str, Any]) -> Future:
         m = self.model(body.get("model_id"))
@@ -295,8 +297,8 @@ class Verbs(Sampling, Expiry):
         if not (adam["beta1"] < 1 and adam["beta2"] < 1):
             raise bad("adam_params: beta1 and beta2 must be below 1.")
 
-        def run() -> Payload:
-            metrics = self.backend.optim_step(m.model_id, adam) or {}
+        def finish(metrics: dict[str, float] | None) -> Payload:
+            metrics = metrics or {}
             if m.run is not None:
                 m.run.optim_step(adam["learning_rate"], metrics)
             return (
@@ -304,7 +306,10 @@ class Verbs(Sampling, Expiry):
                 {"type": "optim_step", "metrics": {k: float(v) for k, v in metrics.items()}},
             )
 
-        return self.executor.submit(f"optim_step {m.model_id}", run, m.model_id, body.get("seq_id"))
+        step = Step(self.backend.call, "optim_step", (m.model_id, adam), finish)
+        return self.executor.submit(
+            f"optim_step {m.model_id}", step, m.model_id, body.get("seq_id")
+        )
 
     # --- checkpoints ----------------------------------------------------------------------------
     def save_weights(self, body: dict[str, Any]) -> Future:
@@ -429,10 +434,12 @@ class Verbs(Sampling, Expiry):
         return answer["value"]
 
     def status(self, timeout: float = 60.0) -> list[dict[str, Any]]:
-        """Every live model, as the ranks hold it (memory, steps), with its run folder; asked after
-        the requests already queued (a TimeoutError past `timeout`)."""
+        """Every live model, as the ranks hold it (memory, steps), with its run folder and
+        `batched`: [trips that ran several of its requests, requests they ran]; asked after the
+        requests already queued (a TimeoutError past `timeout`)."""
         rows = self.wait("status", self.backend.status, timeout) or []
         for row in rows:
+            row["batched"] = list(self.executor.batched.get(row.get("model_id"), [0, 0]))
             m = self.models.get(row.get("model_id"))
             row["folder"] = str(m.run.folder) if m is not None and m.run is not None else None
             row["last_state"] = m.last_state if m is not None else None

@@ -418,6 +418,41 @@ def test_a_cell_waits_for_a_running_service_verb_and_a_verb_waits_for_a_cell(svc
     tc.optim_step(types.AdamParams(learning_rate=0.0)).result()  # drop the accumulated gradients
 
 
+def test_queued_training_requests_are_one_trip_and_a_failed_one_names_its_rank(svc, tc):
+    """A forward_backward, one that fails on rank 1 and an optim_step, queued behind a busy
+    worker: one trip to the ranks; the failed one's error names rank 1 and its host, the others
+    answer."""
+    import threading
+    import time
+
+    import tinker
+
+    ex = svc.verbs.executor
+    before = list(ex.batched.get(tc.model_id, [0, 0]))
+    gate = threading.Event()
+    ex.submit("gate", lambda: (gate.wait(30), ("json", {}))[1])
+    past_vocab = tinker.types.Datum(  # rank 1's datum (the second): a token past the vocabulary
+        model_input=tinker.types.ModelInput.from_ints([7, 10**6, 9, 11, 12]),
+        loss_fn_inputs={"target_tokens": [8, 9, 11, 12, 13], "weights": [1.0] * 5},
+    )
+    bad = [_datum(5, 40), past_vocab]
+    good = tc.forward_backward([_datum(6, 42)], "cross_entropy")
+    failed = tc.forward_backward(bad, "cross_entropy")
+    step = tc.optim_step(tinker.types.AdamParams(learning_rate=0.0))
+    deadline = time.monotonic() + 30
+    while ex.pending() < 4:
+        assert time.monotonic() < deadline, "the requests never reached the queue"
+        time.sleep(0.01)
+    gate.set()
+    assert np.isfinite(good.result().metrics["loss:sum"])
+    with pytest.raises(tinker.RequestFailedError) as e:
+        failed.result()
+    host = svc.backend.session.ranks[1].host
+    assert f"rank 1 on {host}" in str(e.value) and "index out of range" in str(e.value)
+    assert "grad_norm:mean" in (step.result().metrics or {})
+    assert ex.batched[tc.model_id] == [before[0] + 1, before[1] + 3]
+
+
 def test_a_dead_rank_fails_the_futures_and_restart_reloads_the_last_saved_state(svc, tc):
     """Last in the module: it kills rank 1 (this module's own engine) and restarts it."""
     import signal

@@ -5,6 +5,7 @@ In [1]: from nbtrain.recipes import service
 In [2]: service.create_model("m1", "/models/tiny", {"rank": 8})
 In [3]: service.forward_backward("m1", datums, "cross_entropy", None, False)["metrics"]["loss:sum"]
 In [4]: service.optim_step("m1", {"learning_rate": 1e-4})
+In [5]: service.batch([("forward_backward", (...)), ("optim_step", (...))])  # both in one call
 
 State lives in this process (`registry`): each base model loaded once, a LoRA adapter and an AdamW per
 training model, sampler snapshots. Plain data crosses (dicts, lists, numbers, numpy arrays), so a call
@@ -14,6 +15,7 @@ pickles cheaply through ipyparallel. A model id this process does not hold raise
 
 from __future__ import annotations
 
+from nbtrain.recipes.service.batch import batch
 from nbtrain.recipes.service.lifecycle import create_model, status, unload
 from nbtrain.recipes.service.preemption import (
     arm_preemption,
@@ -35,6 +37,7 @@ from nbtrain.recipes.service.train import forward_backward, optim_step
 __all__ = [
     "UnknownModelError",
     "arm_preemption",
+    "batch",
     "checkpoint_all",
     "create_model",
     "disarm_preemption",
