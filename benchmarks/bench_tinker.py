@@ -10,8 +10,14 @@ output head, max_length 256. Three arms, interleaved round by round (nbtrain, sd
   nbtrain  `nbtrain.finetune(SFTConfig(...))` on the ranks (a `Cluster.execute` cell); tokens/s from its
            metrics.jsonl, the first logged rows left out
   sdk      `tinker.ServiceClient(base_url=service.url)`: per step `forward_backward(batch, "cross_entropy")`
-           and `optim_step(AdamParams)` submitted back to back, then both awaited (as the cookbook
-           does); tokens/s over the steps after `--warmup`
+           and `optim_step(AdamParams)` submitted back to back, then both awaited; tokens/s over the
+           steps after `--warmup`
+  ahead    the same, one step submitted ahead, as tinker-cookbook's supervised loop does
+           (submit_ahead=1: step N+1's two requests are sent before N's are awaited), so the server
+           finds them queued together and runs them in one trip to the ranks; the service's status
+           counts those trips
+  ahead_unbatched  the same with the server's batching turned off (`executor.batch = None`): what
+           submitting ahead gains alone
   direct   the same engine-side calls without HTTP: `cluster.run(service.forward_backward, ...)` and
            `cluster.run(service.optim_step, ...)` from the kernel; what the SDK arm costs over this is
            the protocol (serialization, HTTP, futures, the server's queue)
@@ -40,6 +46,7 @@ import _common as C  # noqa: E402
 
 MODEL = {"hidden_size": 256, "num_layers": 4, "intermediate_size": 512, "num_heads": 4}
 PER_RANK, RANKS, MAX_LENGTH, LORA_R, LR = 4, 2, 256, 16, 1e-3
+ARMS = ("nbtrain", "sdk", "ahead_unbatched", "ahead", "direct")
 SECTION = "## Tinker service: an SDK loop vs nbtrain's SFT recipe (benchmarks/bench_tinker.py)"
 BEGIN, END = "<!-- tinker-table:begin -->", "<!-- tinker-table:end -->"
 
@@ -141,7 +148,13 @@ def n_tokens(batch: list[tuple[list[int], list[int]]]) -> int:
 
 
 def run_sdk(
-    sc: Any, model: str, data: list[list[Any]], counts: list[int], warmup: int
+    sc: Any,
+    model: str,
+    data: list[list[Any]],
+    counts: list[int],
+    warmup: int,
+    ahead: bool = False,
+    service: Any = None,
 ) -> dict[str, Any]:
     import tinker
 
@@ -150,17 +163,28 @@ def run_sdk(
     ).result()
     adam = tinker.types.AdamParams(learning_rate=LR)
     marks = []
+    pending: list[Any] = []
     for batch in data:
-        fb = tc.forward_backward(batch, "cross_entropy")
-        opt = tc.optim_step(adam)
+        pending.append((tc.forward_backward(batch, "cross_entropy"), tc.optim_step(adam)))
+        if len(pending) > int(ahead):
+            fb, opt = pending.pop(0)
+            fb.result()
+            opt.result()
+            marks.append(time.perf_counter())
+    for fb, opt in pending:
         fb.result()
         opt.result()
         marks.append(time.perf_counter())
     seconds = marks[-1] - marks[warmup - 1]
-    return {
+    out: dict[str, Any] = {
         "tokens_per_s": sum(counts[warmup:]) / seconds,
         "step_s": seconds / (len(data) - warmup),
     }
+    if service is not None:
+        # [trips that ran several requests, the requests they ran], over all of the arm's steps
+        (row,) = [r for r in service.status() if r["model_id"] == tc.model_id]
+        out["batched"] = row.get("batched")
+    return out
 
 
 def _step_on_rank(model_id: str, batch: list[dict], adam: dict) -> tuple[float, float]:
@@ -282,15 +306,17 @@ def table(data: dict[str, Any]) -> str:
     ]
     names = {
         "nbtrain": "nbtrain.finetune (its own SFT recipe)",
-        "sdk": "tinker SDK loop over HTTP (forward_backward + optim_step)",
+        "sdk": "tinker SDK loop over HTTP (forward_backward + optim_step, then both awaited)",
+        "ahead_unbatched": "the SDK loop one step ahead (the cookbook's submit_ahead=1), batching off",
+        "ahead": "the SDK loop one step ahead, the server batching queued requests",
         "direct": "the service's engine-side calls from the kernel, no HTTP",
     }
-    for a in ("nbtrain", "sdk", "direct"):
+    for a in ARMS:
         per = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in arms[a])
         lines.append(
             f"| {names[a]} | {per} | {med[a]:,.0f} | {step[a]:.1f} | {med[a] / med['nbtrain']:.2f}x |"
         )
-    for a in ("sdk", "direct"):
+    for a in ARMS[1:]:
         paired = [x["tokens_per_s"] / n["tokens_per_s"] for x, n in zip(arms[a], arms["nbtrain"])]
         per = ", ".join(f"{r:.2f}" for r in paired)
         lines.append(
@@ -306,9 +332,26 @@ def table(data: dict[str, Any]) -> str:
         "",
         f"Client-side protobuf encoding of one step's batch: {data['encode_ms']:.2f} ms (median).",
         "",
+        batching(data),
+        "",
         "Where a step's time goes (medians, ms): " + where_time_goes(data),
     ]
     return "\n".join(lines)
+
+
+def batching(data: dict[str, Any]) -> str:
+    """How often the server ran a step's requests in one trip, per arm (its status's counter)."""
+    st = data["settings"]
+    parts = []
+    for a in ARMS[1:-1]:
+        got = [r.get("batched") or [0, 0] for r in data["arms"][a]]
+        trips, reqs = sum(g[0] for g in got), sum(g[1] for g in got)
+        parts.append(f"{a}: {trips} trips ran {reqs} of {2 * st['steps'] * len(got)} requests")
+    return (
+        "Requests run several to a trip (the service's status, all steps of all rounds): "
+        + "; ".join(parts)
+        + "."
+    )
 
 
 def where_time_goes(data: dict[str, Any]) -> str:
@@ -403,7 +446,7 @@ def main() -> None:
         service = cluster.serve_tinker()
         sc = tinker.ServiceClient(base_url=service.url, api_key=service.api_key or "tml-bench")
         warmup_rows = max(1, args.warmup // 5)
-        arms: dict[str, list[dict[str, Any]]] = {"nbtrain": [], "sdk": [], "direct": []}
+        arms: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
         data = sdk_data = counts = None
         for k in range(args.reps):
             cfg = _sft_config(model, str(work / f"nbtrain-{k}"), cache, args.steps)
@@ -414,7 +457,15 @@ def main() -> None:
                 counts = [n_tokens(b) for b in data]
                 sdk_data = [as_datums(b) for b in data]
             assert data is not None and sdk_data is not None and counts is not None
-            arms["sdk"].append(run_sdk(sc, model, sdk_data, counts, args.warmup))
+            arms["sdk"].append(run_sdk(sc, model, sdk_data, counts, args.warmup, False, service))
+            batch, service.verbs.executor.batch = service.verbs.executor.batch, None
+            try:
+                arms["ahead_unbatched"].append(
+                    run_sdk(sc, model, sdk_data, counts, args.warmup, True, service)
+                )
+            finally:
+                service.verbs.executor.batch = batch
+            arms["ahead"].append(run_sdk(sc, model, sdk_data, counts, args.warmup, True, service))
             arms["direct"].append(
                 run_direct(cluster, model, [as_plain(b) for b in data], counts, args.warmup, k)
             )
@@ -452,9 +503,11 @@ def main() -> None:
     result["ratio_sdk_over_nbtrain"] = med["sdk"] / med["nbtrain"]
     result["ratio_sdk_over_direct"] = med["sdk"] / med["direct"]
     arms = result["arms"]
-    result["paired_sdk_over_nbtrain"] = statistics.median(
-        s["tokens_per_s"] / n["tokens_per_s"] for s, n in zip(arms["sdk"], arms["nbtrain"])
-    )
+    for a in ARMS[1:]:
+        result[f"paired_{a}_over_nbtrain"] = statistics.median(
+            s["tokens_per_s"] / n["tokens_per_s"] for s, n in zip(arms[a], arms["nbtrain"])
+        )
+    result["ratio_ahead_over_nbtrain"] = med["ahead"] / med["nbtrain"]
     text = json.dumps(result, indent=2, default=str)
     if args.out:
         Path(args.out).write_text(text + "\n")
