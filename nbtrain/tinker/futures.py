@@ -119,6 +119,7 @@ class Executor:
     def forget(self, model_id: str) -> None:
         with self._lock:
             self._models.pop(model_id, None)
+            self.batched.pop(model_id, None)
 
     def submit(
         self,
