@@ -66,9 +66,15 @@ INSTALL_HINT = 'pip install "ray[default]" (the same Ray version as the cluster\
 
 
 def _client_server_hiccup(address: str, e: BaseException) -> bool:
-    """Ray Client's head could not start this connection's own server (Ray says "Starting Ray
-    client server failed"): a failure of that one start, which the next connection may not have."""
-    return address.startswith("ray://") and "Starting Ray client server failed" in str(e)
+    """Ray Client's head could not start this connection's own server: a failure of that one start,
+    which the next connection may not have. Ray says "Starting Ray client server failed" when the
+    server's process has exited; when it exits just as the head looks at it, the head's own
+    `start_specific_server` fails instead (psutil's ZombieProcess, seen on the simulated nodes)."""
+    said = str(e)
+    return address.startswith("ray://") and (
+        "Starting Ray client server failed" in said
+        or ("Initialization failure from server" in said and "start_specific_server" in said)
+    )
 
 
 class RayLaunch(EngineLaunch):
