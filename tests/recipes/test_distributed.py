@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,18 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _free_port() -> int:
+    """A port free now, below Linux's ephemeral range (32768-60999 by default): the ports the
+    kernel hands out for every outgoing connection (and a bind to port 0) meanwhile, under a busy CI,
+    cannot take it before the rendezvous binds it. Ray's workers use 10002-19999."""
+    import random
+
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -92,8 +105,23 @@ def run_ranks(
         )
     outputs = []
     try:
+        deadline = time.monotonic() + 300
         for p in procs:
-            outputs.append(p.communicate(timeout=300)[0])
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        # a rank that waits for ever (its peer died before the rendezvous, say): every rank's own
+        # output says why, not only the timeout of the one waited on
+        for p in procs:
+            p.kill()
+        # the ranks already read keep what was read; the others give theirs now
+        outputs += [p.communicate()[0] for p in procs[len(outputs) :]]
+        said = [
+            f"rank {r} (rc {p.returncode}):\n{out[-3000:]}"
+            for r, (p, out) in enumerate(zip(procs, outputs, strict=True))
+        ]
+        raise AssertionError(
+            f"{world} ranks did not end within 300 s:\n" + "\n".join(said)
+        ) from None
     finally:
         for p in procs:
             if p.poll() is None:
