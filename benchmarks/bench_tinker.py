@@ -18,7 +18,7 @@ output head, max_length 256. Three arms, interleaved round by round (nbtrain, sd
            counts those trips
   ahead_unbatched  the same with the server's batching turned off (`executor.batch = None`): what
            submitting ahead gains alone
-  direct   the same engine-side calls without HTTP: `cluster.run(service.forward_backward, ...)` and
+  direct   the same rank-side calls without HTTP: `cluster.run(service.forward_backward, ...)` and
            `cluster.run(service.optim_step, ...)` from the kernel; what the SDK arm costs over this is
            the protocol (serialization, HTTP, futures, the server's queue)
 
@@ -112,7 +112,7 @@ def batches(
 
 
 def as_plain(batch: list[tuple[list[int], list[int]]]) -> list[dict[str, Any]]:
-    """The engine-side service's datums (the kernel side's decoding of a request gives these)."""
+    """The rank-side service's datums (the kernel side's decoding of a request gives these)."""
     import numpy as np
 
     n_targets = max(sum(sum(t[1:]) for _, t in batch), 1)
@@ -188,10 +188,10 @@ def run_sdk(
 
 
 def _step_on_rank(model_id: str, batch: list[dict], adam: dict) -> tuple[float, float]:
-    """One step of the service's engine-side verbs, timed on the rank: (forward_backward, optim_step) s."""
+    """One step of the service's rank-side verbs, timed on the rank: (forward_backward, optim_step) s."""
     import time
 
-    from nbtrain.recipes import service
+    from nbtrain.tinker import ranks as service
 
     t0 = time.perf_counter()
     service.forward_backward(model_id, batch, "cross_entropy", None, False)
@@ -204,7 +204,7 @@ def run_direct(
     cluster: Any, model: str, data: list[list[dict]], counts: list[int], warmup: int, k: int
 ) -> dict[str, Any]:
     """The service's verbs without the server: one `cluster.run` a step (the server makes two)."""
-    from nbtrain.recipes import service
+    from nbtrain.tinker import ranks as service
 
     model_id = f"bench-direct-{k}"
     lora = {
@@ -309,7 +309,7 @@ def table(data: dict[str, Any]) -> str:
         "sdk": "tinker SDK loop over HTTP (forward_backward + optim_step, then both awaited)",
         "ahead_unbatched": "the SDK loop one step ahead (the cookbook's submit_ahead=1), batching off",
         "ahead": "the SDK loop one step ahead, the server batching queued requests",
-        "direct": "the service's engine-side calls from the kernel, no HTTP",
+        "direct": "the service's rank-side calls from the kernel, no HTTP",
     }
     for a in ARMS:
         per = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in arms[a])
@@ -399,7 +399,7 @@ def render_results(data: dict[str, Any], results_md: Path) -> None:
             "The same LoRA SFT steps on the same 2 local ranks (gloo, CPU, one thread a rank) and the same "
             "rows (nbtrain's token cache), 8 rows a step, a tiny Llama (hidden 256, 4 layers), LoRA rank 16: "
             "nbtrain's own recipe, a loop through the tinker 0.38.0 SDK against `Cluster.serve_tinker()`, and "
-            "the service's engine-side calls made from the kernel without HTTP. Raw numbers in "
+            "the service's rank-side calls made from the kernel without HTTP. Raw numbers in "
             "`results/tinker.json`.\n\n" + block + "\n"
         )
     results_md.write_text(text)

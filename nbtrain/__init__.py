@@ -56,7 +56,7 @@ _LAZY = {
     "DistributedCellError": "nbtrain.errors",
     "GRPOConfig": "nbtrain.configs.grpo",
     "Hooks": "nbtrain.recipes.hooks",
-    "Preempted": "nbtrain.recipes.preempt",
+    "Preempted": "nbtrain.engine.preempt",
     "Run": "nbtrain.recipes.steppable",
     "attach": "nbtrain.cluster.api",
     "check": "nbtrain.cluster.check",
@@ -67,8 +67,8 @@ _LAZY = {
     "start": "nbtrain.cluster.api",
     "scaling": "nbtrain.cluster.api",
     # the Tinker-compatible service: serve_tinker(cluster=None) serves in this kernel (issue 36)
-    "serve_tinker": "nbtrain.tinker.serve",
-    "tinker_url": "nbtrain.tinker.serve",
+    "serve_tinker": "nbtrain.tinker.kernel.serve",
+    "tinker_url": "nbtrain.tinker.kernel.serve",
     "SFTConfig": "nbtrain.configs.sft",
     "TrainResult": "nbtrain.recipes.train",
     "finetune": "nbtrain.recipes.train",
@@ -88,13 +88,13 @@ if TYPE_CHECKING:
     from nbtrain.configs.sft import SFTConfig
     from nbtrain.display.picker import ClusterPicker
     from nbtrain.engine.metrics import log, log_end
+    from nbtrain.engine.preempt import Preempted
     from nbtrain.engine.rank import is_rank_zero
     from nbtrain.errors import ConfigError, DistributedCellError
     from nbtrain.generation.generate import generate
-    from nbtrain.recipes.preempt import Preempted
     from nbtrain.recipes.steppable import Run
     from nbtrain.recipes.train import TrainResult, finetune
-    from nbtrain.tinker.serve import serve_tinker, tinker_url
+    from nbtrain.tinker.kernel.serve import serve_tinker, tinker_url
 
 
 def __getattr__(name: str) -> Any:

@@ -150,7 +150,7 @@ class Cluster(Session):
         (0: never) ends: its models are saved, then unloaded.
         """
         from nbtrain.cluster.faults import recovery
-        from nbtrain.tinker import serve
+        from nbtrain.tinker.kernel import serve
 
         def watch() -> str | None:
             # a verb's wait would never end with a dead peer: the service asks this while it waits
@@ -168,7 +168,9 @@ class Cluster(Session):
         )
 
     def _tinker_service(self) -> Any:
-        serving = sys.modules.get("nbtrain.tinker.serve")  # never served: nothing to import or stop
+        serving = sys.modules.get(
+            "nbtrain.tinker.kernel.serve"
+        )  # never served: nothing to import or stop
         service = serving.current_service() if serving is not None else None
         backend = getattr(service, "backend", None)
         return service if getattr(backend, "session", None) is self else None

@@ -45,7 +45,7 @@ def add_serve_command(sub: Any) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> Any:
     from nbtrain.cluster.facade import current_cluster
-    from nbtrain.tinker import current_service, serve_tinker
+    from nbtrain.tinker.kernel import current_service, serve_tinker
 
     if args.what == "stop":
         service = current_service()
@@ -86,7 +86,7 @@ def print_models() -> None:
     """`%nbtrain status`'s lines for the Tinker service's live models, if one is serving."""
     import sys
 
-    serving = sys.modules.get("nbtrain.tinker.serve")
+    serving = sys.modules.get("nbtrain.tinker.kernel.serve")
     service = serving.current_service() if serving is not None else None
     if service is None:
         return

@@ -28,13 +28,13 @@ from typing import Any
 from nbtrain.configs.sft import SFTConfig
 from nbtrain.engine import interrupts
 from nbtrain.engine import metrics as live
+from nbtrain.engine.preempt import Preempted, Preemption
+from nbtrain.engine.preempt import message as preempt_message
 from nbtrain.generation.sampling import Sampler
 from nbtrain.model import checkpoint as ckpt
 from nbtrain.model import shard
 from nbtrain.recipes import step as one_step
 from nbtrain.recipes.hooks import Hooks
-from nbtrain.recipes.preempt import Preempted, Preemption
-from nbtrain.recipes.preempt import message as preempt_message
 from nbtrain.recipes.run_setup import RunSetup
 from nbtrain.recipes.span import drop_taken
 from nbtrain.runs import loss_unit, run_id_for

@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nbtrain.engine.preempt import Preempted
 from nbtrain.errors import ConfigError
 from nbtrain.losses import grpo as grpo_loss
 from nbtrain.recipes.grpo import rollout as grpo_rollout
 from nbtrain.recipes.grpo.rollout import PromptOrder, PromptRows, RewardFunctionError, Scored
-from nbtrain.recipes.preempt import Preempted
 from nbtrain.recipes.sft import SFTRecipe, TrainResult
 
 

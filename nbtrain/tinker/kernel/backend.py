@@ -1,5 +1,5 @@
 """Where the verbs run: on every rank of a cluster (`ClusterBackend`), or in this kernel
-(`InProcessBackend`). Both call the engine-side functions of `nbtrain.recipes.service` with plain
+(`InProcessBackend`). Both call the rank-side functions of `nbtrain.tinker.ranks` with plain
 data (dicts, lists, numpy arrays) and return rank 0's answer."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from nbtrain.errors import ConfigError, DistributedCellError, RankDiedError
 if TYPE_CHECKING:
     from nbtrain.cluster.session import Session
 
-#: the engine-side verbs a backend passes on (nbtrain/recipes/service, /tmp contract of issue 36)
+#: the rank-side verbs a backend passes on (nbtrain/tinker/ranks/, the contract of issue 36)
 VERBS = (
     "create_model",
     "forward_backward",
@@ -30,13 +30,13 @@ VERBS = (
 
 
 def _service() -> Any:
-    from nbtrain.recipes import service
+    from nbtrain.tinker import ranks as service
 
     return service
 
 
 class Backend:
-    """The engine-side service's verbs, each a method of the same name and arguments."""
+    """The rank-side service's verbs, each a method of the same name and arguments."""
 
     where = "here"
     #: the kernel draws each model's live loss plot (False where the verbs' own `nbtrain.log` rows
@@ -49,7 +49,7 @@ class Backend:
     def batch(self, calls: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
         """Training verbs ((verb, args) each) run one after the other, each as it would run alone:
         one answer per call, or the exception it would have raised. Here one call each; the
-        backends below make one trip (the engine side's `batch`)."""
+        backends below make one trip (the rank side's `batch`)."""
         out: list[Any] = []
         for verb, args in calls:
             try:
@@ -185,7 +185,7 @@ class ClusterBackend(Backend):
             return self._call(verb, what, *args)
 
     def _call(self, verb: str, what: str, *args: Any) -> list[Any]:
-        """Every rank's answer to the engine-side `verb` (`what` it does, for messages), in rank order."""
+        """Every rank's answer to the rank-side `verb` (`what` it does, for messages), in rank order."""
         fn = getattr(_service(), verb)
         if self.watch is None:
             return self.session.run(fn, *args, timeout=self.timeout)

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import ConfigError
-from nbtrain.tinker import protocol as proto
-from nbtrain.tinker.backend import Backend
-from nbtrain.tinker.futures import Executor, Payload
+from nbtrain.tinker.kernel import protocol as proto
+from nbtrain.tinker.kernel.backend import Backend
+from nbtrain.tinker.kernel.futures import Executor, Payload
 
 #: a session idle this long (seconds) is ended; 0: never
 SESSION_TIMEOUT_S = 600.0

@@ -15,9 +15,9 @@ from typing import Any
 
 import tornado.web
 
-from nbtrain.tinker.futures import Future
-from nbtrain.tinker.protocol import RequestError, bad
-from nbtrain.tinker.verbs import Verbs
+from nbtrain.tinker.kernel.futures import Future
+from nbtrain.tinker.kernel.protocol import RequestError, bad
+from nbtrain.tinker.kernel.verbs import Verbs
 
 POLL_S = 30.0  # the SDK polls again at once on try_again (and logs a warning), so the server holds each poll this long (its timeout is 45 s)
 PROTO = "application/x-protobuf"

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nbtrain.tinker import protocol as proto
-from nbtrain.tinker import wire
-from nbtrain.tinker.backend import Backend
-from nbtrain.tinker.futures import Executor, Future, Payload
-from nbtrain.tinker.protocol import RequestError, bad, get_field
+from nbtrain.tinker.kernel import protocol as proto
+from nbtrain.tinker.kernel import wire
+from nbtrain.tinker.kernel.backend import Backend
+from nbtrain.tinker.kernel.futures import Executor, Future, Payload
+from nbtrain.tinker.kernel.protocol import RequestError, bad, get_field
 
 SAMPLE_DEFAULTS = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None}
 

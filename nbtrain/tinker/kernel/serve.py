@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import ConfigError
-from nbtrain.tinker.backend import Backend, ClusterBackend, InProcessBackend
-from nbtrain.tinker.expiry import SESSION_TIMEOUT_S
-from nbtrain.tinker.verbs import Verbs
+from nbtrain.tinker.kernel.backend import Backend, ClusterBackend, InProcessBackend
+from nbtrain.tinker.kernel.expiry import SESSION_TIMEOUT_S
+from nbtrain.tinker.kernel.verbs import Verbs
 
 _current: TinkerService | None = None
 #: the environment variables serve_tinker set in this kernel (and may set again)
@@ -60,7 +60,7 @@ class TinkerService:
     """A Tinker-compatible service: `.url`, `.api_key`, `.status()`, `.reload()`, `.stop()`.
 
     A session with no heartbeat or request for `session_timeout` seconds (0: never) is ended: its
-    models are saved, then unloaded (`nbtrain.tinker.expiry`)."""
+    models are saved, then unloaded (`nbtrain.tinker.kernel.expiry`)."""
 
     def __init__(
         self,
@@ -77,11 +77,11 @@ class TinkerService:
         import tornado.netutil
         import tornado.web
 
-        from nbtrain.tinker import wire
-        from nbtrain.tinker.handlers import routes
+        from nbtrain.tinker.kernel import wire
+        from nbtrain.tinker.kernel.handlers import routes
 
         check_key(host, api_key)
-        from nbtrain.tinker.expiry import check_timeout
+        from nbtrain.tinker.kernel.expiry import check_timeout
 
         check_timeout(session_timeout)
         wire.pb()  # the SDK's messages: a clear ImportError now, not a 400 per request later
@@ -146,7 +146,7 @@ class TinkerService:
 
     @session_timeout.setter
     def session_timeout(self, seconds: float) -> None:
-        from nbtrain.tinker.expiry import check_timeout
+        from nbtrain.tinker.kernel.expiry import check_timeout
 
         self.verbs.session_timeout = check_timeout(seconds)
         self._loop.call_soon_threadsafe(self._rearm)  # the next check at the new pace

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbtrain.tinker import protocol as proto
-from nbtrain.tinker import wire
-from nbtrain.tinker.backend import Backend
-from nbtrain.tinker.expiry import SESSION_TIMEOUT_S, Expiry, check_timeout
-from nbtrain.tinker.futures import Executor, Future, Payload, Step
-from nbtrain.tinker.protocol import RequestError, bad, get_field
-from nbtrain.tinker.sampling import Sampling
-from nbtrain.tinker.tracking import ModelRun, write_json
+from nbtrain.tinker.kernel import protocol as proto
+from nbtrain.tinker.kernel import wire
+from nbtrain.tinker.kernel.backend import Backend
+from nbtrain.tinker.kernel.expiry import SESSION_TIMEOUT_S, Expiry, check_timeout
+from nbtrain.tinker.kernel.futures import Executor, Future, Payload, Step
+from nbtrain.tinker.kernel.protocol import RequestError, bad, get_field
+from nbtrain.tinker.kernel.sampling import Sampling
+from nbtrain.tinker.kernel.tracking import ModelRun, write_json
 
 MODEL_FILE = "model.json"  # in a model's folder: its base model and LoRA settings, for loads
 #: under the service's folder: where a preemption notice writes every live model's state
@@ -448,7 +448,7 @@ class Verbs(Sampling, Expiry):
     def _newest_state(self, m: Model) -> tuple[Path | None, str]:
         """The state a restart reloads `m` from: its last named save, or its preemption checkpoint
         where that is newer (or the only one); (folder, what to say), (None, "") for neither."""
-        from nbtrain.recipes.service.state import META_FILE, checkpoint_folder
+        from nbtrain.tinker.ranks.state import META_FILE, checkpoint_folder
 
         def written(folder: Path | None) -> float | None:
             meta = folder / META_FILE if folder is not None else None

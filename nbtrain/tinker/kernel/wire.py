@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from nbtrain.tinker.protocol import RequestError, bad, check_loss
+from nbtrain.tinker.kernel.protocol import RequestError, bad, check_loss
 
 #: per-token inputs each loss needs besides target_tokens (forward_only needs none of them)
 LOSS_INPUTS = {
@@ -74,7 +74,7 @@ def _tokens(chunks: Any) -> list[int]:
 
 def decode_forward_backward(body: bytes) -> dict[str, Any]:
     """A `ForwardBackwardRequest` -> {model_id, seq_id, loss_fn, loss_fn_config, forward_only,
-    datums: [{"tokens", "loss_fn_inputs"}]} as the engine-side service takes it."""
+    datums: [{"tokens", "loss_fn_inputs"}]} as the rank-side service takes it."""
     msg = pb().ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)

@@ -1,7 +1,7 @@
-"""The engine side of nbtrain's Tinker-compatible service: the verbs the kernel's HTTP server runs on
+"""The rank side of nbtrain's Tinker-compatible service: the verbs the kernel's HTTP server runs on
 every rank with the same arguments (or in one process, with no process group).
 
-In [1]: from nbtrain.recipes import service
+In [1]: from nbtrain.tinker import ranks as service
 In [2]: service.create_model("m1", "/models/tiny", {"rank": 8})
 In [3]: service.forward_backward("m1", datums, "cross_entropy", None, False)["metrics"]["loss:sum"]
 In [4]: service.optim_step("m1", {"learning_rate": 1e-4})
@@ -15,16 +15,16 @@ pickles cheaply through ipyparallel. A model id this process does not hold raise
 
 from __future__ import annotations
 
-from nbtrain.recipes.service.batch import batch
-from nbtrain.recipes.service.lifecycle import create_model, status, unload
-from nbtrain.recipes.service.preemption import (
+from nbtrain.tinker.ranks.batch import batch
+from nbtrain.tinker.ranks.lifecycle import create_model, status, unload
+from nbtrain.tinker.ranks.preemption import (
     arm_preemption,
     disarm_preemption,
     preemption_status,
 )
-from nbtrain.recipes.service.registry import UnknownModelError
-from nbtrain.recipes.service.sample import sample
-from nbtrain.recipes.service.state import (
+from nbtrain.tinker.ranks.registry import UnknownModelError
+from nbtrain.tinker.ranks.sample import sample
+from nbtrain.tinker.ranks.state import (
     checkpoint_all,
     load_state,
     save_sampler,
@@ -32,7 +32,7 @@ from nbtrain.recipes.service.state import (
     snapshot,
     weights,
 )
-from nbtrain.recipes.service.train import forward_backward, optim_step
+from nbtrain.tinker.ranks.train import forward_backward, optim_step
 
 __all__ = [
     "UnknownModelError",

@@ -26,7 +26,7 @@ def batch(calls: list[tuple[str, tuple[Any, ...]]], raw: bool = False) -> list[d
     """Run `calls` ((verb, args) each) in order; one outcome per call: {"value": its answer}, or
     {"error": {"ename", "evalue", "traceback"}, "rank", "host"} (with "exception", the exception
     itself, where `raw`: a caller in this process)."""
-    from nbtrain.recipes.service import registry, train
+    from nbtrain.tinker.ranks import registry, train
 
     verbs: dict[str, Callable[..., Any]] = {
         "forward_backward": train.forward_backward,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbtrain.recipes.service import registry
+from nbtrain.tinker.ranks import registry
 
 
 def create_model(model_id: str, base_model: str, lora: dict[str, Any]) -> dict[str, Any]:

@@ -24,9 +24,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from nbtrain.engine.preempt import SIGNALS, signal_name
 from nbtrain.engine.rank import get_rank
-from nbtrain.recipes.preempt import SIGNALS, signal_name
-from nbtrain.recipes.service import registry, state
+from nbtrain.tinker.ranks import registry, state
 
 _armed: dict[str, Any] = {"folder": None, "old": {}, "signum": 0, "saved": [], "errors": []}
 _busy = [0]

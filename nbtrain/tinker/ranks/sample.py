@@ -20,7 +20,7 @@ from typing import Any
 
 from nbtrain.errors import ConfigError
 from nbtrain.generation.decode import Decoding, generate_kwargs, own_rng
-from nbtrain.recipes.service import registry, state
+from nbtrain.tinker.ranks import registry, state
 
 
 def check_params(params: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import ConfigError
-from nbtrain.recipes.service import registry
+from nbtrain.tinker.ranks import registry
 
 ADAPTER_FILE = "adapter_model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"

@@ -15,7 +15,7 @@ from typing import Any
 from nbtrain.engine import metrics
 from nbtrain.errors import ConfigError
 from nbtrain.losses import tinker as losses
-from nbtrain.recipes.service import preemption, registry
+from nbtrain.tinker.ranks import preemption, registry
 
 #: a rank's datums go through the model in padded micro-batches of at most this many tokens
 TOKENS_PER_BATCH = 4096

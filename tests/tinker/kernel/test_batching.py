@@ -1,5 +1,5 @@
 """A model's training requests queued back to back run in one trip to the ranks (`Executor`'s
-batches, the engine side's `batch`), each future answered as it would have been alone: the worker
+batches, the rank side's `batch`), each future answered as it would have been alone: the worker
 with a stand-in trip first, then the real service in this process (`InProcessBackend`) against the
 same requests made one at a time."""
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from nbtrain.errors import ConfigError
-from nbtrain.tinker.futures import Executor, Step
+from nbtrain.tinker.kernel.futures import Executor, Step
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -178,13 +178,13 @@ def _answer(fut):
 
 
 def test_requests_queued_together_are_one_trip_and_answer_as_one_at_a_time(home, tiny):
-    from nbtrain.recipes import service
-    from nbtrain.tinker import protocol as proto
-    from nbtrain.tinker.backend import InProcessBackend
-    from nbtrain.tinker.verbs import Verbs
+    from nbtrain.tinker import ranks as service
+    from nbtrain.tinker.kernel import protocol as proto
+    from nbtrain.tinker.kernel.backend import InProcessBackend
+    from nbtrain.tinker.kernel.verbs import Verbs
 
     class Counting(InProcessBackend):
-        """Counts the trips to the ranks, by engine-side verb."""
+        """Counts the trips to the ranks, by rank-side verb."""
 
         def __init__(self):
             self.trips: Counter[str] = Counter()
@@ -244,7 +244,7 @@ def test_requests_queued_together_are_one_trip_and_answer_as_one_at_a_time(home,
 
 
 def test_the_engine_side_batch_runs_only_the_training_verbs():
-    from nbtrain.recipes import service
+    from nbtrain.tinker import ranks as service
 
     with pytest.raises(
         ConfigError, match="batch runs only forward_backward, optim_step, not save_state"

@@ -267,7 +267,7 @@ def test_a_checkpoint_is_deleted_through_the_rest_client(svc, sc, tc):
 
 
 def test_a_key_is_checked_when_bound_beyond_the_loopback(base):
-    from nbtrain.tinker import InProcessBackend, TinkerService
+    from nbtrain.tinker.kernel import InProcessBackend, TinkerService
 
     key = "tml-test-0123456789"
     svc = TinkerService(InProcessBackend(), host="0.0.0.0", port=0, api_key=key, root=None)
@@ -291,7 +291,7 @@ def _usr1_handler():
 
 
 def _weights(cluster, model_id):
-    from nbtrain.recipes import service
+    from nbtrain.tinker import ranks as service
 
     return cluster.run(service.weights, model_id, ranks=[0], timeout=60)[0]
 
@@ -306,8 +306,8 @@ def test_a_preemption_notice_checkpoints_every_live_model_and_reload_prefers_it(
     from tinker import types
 
     from nbtrain import runs
-    from nbtrain.recipes import service
-    from nbtrain.recipes.service.state import checkpoint_folder
+    from nbtrain.tinker import ranks as service
+    from nbtrain.tinker.ranks.state import checkpoint_folder
 
     cluster = svc.backend.session
     assert svc.preemption_folder == svc.root / "preempted"
@@ -374,7 +374,7 @@ def test_a_cell_waits_for_a_running_service_verb_and_a_verb_waits_for_a_cell(svc
     cluster = svc.backend.session
     cluster.execute(
         # ipyparallel sends the verb by its code, which looks its helper up in the module then
-        "import time as _t, nbtrain.recipes.service.train as _svc_train\n"
+        "import time as _t, nbtrain.tinker.ranks.train as _svc_train\n"
         "_fb = _svc_train._forward_backward\n"
         "def _slow(*a):\n"
         "    out = _fb(*a); _t.sleep(2.0)\n"

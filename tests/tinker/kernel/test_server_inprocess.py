@@ -1,5 +1,5 @@
 """`%nbtrain serve tinker` with no cluster: the service in this process (`InProcessBackend`, world
-size 1) over the real engine-side service, driven by the tinker SDK found through the environment
+size 1) over the real rank-side service, driven by the tinker SDK found through the environment
 the magic sets; and `--host` beyond the loopback refused without a key."""
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def test_serve_in_this_kernel_trains_through_the_sdk_and_stops(ip, tiny, clean_e
     from tinker import types
 
     import nbtrain
-    from nbtrain.recipes import service
-    from nbtrain.recipes.service.state import checkpoint_folder
-    from nbtrain.tinker import current_service
+    from nbtrain.tinker import ranks as service
+    from nbtrain.tinker.kernel import current_service
+    from nbtrain.tinker.ranks.state import checkpoint_folder
 
     before = signal.getsignal(signal.SIGUSR1)
 

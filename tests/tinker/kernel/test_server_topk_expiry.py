@@ -18,7 +18,7 @@ def env(tmp_path):
     os.environ["NBTRAIN_HOME"] = str(tmp_path / "home")
     os.environ["TINKER_TELEMETRY"] = "0"
     yield tmp_path
-    from nbtrain.tinker import current_service
+    from nbtrain.tinker.kernel import current_service
 
     svc = current_service()
     if svc is not None:

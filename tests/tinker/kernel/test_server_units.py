@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from nbtrain.errors import ConfigError
-from nbtrain.tinker import protocol, wire
-from nbtrain.tinker.futures import Executor
-from nbtrain.tinker.serve import check_key
+from nbtrain.tinker.kernel import protocol, wire
+from nbtrain.tinker.kernel.futures import Executor
+from nbtrain.tinker.kernel.serve import check_key
 
 
 def _executor():

@@ -1,4 +1,4 @@
-"""The Tinker service's engine side (`nbtrain.recipes.service`) on a real 2-rank local cluster (gloo),
+"""The Tinker service's rank side (`nbtrain.tinker.ranks`) on a real 2-rank local cluster (gloo),
 checked against one-process PyTorch computed here: the loss and LoRA gradients of every loss, k AdamW
 steps, sampling's log-probs, snapshots and the exported peft adapter.
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nbtrain
-from nbtrain.recipes import service
+from nbtrain.tinker import ranks as service
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 

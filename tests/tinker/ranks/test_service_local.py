@@ -1,4 +1,4 @@
-"""The Tinker service's engine side in one process (world size 1, no process group), as the kernel's
+"""The Tinker service's rank side in one process (world size 1, no process group), as the kernel's
 in-process backend runs it: refusals with their messages, several models on one base, unload."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from nbtrain.errors import ConfigError
-from nbtrain.recipes import service
-from nbtrain.recipes.service import registry
+from nbtrain.tinker import ranks as service
+from nbtrain.tinker.ranks import registry
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
