@@ -56,7 +56,7 @@ _LAZY = {
     "DistributedCellError": "nbtrain.errors",
     "GRPOConfig": "nbtrain.configs.grpo",
     "Hooks": "nbtrain.recipes.hooks",
-    "Preempted": "nbtrain.engine.preempt",
+    "Preempted": "nbtrain.engine.signals.preempt",
     "Run": "nbtrain.recipes.steppable",
     "attach": "nbtrain.cluster.api",
     "check": "nbtrain.cluster.check",
@@ -88,8 +88,8 @@ if TYPE_CHECKING:
     from nbtrain.configs.sft import SFTConfig
     from nbtrain.display.picker import ClusterPicker
     from nbtrain.engine.metrics import log, log_end
-    from nbtrain.engine.preempt import Preempted
     from nbtrain.engine.rank import is_rank_zero
+    from nbtrain.engine.signals.preempt import Preempted
     from nbtrain.errors import ConfigError, DistributedCellError
     from nbtrain.generation.generate import generate
     from nbtrain.recipes.steppable import Run

@@ -229,7 +229,7 @@ def format_stacks(all_threads: bool = True) -> dict[str, Any]:
         )
     out.sort(key=lambda t: (not t["main"], -int(t["user_frames"])))  # type: ignore[call-overload]
     from nbtrain.engine.faults import collectives
-    from nbtrain.engine.interrupts import held_for
+    from nbtrain.engine.signals.interrupts import held_for
 
     return {
         "host": socket.gethostname(),

@@ -25,7 +25,7 @@ from typing import Any
 
 from nbtrain.data import chat
 from nbtrain.data.prompts import Entry
-from nbtrain.engine import interrupts
+from nbtrain.engine.signals import interrupts
 from nbtrain.errors import ConfigError, NbtrainError
 from nbtrain.generation.utf8 import decode_completion
 

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from nbtrain.data.prompts import read_prompts
-from nbtrain.engine import interrupts
 from nbtrain.engine.dist import Dist
+from nbtrain.engine.signals import interrupts
 from nbtrain.errors import ConfigError
 from nbtrain.generation import decode, engines
 

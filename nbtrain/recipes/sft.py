@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.configs.sft import SFTConfig
-from nbtrain.engine import interrupts
 from nbtrain.engine import metrics as live
-from nbtrain.engine.preempt import Preempted, Preemption
-from nbtrain.engine.preempt import message as preempt_message
+from nbtrain.engine.signals import interrupts
+from nbtrain.engine.signals.preempt import Preempted, Preemption
+from nbtrain.engine.signals.preempt import message as preempt_message
 from nbtrain.generation.sampling import Sampler
 from nbtrain.model import checkpoint as ckpt
 from nbtrain.model import shard

@@ -22,8 +22,8 @@ import time
 from typing import Any
 
 from nbtrain.configs.sft import SFTConfig
-from nbtrain.engine import interrupts
 from nbtrain.engine import metrics as live
+from nbtrain.engine.signals import interrupts
 from nbtrain.errors import ConfigError
 from nbtrain.model import checkpoint as ckpt
 from nbtrain.recipes.hooks import Hooks

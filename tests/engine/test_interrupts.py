@@ -2,7 +2,7 @@
 at a step or batch boundary, and keeps its variables; `Cluster.interrupt()` does the same.
 
 Real engines and a real gloo group, with two busy processes beside them (the load CI's lanes put on a
-2-core machine): before `nbtrain.engine.interrupts`, one rank raised while its peer waited for it in an
+2-core machine): before `nbtrain.engine.signals.interrupts`, one rank raised while its peer waited for it in an
 all-reduce, and that peer was replaced (its variables gone) or reported as "Engine 0 died".
 """
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbtrain.engine.preempt import Preempted
+from nbtrain.engine.signals.preempt import Preempted
 from nbtrain.errors import ConfigError
 from nbtrain.losses import grpo as grpo_loss
 from nbtrain.recipes.grpo import rollout as grpo_rollout

@@ -25,8 +25,8 @@ import time
 from typing import Any
 
 from nbtrain.configs.grpo import GRPOConfig
-from nbtrain.engine import interrupts
 from nbtrain.engine.rank import get_rank
+from nbtrain.engine.signals import interrupts
 from nbtrain.errors import ConfigError
 from nbtrain.generation import decode
 from nbtrain.losses import grpo as grpo_loss

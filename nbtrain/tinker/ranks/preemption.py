@@ -24,8 +24,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from nbtrain.engine.preempt import SIGNALS, signal_name
 from nbtrain.engine.rank import get_rank
+from nbtrain.engine.signals.preempt import SIGNALS, signal_name
 from nbtrain.tinker.ranks import registry, state
 
 _armed: dict[str, Any] = {"folder": None, "old": {}, "signum": 0, "saved": [], "errors": []}
