@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from nbtrain.cluster import procs
+from nbtrain import procs
 
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
 

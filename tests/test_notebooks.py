@@ -27,7 +27,7 @@ from tests.conftest import wait_gone
 # shut kernels down the way users' kernels are shut down
 JUPYTER_SHUTDOWN_WAIT = 5.0
 # Stopping a cluster takes 5-10 s today (ipyparallel's stop_cluster_sync ~5 s, then a 3 s grace in
-# nbtrain.cluster.procs.kill_tree for processes it left), and the atexit hook starts it ~2 s after the
+# nbtrain.procs.kill_tree for processes it left), and the atexit hook starts it ~2 s after the
 # shutdown request, so a kernel is SIGTERMed mid-teardown: whether the engines outlive it is a race.
 # Owned by the cluster core; remove the mark when teardown fits in Jupyter's 2.5 s.
 ROOT = Path(__file__).resolve().parents[1]

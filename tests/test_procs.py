@@ -1,4 +1,4 @@
-"""nbtrain/cluster/procs.py on real processes."""
+"""nbtrain/procs.py on real processes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from nbtrain.cluster import procs
+from nbtrain import procs
 
 
 def _waiting_like_ipyparallel(proc: psutil.Popen) -> threading.Thread:

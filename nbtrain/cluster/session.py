@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nbtrain.cluster import procs
+from nbtrain import procs
 from nbtrain.cluster.failures import raise_for_failures
 from nbtrain.cluster.options import StartOptions
 from nbtrain.cluster.ranks.ranges import parse_ranks

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain.cluster import group, procs, registry
+from nbtrain import procs
+from nbtrain.cluster import group, registry
 from nbtrain.cluster.faults.diagnose import classify, in_cell
 from nbtrain.cluster.ranks.topology import agree, describe_ranks
 from nbtrain.cluster.session import Session

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nbtrain.cluster import procs, registry
+from nbtrain import procs
+from nbtrain.cluster import registry
 from nbtrain.cluster.options import idle_timeout
 from nbtrain.cluster.session import close_client
 

@@ -20,8 +20,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nbtrain import net
-from nbtrain.cluster import procs, registry
+from nbtrain import net, procs
+from nbtrain.cluster import registry
 from nbtrain.cluster.failures import start_failed
 from nbtrain.cluster.group import init_group
 from nbtrain.cluster.launch import LaunchOptions

@@ -16,7 +16,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from nbtrain.cluster import allocator, procs, registry
+from nbtrain import procs
+from nbtrain.cluster import allocator, registry
 from nbtrain.cluster.failures import start_failed
 from nbtrain.cluster.group import free_local_port, init_group, reinit
 from nbtrain.cluster.launch import LaunchOptions

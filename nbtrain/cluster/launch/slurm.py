@@ -25,8 +25,7 @@ from typing import Any
 
 from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
 
-from nbtrain import net
-from nbtrain.cluster import procs
+from nbtrain import net, procs
 from nbtrain.cluster.launch import LaunchOptions
 from nbtrain.cluster.launch.base import NETWORK, PYTHON, EngineLaunch, start_engines, stop_here
 from nbtrain.cluster.launch.slurm_jobs import (

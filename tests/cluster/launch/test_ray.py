@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 import nbtrain
-from nbtrain.cluster import procs
+from nbtrain import procs
 from nbtrain.cluster.launch import LaunchOptions
 from nbtrain.cluster.launch.ray.placement import RayNode, bundles, explain_pending, rank_order
 from nbtrain.cluster.ranks.plan import Slot, plan_devices

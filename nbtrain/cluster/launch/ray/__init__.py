@@ -30,8 +30,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nbtrain import net
-from nbtrain.cluster import procs
+from nbtrain import net, procs
 from nbtrain.cluster.group import reinit
 from nbtrain.cluster.launch import LaunchOptions
 from nbtrain.cluster.launch.base import EngineLaunch, start_engines, stop_here
