@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from nbtrain import logs as _logs
 from nbtrain.engine import metrics as _metrics
 from nbtrain.version import __version__
 
@@ -42,6 +43,7 @@ __all__ = [
     "log_end",
     "scaling",
     "serve_tinker",
+    "set_log_level",
     "start",
     "tinker_url",
     "unload_ipython_extension",
@@ -69,6 +71,8 @@ _LAZY = {
     # the Tinker-compatible service: serve_tinker(cluster=None) serves in this kernel (issue 36)
     "serve_tinker": "nbtrain.tinker.kernel.serve",
     "tinker_url": "nbtrain.tinker.kernel.serve",
+    # the debug log's switch, twin of NBTRAIN_LOG=debug and %nbtrain log debug
+    "set_log_level": "nbtrain.logs",
     "SFTConfig": "nbtrain.configs.sft",
     "TrainResult": "nbtrain.recipes.train",
     "finetune": "nbtrain.recipes.train",
@@ -92,6 +96,7 @@ if TYPE_CHECKING:
     from nbtrain.engine.signals.preempt import Preempted
     from nbtrain.errors import ConfigError, DistributedCellError
     from nbtrain.generation.generate import generate
+    from nbtrain.logs import set_log_level
     from nbtrain.recipes.steppable import Run
     from nbtrain.recipes.train import TrainResult, finetune
     from nbtrain.tinker.kernel.serve import serve_tinker, tinker_url
@@ -120,6 +125,9 @@ def _live_display() -> Any:
 
 # nbtrain.log() in a plain kernel draws the live display; engine code only knows the sink it is given
 _metrics.set_local_sink(_live_display)
+
+# NBTRAIN_LOG=debug (info, warning) shows nbtrain's log on stderr from the first import on
+_logs.from_env()
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nbtrain import logs
 from nbtrain.cluster import registry
 from nbtrain.cluster.options import StartOptions
 from nbtrain.cluster.ranks.plan import DevicePlan, Slot, plan_devices
@@ -109,6 +110,8 @@ def init_group(
             # the cluster a run on this rank belongs to, in its run record (nbtrain.telemetry.report)
             **({"NBTRAIN_CLUSTER_ID": run_id} if run_id else {}),
             **loopback,
+            # the kernel's log level (NBTRAIN_LOG), applied by init_rank (nbtrain.logs)
+            **logs.engine_env(),
             **options.extra_env,
         }
         r.address = master_addr if r.rank == 0 else r.address

@@ -12,6 +12,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
+from nbtrain import logs
 from nbtrain.engine import torchrun
 
 # frames from these packages are the engine's own machinery, not the user's code
@@ -116,6 +117,8 @@ def init_rank(env: dict[str, str], backend: str, device: str, timeout_s: float) 
     """
     os.environ.update(env)
     os.environ["NBTRAIN_ENGINE"] = "1"
+    # the kernel's NBTRAIN_LOG, for a rank whose engine started before it was set (nbtrain.logs)
+    logs.from_env()
     torchrun.not_interactive()
     # what nbtrain.finetune (and user code) reads instead of guessing from torch.cuda.is_available()
     os.environ["NBTRAIN_DEVICE"] = device

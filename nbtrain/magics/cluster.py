@@ -70,6 +70,11 @@ def build_parser() -> Parser:
     check.add_check_command(sub)
     scaling.add_scaling_command(sub)
     serve.add_serve_command(sub)
+    p = sub.add_parser(
+        "log",
+        help="show nbtrain's log from LEVEL up on stderr, here and on every rank (NBTRAIN_LOG)",
+    )
+    p.add_argument("level", choices=("debug", "info", "warning", "error"))
     return parser
 
 
@@ -247,6 +252,20 @@ class NbtrainMagics(Magics):
 
     def _cmd_serve(self, args: argparse.Namespace) -> Any:
         return serve.cmd_serve(args)
+
+    def _cmd_log(self, args: argparse.Namespace) -> None:
+        from nbtrain.cluster.facade import current_cluster
+        from nbtrain.logs import set_log_level
+
+        name = set_log_level(args.level)
+        where = "this kernel"
+        cluster = current_cluster()
+        if cluster is not None and not cluster.stopped:
+            cluster.run(set_log_level, name, timeout=30)
+            where += f" and on {cluster.world_size} rank(s)"
+        print(
+            f"nbtrain: log level {name} in {where}; engines started later get NBTRAIN_LOG={name}."
+        )
 
     def _cmd_status(self, args: argparse.Namespace) -> None:
         from nbtrain.cluster.facade import current_cluster
