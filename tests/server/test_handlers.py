@@ -20,7 +20,7 @@ from tornado.httpclient import HTTPClientError
 from nbtrain import runs
 from tests.conftest import LR_RATES as RATES
 
-FIXTURE_RUN = Path(__file__).parent / "fixtures" / "runs" / "finished-sft"
+FIXTURE_RUN = Path(__file__).parents[1] / "fixtures" / "runs" / "finished-sft"
 
 
 @pytest.fixture
@@ -564,7 +564,7 @@ def test_the_lab_titles_losses_as_nbtrain_does():
     SFT only (nbtrain.runs.LOSS_UNITS), and the same title where SFT runs meet others."""
     from nbtrain.compare.view import MIXED_LOSS_TITLE
 
-    src = Path(__file__).parent.parent / "labextension" / "src"
+    src = Path(__file__).parents[2] / "labextension" / "src"
     assert runs.LOSS_UNITS == {"sft": "nats/token"}
     assert "'nats/token'" in (src / "metrics.ts").read_text()
     assert f"'{MIXED_LOSS_TITLE}'" in (src / "model.ts").read_text()

@@ -1,7 +1,7 @@
 """The picker's Ray page (nbtrain/display/picker/ray.py): its fields, the messages as typed, the
-call it makes and the settings it remembers. No Ray starts here: tests/cluster/launch/test_ray.py starts real ones.
+call it makes and the settings it remembers. No Ray starts here: tests/cluster/launch/ray/test_ray.py starts real ones.
 
-(A file of its own: tests/test_picker.py is at the 500-line mark.)
+(A file of its own: tests/display/picker/test_picker.py is at the 500-line mark.)
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_ray_page_makes_the_call_the_magic_makes(home, ip, monkeypatch):
         },
     )
     # the same start as the magic line: record what %nbtrain start hands nbtrain.start (the
-    # recorder stands in for our own API only; starting Ray is tests/cluster/launch/test_ray.py's job)
+    # recorder stands in for our own API only; starting Ray is tests/cluster/launch/ray/test_ray.py's job)
     calls: list[dict] = []
     monkeypatch.setattr("nbtrain.cluster.api.start", lambda **k: calls.append(k))
     monkeypatch.setattr("nbtrain.magics.cluster.NbtrainMagics._print_ready", lambda *a: None)
