@@ -1,8 +1,10 @@
 """The HTTP side: tornado handlers for the tinker 0.38.0 SDK's REST protocol (base path /api/v1).
 
-Every user error is a 4xx with {"detail": message}; the SDK retries 408, 409, 429 and 5xx for
-minutes, so nothing a request says may end in a 500. Long verbs answer at once with a future;
-`retrieve_future` waits up to `POLL_S` for it, then says "try_again".
+Every user error (a `RequestError`, a `ConfigError`, a body that is not JSON or protobuf) is a 4xx
+with {"detail": message}: the SDK retries 408, 409, 429 and 5xx for minutes, so nothing a request
+says may end in a 500. Anything else is nbtrain's own fault: a 500 whose body carries an error id,
+logged here with its traceback under that id (`internal_error`). Long verbs answer at once with a
+future; `retrieve_future` waits up to `POLL_S` for it, then says "try_again".
 """
 
 from __future__ import annotations
@@ -10,14 +12,19 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import traceback
+import logging
+import time
+import uuid
 from typing import Any
 
 import tornado.web
 
+from nbtrain.errors import ConfigError
 from nbtrain.tinker.kernel.futures import Future
 from nbtrain.tinker.kernel.protocol import RequestError, bad
 from nbtrain.tinker.kernel.verbs import Verbs
+
+log = logging.getLogger(__name__)
 
 POLL_S = 30.0  # the SDK polls again at once on try_again (and logs a warning), so the server holds each poll this long (its timeout is 45 s)
 PROTO = "application/x-protobuf"
@@ -67,7 +74,10 @@ class Base(tornado.web.RequestHandler):
         if self.request.headers.get("Content-Encoding", "").lower() == "zstd":
             import zstandard
 
-            raw = zstandard.ZstdDecompressor().decompress(raw)
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(raw)
+            except zstandard.ZstdError as e:
+                raise bad(f"the zstd body cannot be decompressed ({e}).") from e
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -95,10 +105,38 @@ class Base(tornado.web.RequestHandler):
         if isinstance(exc, tornado.web.HTTPError) and status_code < 500:
             self.fail(status_code, exc.log_message or self._reason)
             return
-        # a fault of this server, not of the request: said in full, once
-        text = "".join(traceback.format_exception(exc)) if exc is not None else self._reason
+        if exc is not None and not isinstance(exc, tornado.web.HTTPError):
+            self.internal_error(exc)  # an exception that escaped a handler: nbtrain's own fault
+            return
+        self.fail(status_code, f"nbtrain's Tinker service failed: {self._reason}")
+
+    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
+        # write_error logs an escaped exception once, with the error id its 500 carries
+        if isinstance(value, tornado.web.HTTPError):
+            super().log_exception(typ, value, tb)
+
+    def internal_error(self, e: BaseException) -> None:
+        """Answer an error of nbtrain's own (not the request's) with a 500 and an error id, and log
+        its traceback under that id, where the body says to look for it."""
+        error_id = uuid.uuid4().hex[:8]
+        where = f"{self.request.method} {self.request.path}"
+        log.error(
+            "Tinker service error %s on %s: %s: %s",
+            error_id,
+            where,
+            type(e).__name__,
+            e,
+            exc_info=e,
+        )
+        message = (
+            f"nbtrain's Tinker service failed on {where} ({type(e).__name__}: {e}); this is a bug "
+            f"in nbtrain, not in the request. Look for error id {error_id} in the kernel's log "
+            "(its stderr, logger nbtrain.tinker.kernel.handlers), which has the traceback, and "
+            "report it."
+        )
+        self.set_status(500)
         self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps({"detail": f"nbtrain's Tinker service failed: {text}"}))
+        self.finish(json.dumps({"detail": message, "error": message, "error_id": error_id}))
 
 
 def endpoint(method: str, call: Any, kind: str = "json") -> type[Base]:
@@ -107,6 +145,7 @@ def endpoint(method: str, call: Any, kind: str = "json") -> type[Base]:
 
     async def handle(self: Base, *args: str) -> None:
         arg: Any = None
+        began = time.monotonic()
         try:
             if kind == "json":
                 arg = self.body()
@@ -115,21 +154,25 @@ def endpoint(method: str, call: Any, kind: str = "json") -> type[Base]:
             else:
                 arg = None
             result = call(self.verbs, arg, *args)
-        except RequestError as e:
-            if isinstance(arg, dict) and e.model_id is None:
-                e.model_id, e.seq_id = arg.get("model_id"), arg.get("seq_id")
-            self.verbs.executor.skip(e.model_id, e.seq_id)
-            self.fail(e.status, str(e))
+        except (RequestError, ConfigError) as e:
+            status = e.status if isinstance(e, RequestError) else 400
+            model_id, seq_id = getattr(e, "model_id", None), getattr(e, "seq_id", None)
+            if isinstance(arg, dict) and model_id is None:
+                model_id, seq_id = arg.get("model_id"), arg.get("seq_id")
+            self.verbs.executor.skip(model_id, seq_id)
+            log.debug("%s %s refused (%d): %s", method, self.request.path, status, e)
+            self.fail(status, str(e))
             return
-        except Exception as e:  # noqa: BLE001 - a request this code did not foresee is still the
-            # request's fault (nothing was queued yet), and a 500 would be retried for minutes
+        except Exception as e:
+            # nbtrain's own bug, not the request's: a 500 with an id, the traceback logged under it
             if isinstance(arg, dict):
                 self.verbs.executor.skip(arg.get("model_id"), arg.get("seq_id"))
-            self.fail(
-                400,
-                f"nbtrain's Tinker service could not take this request: {type(e).__name__}: {e}",
-            )
+            self.internal_error(e)
             return
+        model = arg.get("model_id") if isinstance(arg, dict) else None
+        log.debug(
+            "%s %s model %s: %.3f s", method, self.request.path, model, time.monotonic() - began
+        )
         if isinstance(result, Future):
             self.future(result)
         elif isinstance(result, tuple):  # asample: (future, num_samples)
