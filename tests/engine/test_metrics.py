@@ -46,15 +46,26 @@ def test_rows_go_to_the_registered_sink(plain_kernel, monkeypatch):
     assert seen[1]["row"] == {"step": 1, "loss": 0.5}
 
 
-def test_without_a_sink_nothing_is_drawn(plain_kernel, monkeypatch):
+def test_without_a_sink_nothing_is_drawn(plain_kernel, monkeypatch, capsys):
+    """set_local_sink(None) unregisters what drew before: a run's rows reach no display, and none is
+    made, yet log() neither fails nor prints."""
+    seen: list = []
     monkeypatch.setattr(metrics, "_local_display", None)
+    metrics.set_local_sink(lambda: _Recorder(seen))
     metrics.set_local_sink(None)
     try:
-        metrics.log(step=1, loss=0.5)  # no error, nothing to draw on
+        metrics.log(step=1, loss=0.5)  # a row before any begin makes a display when there is a sink
+        assert metrics._local_display is None
+        metrics.begin(total_steps=2, name="run")
+        metrics.log(step=2, loss=0.25)
+        assert metrics._local_display is None
+        metrics.end()
     finally:
         import nbtrain
 
         metrics.set_local_sink(nbtrain._live_display)
+    assert seen == [], "rows reached the sink set_local_sink(None) unregistered"
+    assert capsys.readouterr() == ("", "")
 
 
 def test_the_engine_module_never_imports_the_live_display_and_nbtrain_registers_it():
