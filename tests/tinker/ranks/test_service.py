@@ -42,9 +42,14 @@ def cluster():
 
 
 def run(cluster, fn, *args):
-    """`fn(*args)` on both ranks; the ranks must agree, as the kernel side reads rank 0's answer."""
+    """`fn(*args)` on both ranks; rank 0's answer, as the kernel side reads it, once every rank's is
+    checked to be the same (dicts, lists and numpy arrays, element for element)."""
     out = cluster.run(fn, *args)
     assert len(out) == 2
+    for rank, answer in enumerate(out[1:], start=1):
+        np.testing.assert_equal(
+            answer, out[0], err_msg=f"{fn.__name__}: rank {rank}'s answer is not rank 0's"
+        )
     return out[0]
 
 
