@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+log = logging.getLogger(__name__)
 
 #: temporary names: dot-prefixed so a reader's glob of ``*.json`` and friends never picks them up
 TMP_PREFIX = ".tmp-"

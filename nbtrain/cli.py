@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 QUICKSTART = "01-quickstart.ipynb"
 DEFAULT_OUT = "nbtrain-demo"

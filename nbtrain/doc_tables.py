@@ -8,10 +8,13 @@ options) are built on `GeneratedTable`; `tests/test_docs.py` fails when a commit
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def cell(text: str) -> str:

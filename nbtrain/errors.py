@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger(__name__)
+
 
 class NbtrainError(Exception):
     """Base class for nbtrain's own errors."""

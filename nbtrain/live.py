@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import html
+import logging
 import time
 from typing import Any
 
@@ -25,6 +26,8 @@ from nbtrain.plots import (
     run_line_colours,
     unit,
 )
+
+log = logging.getLogger(__name__)
 
 # the charts of the live display: the Lab's overview of the run's kind (`nbtrain.plots.overview`:
 # SFT's loss, DPO's loss, reward margin and accuracy, GRPO's rewards, completion length, KL and

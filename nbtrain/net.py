@@ -12,6 +12,7 @@ Out[3]: ListenChoice(address='10.0.0.5', interface='eth0', reason='routes to nod
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 import shutil
 import socket
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 import psutil
 
 from nbtrain.errors import ClusterError, ConfigError
+
+log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 
 # -- finding -----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ environment at launch. GPU machines are left alone: the gain was measured on CPU
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -18,6 +19,8 @@ import sys
 from pathlib import Path
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "tcmalloc", "system")
 # gperftools' libraries: the minimal one (no heap profiler) first

@@ -12,6 +12,7 @@ engines (`nbtrain.cluster.launch`), and wraps what comes back in the `Cluster` f
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,8 @@ from nbtrain.cluster.launch import parse_launch
 from nbtrain.cluster.options import StartOptions, default_engine_count, local_gpu_count
 from nbtrain.cluster.ranks.plan import Slot, plan_devices
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def start(

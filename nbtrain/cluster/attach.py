@@ -29,6 +29,8 @@ from nbtrain.cluster.session import Launched, Session
 from nbtrain.compare.data import json_rows
 from nbtrain.errors import ClusterError
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Attached:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -18,6 +19,8 @@ from nbtrain.errors import CellTimeoutError
 
 if TYPE_CHECKING:
     from nbtrain.cluster.session import Session
+
+log = logging.getLogger(__name__)
 
 OUTPUT_MODES = ("rank0", "all", "none")
 # how long ranks get to honour an interrupt before those still busy are asked where they are.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import shlex
 import subprocess
 import sys
@@ -38,6 +39,8 @@ from nbtrain.cluster.options import require_commands
 from nbtrain.cluster.session import Session
 from nbtrain.engine import facts as engine_facts
 from nbtrain.errors import ClusterError, ConfigError
+
+log = logging.getLogger(__name__)
 
 PROBE = "nbtrain.engine.facts"  # run as `python -m PROBE` on each node before a start
 

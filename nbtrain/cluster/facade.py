@@ -8,6 +8,7 @@ process group (`group`); the launcher that started the engines stops them (`laun
 from __future__ import annotations
 
 import atexit
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,8 @@ from nbtrain.cluster.group import define_groups, group_ranks
 from nbtrain.cluster.ranks.ranges import parse_ranks
 from nbtrain.cluster.session import Session
 from nbtrain.errors import ClusterError, ConfigError, NoClusterError
+
+log = logging.getLogger(__name__)
 
 _current: Cluster | None = None
 

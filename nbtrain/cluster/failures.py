@@ -6,6 +6,7 @@ the ranks (`Session.run`, `%%distributed` cells).
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 from nbtrain.cluster.ranks.topology import RankInfo, describe_ranks
 from nbtrain.engine import oom
 from nbtrain.errors import ClusterError, DistributedCellError, NbtrainError
+
+log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _CELL_FILE = re.compile(r"ipykernel_\d+/\d+\.py|<ipython-input-\d+-[0-9a-f]+>")

@@ -25,7 +25,7 @@ from nbtrain.engine import groups as engine_groups
 from nbtrain.engine import setup
 from nbtrain.errors import ClusterError, ConfigError
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 # how long the other ranks get to finish joining the group once one rank failed to (they are
 # usually blocked in the rendezvous, waiting for it)

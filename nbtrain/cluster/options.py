@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import ipaddress
+import logging
 import os
 import re
 import shlex
@@ -27,6 +28,8 @@ from nbtrain import net
 from nbtrain.cluster import allocator
 from nbtrain.engine import setup
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "nccl")
 PROFILE = "nbtrain"

@@ -9,12 +9,15 @@ busbw = algbw * 2 (n - 1) / n, which makes it comparable with the link's speed f
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain.cluster.ranks.topology import format_table
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 * 2**20
 # a link delivering less than this share of its nominal speed is worth a warning

@@ -9,6 +9,7 @@ gave it a `stop` and, where it can, a `replace`) nor how a process group is made
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import sys
 import threading
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     import ipyparallel as ipp
 
     from nbtrain.cluster.ranks.plan import DevicePlan
+
+log = logging.getLogger(__name__)
 
 # how a launcher replaces single engines: replace(session, ranks, timeout)
 Replace = Callable[["Session", Sequence[int], float], None]

@@ -10,6 +10,7 @@ importing a submodule rebinds the package's attribute to the module, so the modu
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 from typing import Any
@@ -36,6 +37,8 @@ from nbtrain.compare.data import (
     side_by_side,
 )
 from nbtrain.compare.view import compare
+
+log = logging.getLogger(__name__)
 
 
 class _CallableModule(types.ModuleType):

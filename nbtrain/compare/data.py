@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -27,6 +28,8 @@ from typing import Any
 
 from nbtrain.errors import NotARunError
 from nbtrain.runs import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
+
+log = logging.getLogger(__name__)
 
 ADAPTER_DIR = "adapter"
 #: the curves a comparison draws by default

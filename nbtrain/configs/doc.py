@@ -9,6 +9,7 @@ The table sits between two marker comments in the page; everything outside them 
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 
 from nbtrain.configs.sft import SFTConfig
 from nbtrain.doc_tables import GeneratedTable, cell
+
+log = logging.getLogger(__name__)
 
 COMMAND = "python -m nbtrain.configs.doc"
 # where the page is in a checkout (the docs do not ship in the wheel)

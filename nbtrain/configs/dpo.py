@@ -11,9 +11,12 @@ implicit); `nbtrain.data.prefs` reads and tokenizes it. What TRL calls `truncati
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from nbtrain.configs.sft import SFTConfig, known_keywords_only
+
+log = logging.getLogger(__name__)
 
 #: the DPO losses nbtrain computes, by TRL's names
 LOSS_TYPES = ("sigmoid", "ipo")

@@ -4,8 +4,11 @@ SFTConfig, DPOConfig and GRPOConfig alike: every field annotated int or float is
 
 from __future__ import annotations
 
+import logging
 from dataclasses import fields
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def type_problems(cfg: Any) -> dict[str, str]:

@@ -14,11 +14,14 @@ prompt, so that number must be a multiple of `num_generations`.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain.configs.sft import SFTConfig, known_keywords_only
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: the GRPO losses nbtrain computes, by TRL's names (TRL's default, "dapo", first)
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")

@@ -8,6 +8,7 @@ In [1]: cfg = nbtrain.SFTConfig(model="tiny-llama", data="train.jsonl", output_d
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -19,15 +20,10 @@ from nbtrain.data.prompts import sampling_problems
 from nbtrain.errors import ConfigError
 from nbtrain.telemetry import tracking
 
-SCHEDULERS = (
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-    "constant",
-    "constant_with_warmup",
-    "inverse_sqrt",
-)
+log = logging.getLogger(__name__)
+
+SCHEDULERS: tuple[str, ...] = ("linear", "cosine", "cosine_with_restarts", "polynomial")
+SCHEDULERS += ("constant", "constant_with_warmup", "inverse_sqrt")
 DTYPES = ("auto", "float32", "bfloat16")
 # the generation engines (nbtrain.generation.engines): transformers' generate, the reference, and vLLM
 ENGINES = ("hf", "vllm")

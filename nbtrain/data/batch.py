@@ -10,12 +10,15 @@ memory; on the CPU, the process's peak resident memory and the memory available 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # never more rows per micro-batch than this: past it a bigger batch buys no speed
 MAX_AUTO_BATCH = 64

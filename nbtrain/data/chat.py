@@ -13,12 +13,15 @@ template with `{% generation %}` markers states its assistant text itself: its m
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")

@@ -12,6 +12,7 @@ all-reduce. Rows with no target token (a prompt longer than max_length) are drop
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,8 @@ from nbtrain.data.rows import (
 )
 from nbtrain.data.store import TokenStore
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "FORMATS",

@@ -21,6 +21,7 @@ each of prompt + chosen and prompt + rejected is cut to `max_length` at `truncat
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -28,6 +29,8 @@ from typing import Any, cast
 from nbtrain.data.chat import check_template
 from nbtrain.data.loader import ShardedBatches
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: what the no-rows message asks for (tokens.prepare)
 ACCEPTED = (

@@ -7,6 +7,7 @@ importing generation, a layer above them.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from typing import Any
 
 from nbtrain.data.sources import SUFFIXES, Source
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 _ACCEPTED = (
     "a string, a list of {'role', 'content'} messages, a row dict with 'prompt' (and optionally "

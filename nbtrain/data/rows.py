@@ -12,6 +12,7 @@ otherwise train a first completion token the model never sees after that prompt.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 from nbtrain.data import chat
 from nbtrain.data.sources import Source
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 IGNORE = -100
 FORMATS = ("prompt/completion", "messages", "text")

@@ -11,6 +11,7 @@ a folder without it, with a part of the wrong size, or of another format or nbtr
 from __future__ import annotations
 
 import json
+import logging
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any
 
 from nbtrain.data.rows import IGNORE, Example, cut, encode_batch, row_problem
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: the cache's layout; bump it when the files or the tokenization's meaning change
 FORMAT = 1

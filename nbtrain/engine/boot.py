@@ -8,9 +8,12 @@ group is ready that much sooner. The import lock makes a later `import torch` si
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
+
+log = logging.getLogger(__name__)
 
 
 def _warm() -> None:

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
 
 from nbtrain.engine.rank import get_local_rank, get_rank, get_world_size
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class Dist:

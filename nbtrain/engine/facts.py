@@ -13,10 +13,13 @@ start compare the same values. torch loads inside the call; importing this modul
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
 from nbtrain.engine import preflight
+
+log = logging.getLogger(__name__)
 
 MARKER = "NBTRAIN_NODE_FACTS "  # the line a probe prints; anything else (a login banner) is skipped
 # the preflight report's keys a check shows; the interfaces and environment stay out of it

@@ -10,11 +10,14 @@ imports widget or server code.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 from collections.abc import MutableMapping
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # torch's flight recorder keeps the last N collectives of every process group; it must be switched on
 # before the group is created, and a ring of a few hundred small records costs nothing measurable

@@ -12,8 +12,11 @@ group (`torch.distributed.group.WORLD`) for a cell without one.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class Groups(dict[str, Any]):

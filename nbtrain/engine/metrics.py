@@ -17,6 +17,7 @@ registers the live display), so this module, which runs on engines, never import
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -24,6 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from nbtrain.engine.rank import is_rank_zero
+
+logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "nbtrain.metrics."
 

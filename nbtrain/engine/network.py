@@ -6,8 +6,11 @@ standard library and psutil only.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def route(target: str) -> dict[str, Any]:

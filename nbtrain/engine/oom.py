@@ -13,11 +13,14 @@ it in `sys.last_traceback`; the caching allocator then keeps the freed blocks fo
 from __future__ import annotations
 
 import gc
+import logging
 import re
 import socket
 import sys
 import traceback
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # the note's first words: the client knows an annotated OOM by them, and the hook never adds it twice
 MARK = "nbtrain: rank "

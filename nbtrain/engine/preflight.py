@@ -7,12 +7,15 @@ nodes (`nbtrain.cluster.launch.preflight.compare`). Importing this module is che
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import socket
 import sys
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 INFINIBAND_SYSFS = Path("/sys/class/infiniband")
 # environment that decides which transport and interface collectives use

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def _device(group: Any = None) -> Any:

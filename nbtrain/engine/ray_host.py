@@ -11,6 +11,7 @@ Runs on the Ray nodes: imports neither ray nor the kernel side at module level.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class EngineHost:

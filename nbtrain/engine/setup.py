@@ -5,6 +5,7 @@ The client calls these with `apply`; each returns plain data so the client never
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -14,6 +15,8 @@ from typing import Any
 
 from nbtrain import logs
 from nbtrain.engine import torchrun
+
+log = logging.getLogger(__name__)
 
 # frames from these packages are the engine's own machinery, not the user's code
 _MACHINERY = (

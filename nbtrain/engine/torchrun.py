@@ -8,10 +8,13 @@ ends the process group itself must find nbtrain's group and leave it for the nex
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # the real torch functions, kept before the shims replace them
 _REAL: dict[str, Any] = {}

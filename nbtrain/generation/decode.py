@@ -18,6 +18,7 @@ the same tokens, the same forward passes on every rank of the group, and none ou
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from nbtrain.data.prompts import Entry
 from nbtrain.engine.signals import interrupts
 from nbtrain.errors import ConfigError, NbtrainError
 from nbtrain.generation.utf8 import decode_completion
+
+log = logging.getLogger(__name__)
 
 
 class EngineFailedElsewhere(NbtrainError, RuntimeError):

@@ -5,12 +5,15 @@ base class, their error, and the settings of a vLLM engine. Kept apart so that `
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain.configs.sft import ENGINES
 from nbtrain.errors import NbtrainError
 from nbtrain.generation import decode
+
+log = logging.getLogger(__name__)
 
 
 class EngineError(NbtrainError, RuntimeError):

@@ -16,6 +16,7 @@ GRPO's importance ratio compares with the training model's. Every method is loca
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,8 @@ from nbtrain.generation.engine_base import (
     check_name,
     check_vllm,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ENGINES",

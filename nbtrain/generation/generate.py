@@ -13,6 +13,7 @@ The prompts are split across the ranks and batched with left padding and a KV ca
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from nbtrain.engine.dist import Dist
 from nbtrain.engine.signals import interrupts
 from nbtrain.errors import ConfigError
 from nbtrain.generation import decode, engines
+
+log = logging.getLogger(__name__)
 
 BASE = "base"
 SHARDS = ("ddp", "fsdp")

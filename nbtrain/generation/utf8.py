@@ -14,8 +14,11 @@ Out[1]: 'caf'
 from __future__ import annotations
 
 import codecs
+import logging
 import re
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 __all__ = ["cut_bytes", "decode_completion"]
 

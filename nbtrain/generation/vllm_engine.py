@@ -17,6 +17,7 @@ device: it takes `gpu_memory_utilization` of it, and with `sleep` it frees its w
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -38,6 +39,8 @@ from nbtrain.generation.engine_base import (
     check_vllm,
 )
 from nbtrain.generation.utf8 import decode_completion
+
+log = logging.getLogger(__name__)
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 # the rank's process group must not leak into vLLM's own (a group of one, in its process)

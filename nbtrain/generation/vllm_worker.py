@@ -13,6 +13,7 @@ when its parent changes, and it exits when the socket closes.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -20,6 +21,8 @@ import threading
 import time
 import traceback
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 # LoRAs pushed from memory: their tensors and config, by vLLM's lora_int_id

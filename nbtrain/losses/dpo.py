@@ -16,7 +16,10 @@ logits exist at once: the trick of `nbtrain.losses.sft`, here per token instead 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: the metrics TRL's DPOTrainer logs, by its names, in the order `metric_sums` returns their sums
 METRICS = (

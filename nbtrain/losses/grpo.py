@@ -9,8 +9,11 @@ In [3]: loss, sums = policy_loss(logps, None, None, batch, settings, norm)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: the loss metrics of a step, summed over tokens (then divided by the step's tokens), by TRL's names
 LOSS_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")

@@ -15,10 +15,13 @@ ConfigError: reward function 'correct(completions, solution, **kw)': it needs 's
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: the names every reward function is given, whatever the data
 PASSED = ("prompts", "completions", "completion_ids")

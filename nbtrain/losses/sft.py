@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Logits are built CHUNK_BYTES of fp32 at a time: 256 MiB is 512 tokens of a 128K vocab (Llama 3), 2048 of
 # a 32K one. A chunk holds at most its bf16 logits, their fp32 log-probabilities and the gradient cast back

@@ -19,9 +19,12 @@ into chunks gets the same gradient as one call.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: the losses this module computes, and the `loss_fn_inputs` each reads
 SUPPORTED: dict[str, tuple[str, ...]] = {

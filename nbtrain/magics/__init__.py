@@ -6,9 +6,12 @@ their shared argument types (`args.py`). Thin: parse, call the Python API, displ
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nbtrain.magics.cluster import NbtrainMagics, build_parser
+
+log = logging.getLogger(__name__)
 
 
 def register(ipython: Any) -> None:

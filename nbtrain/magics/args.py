@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import re
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 _CHOICE = re.compile(r"invalid choice: '(?P<word>[^']*)' \(choose from (?P<choices>.*)\)")
 

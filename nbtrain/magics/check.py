@@ -6,9 +6,12 @@ Thin: parse, call `Cluster.check()` or `nbtrain.check(...)`, print.
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from nbtrain.magics.args import positive_float
+
+log = logging.getLogger(__name__)
 
 
 def add_check_command(sub: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import sys
 import time
@@ -23,6 +24,8 @@ from nbtrain.magics.args import (
     positive_float,
     unknown_options,
 )
+
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> Parser:

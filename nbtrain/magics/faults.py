@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from nbtrain.magics.args import positive_float
+
+log = logging.getLogger(__name__)
 
 
 def add_fault_commands(sub: Any) -> None:

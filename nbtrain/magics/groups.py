@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def add_group_commands(sub: Any) -> None:

@@ -4,10 +4,13 @@ them, and what limits it. Thin: parse, call `Cluster.scaling`, display."""
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from nbtrain.errors import ConfigError
 from nbtrain.magics.args import positive_float
+
+log = logging.getLogger(__name__)
 
 
 def add_scaling_command(sub: Any) -> None:

@@ -7,7 +7,10 @@ base_url and the key to give the tinker SDK.
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def add_serve_command(sub: Any) -> None:

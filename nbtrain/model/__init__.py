@@ -4,6 +4,8 @@
 
 import logging
 
+log = logging.getLogger(__name__)
+
 
 class _NoKernelsNote(logging.Filter):
     """Drops bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" warning.

@@ -3,12 +3,15 @@ rank, sharded with FSDP2, or quantised), Liger's kernels where they apply, and L
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nbtrain.configs.sft import SFTConfig
 from nbtrain.engine.dist import Dist
 from nbtrain.errors import ConfigError
 from nbtrain.model import quant, shard, speed
+
+log = logging.getLogger(__name__)
 
 
 def build_model(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import socket
@@ -13,6 +14,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def _is_local(model: str) -> bool:

@@ -16,9 +16,12 @@ time, every rank keeping only its own rows of the 4-bit words (`quantize_like`, 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def quantized(cfg: Any) -> bool:

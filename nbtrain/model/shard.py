@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,8 @@ from typing import Any
 from nbtrain.engine.dist import Dist
 from nbtrain.errors import ConfigError
 from nbtrain.model import quant
+
+log = logging.getLogger(__name__)
 
 SHARDED_DIR = "sharded"  # the dcp folder inside a checkpoint of a sharded run
 

@@ -15,7 +15,10 @@ Measured on one H100 with the Llama-3.1-8B shape (benchmarks/bench_gpu.py, bench
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def liger_available() -> bool:

@@ -9,9 +9,12 @@ Out[2]: [Chart('loss', ('loss', 'eval_loss')), Chart('rewards/margins', ...), ..
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 #: the groups in the order they are shown, after the kind's overview; others follow A-Z
 GROUP_ORDER = (

@@ -11,9 +11,12 @@ Out[3]: ['4.80', '4.85', '4.90']
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: what a completion of nothing but blanks is written as (the Lab's words)
 EMPTY = "(empty)"

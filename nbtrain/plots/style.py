@@ -12,10 +12,13 @@ Matplotlib is imported only by the functions that draw.
 from __future__ import annotations
 
 import io
+import logging
 import math
 from typing import Any
 
 from nbtrain.plots.numbers import format_value, tick_labels
+
+log = logging.getLogger(__name__)
 
 #: the Lab's palette on a light background (every colour >= 4.6:1 on white), in order
 PALETTE_LIGHT = (

@@ -24,10 +24,13 @@ steps come, whatever the spans.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: the loop's extension points, in the order a step reaches them
 NAMES = ("on_begin", "on_step", "on_eval", "on_log", "on_save")

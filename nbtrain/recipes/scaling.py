@@ -3,11 +3,14 @@ then the short `finetune` on it with its gradient all-reduce timed (nbtrain.tele
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
 
 from nbtrain.telemetry import commtime
+
+log = logging.getLogger(__name__)
 
 
 def _device_name() -> str:

@@ -3,11 +3,14 @@ logits), the batch plan that sizes it, and the eval loss over the eval batches."
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from nbtrain.configs.sft import SFTConfig
 from nbtrain.engine.dist import Dist
+
+log = logging.getLogger(__name__)
 
 
 def token_loss_sum(model: Any, batch: dict[str, Any], autocast: Any) -> Any:

@@ -7,7 +7,10 @@ It serves ``/nbtrain/api/`` for the JupyterLab "Training" sidebar. Enabled by th
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:

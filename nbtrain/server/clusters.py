@@ -9,10 +9,13 @@ ipyparallel knows.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # what ipyparallel's cluster ids look like (a time stamp and a random part); anything else is not
 # looked up on disk

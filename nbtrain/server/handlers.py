@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from nbtrain.server.metrics import (
     rows_after,
     samples_since,
 )
+
+log = logging.getLogger(__name__)
 
 # a run id is what nbtrain.runs.run_id_for makes: hex; anything else (dots, slashes) never routes
 _RUN_ID = r"(?P<run_id>[A-Za-z0-9]{1,64})"

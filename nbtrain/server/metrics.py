@@ -8,12 +8,15 @@ and the rows seen. Only the bytes appended since the last poll are read.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class RefusedPath(Exception):

@@ -18,9 +18,12 @@ on the streams, read at the end of the run.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _ACTIVE: list[CommTimer] = []
 

@@ -15,7 +15,10 @@ importing `nbtrain.tinker.ranks` never loads tornado or the kernel side.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ClusterBackend",

@@ -7,6 +7,7 @@ Never stops anything: a report for the notebook, also shown when a cell passes i
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Sequence
@@ -17,6 +18,8 @@ from nbtrain.cluster.ranks.ranges import parse_ranks
 from nbtrain.cluster.ranks.topology import compact, describe_ranks
 from nbtrain.cluster.session import Session
 from nbtrain.engine.faults import is_cell_file
+
+log = logging.getLogger(__name__)
 
 COLLECTIVES = {
     "all_reduce",

@@ -15,6 +15,7 @@ The last lines of the rank's stderr come from the cell's captured stderr and the
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -30,6 +31,8 @@ from nbtrain.cluster.faults.diagnose import classify, in_cell
 from nbtrain.cluster.ranks.topology import agree, describe_ranks
 from nbtrain.cluster.session import Session
 from nbtrain.errors import ClusterError, RankDiedError
+
+log = logging.getLogger(__name__)
 
 # how long ranks that outlived a dead one get to leave their cell after SIGINT before their engines are
 # ended: a rank blocked in a gloo/NCCL collective waiting for the dead one never returns by itself

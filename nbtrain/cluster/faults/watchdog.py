@@ -16,6 +16,7 @@ side file goes away and so does the watchdog.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,8 @@ from nbtrain import procs
 from nbtrain.cluster import registry
 from nbtrain.cluster.options import idle_timeout
 from nbtrain.cluster.session import close_client
+
+log = logging.getLogger(__name__)
 
 
 def _busy(client: Any) -> bool:

@@ -31,6 +31,7 @@ subclass passed to `base.start_engines`) and its `OPTIONS`, and add `"NAME": "NA
 from __future__ import annotations
 
 import importlib
+import logging
 from types import ModuleType
 from typing import Any
 
@@ -44,6 +45,8 @@ from nbtrain.cluster.options import (
 )
 from nbtrain.cluster.session import Launched
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def launcher_module(name: str) -> ModuleType:

@@ -33,7 +33,7 @@ from nbtrain.cluster.session import Launched, Session, close_client
 from nbtrain.engine import network, setup
 from nbtrain.errors import ClusterError
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 # the options every multi-node launcher takes (each lists them in its OPTIONS); their picker fields
 # are the form's shared ones (display.picker.shared), so they have no label here

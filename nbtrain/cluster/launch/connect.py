@@ -9,6 +9,7 @@ stopping it leaves the engines running (whoever started them stops them).
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 import socket
 import time
@@ -24,6 +25,8 @@ from nbtrain.cluster.ranks.topology import assign_ranks
 from nbtrain.cluster.session import Launched, Session
 from nbtrain.engine import setup
 from nbtrain.errors import ClusterError, ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def find_ipp_cluster(cluster_id: str | None, profile: str | None, file: str | None) -> Any:

@@ -33,7 +33,7 @@ from nbtrain.cluster.session import Launched, Session, adopt, close_client, new_
 from nbtrain.engine import setup
 from nbtrain.errors import ClusterError
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 #: what --launcher local does, in --launcher's help
 SUMMARY = "engines on this machine"

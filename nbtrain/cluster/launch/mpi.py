@@ -30,7 +30,7 @@ from nbtrain.cluster.options import MPIEXEC, Option, StartOptions
 from nbtrain.cluster.session import Launched, close_client
 from nbtrain.errors import ClusterError, ConfigError
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 #: what --launcher mpi does, in --launcher's help
 SUMMARY = "under one mpiexec -n N"

@@ -6,6 +6,7 @@ forms; shared by every multi-node launcher and by `connect`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +14,8 @@ from nbtrain import net
 from nbtrain.cluster.ranks.topology import RankInfo
 from nbtrain.engine import network, setup
 from nbtrain.errors import ClusterError, ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def plan_network(

@@ -8,12 +8,15 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from nbtrain.cluster import launch
 from nbtrain.doc_tables import GeneratedTable, cell
+
+log = logging.getLogger(__name__)
 
 COMMAND = "python -m nbtrain.cluster.launch.options_doc"
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "magics.md"

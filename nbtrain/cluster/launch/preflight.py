@@ -11,6 +11,7 @@ In [3]: result.raise_if_fatal()             # VersionMismatchError naming the od
 from __future__ import annotations
 
 import html
+import logging
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +20,8 @@ from typing import Any
 
 from nbtrain.cluster.ranks.topology import RankInfo
 from nbtrain.errors import ClusterError
+
+log = logging.getLogger(__name__)
 
 ALLOW_FLAG = "--allow-version-mismatch"
 

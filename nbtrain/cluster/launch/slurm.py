@@ -48,7 +48,7 @@ from nbtrain.cluster.options import (
 from nbtrain.cluster.session import Launched, close_client
 from nbtrain.errors import ClusterError, ConfigError
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+(?:,[A-Za-z0-9_.+-]+)*")
 

@@ -13,7 +13,7 @@ import time
 
 from nbtrain.cluster.launch import LaunchOptions
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 
 # job states after which the job runs nothing any more (squeue's long names)

@@ -9,6 +9,7 @@ Python or nbtrain fail there, with ssh's own message, before anything starts.
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import subprocess
 from collections.abc import Callable
@@ -32,6 +33,8 @@ from nbtrain.cluster.ranks.plan import Slot, plan_devices
 from nbtrain.cluster.session import Launched
 from nbtrain.engine import network
 from nbtrain.errors import ClusterError, ConfigError
+
+log = logging.getLogger(__name__)
 
 #: what --launcher ssh does, in --launcher's help
 SUMMARY = "on --hosts over SSH"

@@ -14,7 +14,7 @@ from typing import Any
 
 from ipyparallel.cluster.launcher import SSHEngineSetLauncher
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 
 class ParallelSSHEngineSetLauncher(SSHEngineSetLauncher):

@@ -23,10 +23,13 @@ Pure: no torch, no engines; the GPU counts come from each engine's `setup.hello(
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

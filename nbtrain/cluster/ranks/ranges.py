@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def parse_ranks(spec: str | int | list[int] | None, world_size: int) -> list[int]:

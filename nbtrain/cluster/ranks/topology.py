@@ -6,9 +6,12 @@ message (`describe_ranks(ranks, [0, 1])` -> "ranks 0-1 on node1") comes from her
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass

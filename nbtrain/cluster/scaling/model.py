@@ -12,11 +12,14 @@ the probe's figures explain the training's all-reduces exactly).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 NEAR_LINEAR = 0.9
 # an all-reduce that takes at most this share of the step leaves the job compute-bound

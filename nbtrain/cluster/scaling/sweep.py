@@ -11,6 +11,7 @@ afterwards: nothing is written to `cfg.output_dir`, and the report goes only whe
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ from nbtrain.cluster.scaling.model import predict as predict_rows
 from nbtrain.cluster.scaling.model import verdict as make_verdict
 from nbtrain.cluster.scaling.report import ScalingReport
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # steps left out of the figures at the start of each size (DDP's bucket rebuild, warm caches)
 WARMUP_STEPS = 2

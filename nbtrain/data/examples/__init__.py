@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 #: 400 rows of simple instructions, prompt/completion and chat `messages` mixed
 INSTRUCTIONS = Path(__file__).with_name("instructions.jsonl")

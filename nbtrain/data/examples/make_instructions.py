@@ -11,8 +11,11 @@ that carry a loss mask: prompt/completion and chat `messages`.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 N_ROWS = 400
 SEED = 0

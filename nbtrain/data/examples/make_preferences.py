@@ -11,10 +11,13 @@ chosen/rejected strings with the prompt implicit (their common prefix).
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 
 from nbtrain.data.examples.make_instructions import make_rows
+
+log = logging.getLogger(__name__)
 
 N_ROWS = 240
 SEED = 1

@@ -3,9 +3,12 @@ cluster to attach to (`nbtrain.connect`)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nbtrain.display.picker.settings import PickerSettings
+
+log = logging.getLogger(__name__)
 
 
 class ExistingPage:

@@ -8,6 +8,7 @@ on its page without a change to the picker.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import fields
 from typing import Any
 
@@ -19,6 +20,8 @@ from nbtrain.display.picker.settings import (
     parse_number,
     setting,
 )
+
+log = logging.getLogger(__name__)
 
 
 def option_widget(opt: Any, value: Any, style: dict[str, str]) -> Any:

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import html
+import logging
 from typing import Any
 
 from nbtrain.display.picker.results import error_text
 from nbtrain.display.picker.settings import AUTO, PickerSettings
+
+log = logging.getLogger(__name__)
 
 
 def interface_choices() -> list[str]:

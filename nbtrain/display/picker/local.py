@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nbtrain.display.picker.settings import PickerSettings
+
+log = logging.getLogger(__name__)
 
 
 class LocalPage:

@@ -4,10 +4,13 @@ left empty is not passed (nbtrain's default applies: 0 GPUs, 1 CPU per rank)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nbtrain.display.picker.fields import OptionFields
 from nbtrain.display.picker.settings import RAY_RANKS, PickerSettings, int_text, parse_int
+
+log = logging.getLogger(__name__)
 
 ADDRESS_HINT = (
     "<small><code>auto</code>: the Ray cluster this machine belongs to; <code>local</code>: a "

@@ -12,7 +12,7 @@ from typing import Any
 
 from nbtrain.errors import NbtrainError
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 
 def error_text(e: BaseException) -> str:

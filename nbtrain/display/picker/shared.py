@@ -3,9 +3,12 @@ which Python they run (SSH and Slurm), and the nodes' network (every page but Lo
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nbtrain.display.picker.settings import AUTO, PickerSettings, parse_int
+
+log = logging.getLogger(__name__)
 
 
 class RemoteEngines:

@@ -5,10 +5,13 @@ default applies)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nbtrain.display.picker.fields import OptionFields
 from nbtrain.display.picker.settings import PickerSettings
+
+log = logging.getLogger(__name__)
 
 
 class SlurmPage:

@@ -4,10 +4,13 @@ interfaces; nothing starts)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nbtrain.display.picker.fields import OptionFields
 from nbtrain.display.picker.settings import PickerSettings
+
+log = logging.getLogger(__name__)
 
 
 class SshPage:

@@ -45,7 +45,7 @@ from nbtrain.display.picker.shared import NodeNetwork, RemoteEngines
 from nbtrain.display.picker.slurm import SlurmPage
 from nbtrain.display.picker.ssh import SshPage
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 
 class Page(Protocol):

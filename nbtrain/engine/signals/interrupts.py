@@ -20,11 +20,14 @@ In [1]: with Held() as held:
 from __future__ import annotations
 
 import functools
+import logging
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, cast
+
+log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 

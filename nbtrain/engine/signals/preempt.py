@@ -12,11 +12,14 @@ second signal changes nothing (the checkpoint under way is either written whole 
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from typing import Any
 
 from nbtrain.errors import NbtrainError
+
+log = logging.getLogger(__name__)
 
 #: the signals a run turns into a checkpoint
 SIGNALS = ("SIGTERM", "SIGUSR1")

@@ -4,6 +4,7 @@ data (dicts, lists, numpy arrays) and return rank 0's answer."""
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,8 @@ from nbtrain.errors import ConfigError, DistributedCellError, RankDiedError
 
 if TYPE_CHECKING:
     from nbtrain.cluster.session import Session
+
+log = logging.getLogger(__name__)
 
 #: the rank-side verbs a backend passes on (nbtrain/tinker/ranks/, the contract of issue 36)
 VERBS = (

@@ -11,6 +11,7 @@ The check runs on a timer of the server's own loop (`TinkerService`), not a thre
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -21,6 +22,8 @@ from nbtrain.errors import ConfigError
 from nbtrain.tinker.kernel import protocol as proto
 from nbtrain.tinker.kernel.backend import Backend
 from nbtrain.tinker.kernel.futures import Executor, Payload
+
+log = logging.getLogger(__name__)
 
 #: a session idle this long (seconds) is ended; 0: never
 SESSION_TIMEOUT_S = 600.0

@@ -17,12 +17,15 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: a finished request's answer: ("json", dict) or ("proto", bytes)
 Payload = tuple[str, Any]

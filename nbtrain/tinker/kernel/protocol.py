@@ -10,9 +10,12 @@ an ephemeral sampler is ``f"{session_id}:sample:{sampling_session_seq_id}"``. Ch
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: the losses `forward_backward` runs on the ranks (formulas in docs/tinker.md)
 SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")

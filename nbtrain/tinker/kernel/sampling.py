@@ -4,6 +4,7 @@ from a model's weights are shown in its run (samples.jsonl and the live display)
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from nbtrain.tinker.kernel import wire
 from nbtrain.tinker.kernel.backend import Backend
 from nbtrain.tinker.kernel.futures import Executor, Future, Payload
 from nbtrain.tinker.kernel.protocol import RequestError, bad, get_field
+
+log = logging.getLogger(__name__)
 
 SAMPLE_DEFAULTS = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import ipaddress
+import logging
 import os
 import secrets
 import socket
@@ -22,6 +23,8 @@ from nbtrain.errors import ConfigError
 from nbtrain.tinker.kernel.backend import Backend, ClusterBackend, InProcessBackend
 from nbtrain.tinker.kernel.expiry import SESSION_TIMEOUT_S
 from nbtrain.tinker.kernel.verbs import Verbs
+
+log = logging.getLogger(__name__)
 
 _current: TinkerService | None = None
 #: the environment variables serve_tinker set in this kernel (and may set again)

@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 import numpy as np
 
 from nbtrain.tinker.kernel.protocol import RequestError, bad, check_loss
+
+log = logging.getLogger(__name__)
 
 #: per-token inputs each loss needs besides target_tokens (forward_only needs none of them)
 LOSS_INPUTS = {

@@ -12,11 +12,14 @@ the same order, so the verbs' collectives still meet.
 
 from __future__ import annotations
 
+import logging
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from nbtrain.errors import ConfigError, NbtrainError
+
+log = logging.getLogger(__name__)
 
 #: the verbs a batch may hold: the training verbs, which an SDK loop queues back to back
 BATCHABLE = ("forward_backward", "optim_step")

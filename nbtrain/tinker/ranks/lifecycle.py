@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nbtrain.tinker.ranks import registry
+
+log = logging.getLogger(__name__)
 
 
 def create_model(model_id: str, base_model: str, lora: dict[str, Any]) -> dict[str, Any]:

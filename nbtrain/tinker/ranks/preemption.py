@@ -17,6 +17,7 @@ and write nothing. Saving is atomic (`state.write_state`): each folder is old or
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -27,6 +28,8 @@ from typing import Any
 from nbtrain.engine.rank import get_rank
 from nbtrain.engine.signals.preempt import SIGNALS, signal_name
 from nbtrain.tinker.ranks import registry, state
+
+log = logging.getLogger(__name__)
 
 _armed: dict[str, Any] = {"folder": None, "old": {}, "signum": 0, "saved": [], "errors": []}
 _busy = [0]

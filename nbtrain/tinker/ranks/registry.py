@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import logging
 import random
 import warnings
 from collections import OrderedDict
@@ -22,6 +23,8 @@ from typing import Any
 
 from nbtrain.engine.dist import Dist
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: module names LoRA goes on, per Tinker's `train_attn`, `train_mlp`, `train_unembed`; the names a
 #: model does not have are left out (Llama, Qwen2, Qwen3, Mistral, Gemma use the first of each list)

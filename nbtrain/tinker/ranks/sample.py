@@ -13,6 +13,7 @@ the sampled tokens' log-probabilities under the sampled weights, from the model'
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing import Any
 from nbtrain.errors import ConfigError
 from nbtrain.generation.decode import Decoding, generate_kwargs, own_rng
 from nbtrain.tinker.ranks import registry, state
+
+log = logging.getLogger(__name__)
 
 
 def check_params(params: dict[str, Any]) -> dict[str, Any]:

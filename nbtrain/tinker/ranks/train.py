@@ -8,6 +8,7 @@ in the all-reduce with zeros. The per-datum outputs are gathered to every rank i
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Any
@@ -16,6 +17,8 @@ from nbtrain.engine import metrics
 from nbtrain.errors import ConfigError
 from nbtrain.losses import tinker as losses
 from nbtrain.tinker.ranks import preemption, registry
+
+log = logging.getLogger(__name__)
 
 #: a rank's datums go through the model in padded micro-batches of at most this many tokens
 TOKENS_PER_BATCH = 4096

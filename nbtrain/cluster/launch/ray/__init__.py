@@ -58,7 +58,7 @@ from nbtrain.cluster.session import Launched, Session, adopt, close_client, new_
 from nbtrain.engine.setup import PINNED_ENV
 from nbtrain.errors import ClusterError, ConfigError
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 NAMESPACE = "nbtrain"
 INSTALL_HINT = 'pip install "ray[default]" (the same Ray version as the cluster\'s)'

@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 
 def resolve(address: str) -> str | None:

@@ -18,7 +18,7 @@ from traitlets import Dict, Float, Int, List, Unicode
 from nbtrain.engine.boot import EXIT_WITH_PARENT_ENV
 from nbtrain.engine.network import TASK_ENV
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 
 class RayEngineSet(EngineLauncher):

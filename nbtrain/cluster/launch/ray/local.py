@@ -13,9 +13,12 @@ names this cause and the log that says so.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 # the raylet's wait for an agent's port file (ray/src/ray/util/port_persistence.h), not configurable
 AGENT_PORT_WAIT_S = 15

@@ -8,6 +8,7 @@ Plain declarations and functions over `LaunchOptions` and Ray's node table; noth
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from nbtrain.cluster.launch import LaunchOptions
 from nbtrain.cluster.launch.base import NETWORK
 from nbtrain.cluster.options import Option, positive
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: what --launcher ray does, in --launcher's help
 SUMMARY = "as actors in one Ray placement group"
