@@ -27,6 +27,12 @@ from nbtrain.errors import ClusterError, ConfigError
 
 log = logging.getLogger(__name__)
 
+# a registry.write that failed: the cluster works on, but its record on disk is stale
+RECORD_FAILED = (
+    "nbtrain: cluster %s (%s): its record could not be written (%s: %s); a kernel that attaches "
+    "later sees the record as it was before"
+)
+
 # how long the other ranks get to finish joining the group once one rank failed to (they are
 # usually blocked in the rendezvous, waiting for it)
 FAILED_GRACE_S = 2.0
@@ -137,7 +143,7 @@ def init_group(
         todo.pop(0)
         try:
             info = ar.get()
-        except Exception as err:
+        except Exception as err:  # collected: every rank's failure is raised below, together
             failures.append((r, err))
             failed_at = failed_at or time.monotonic()
             continue
@@ -205,8 +211,10 @@ def reinit(session: Session, timeout: float = 60.0) -> None:
         create_groups(session, session.group_specs, timeout=max(10.0, deadline - time.monotonic()))
     try:
         registry.write(session)  # the restart count, for a kernel that attaches later
-    except Exception:
-        pass
+    except Exception as e:
+        log.warning(
+            RECORD_FAILED, session.cluster_id, "re-init", type(e).__name__, e, exc_info=True
+        )
 
 
 def _named_groups_agree(info: list[dict[str, Any]]) -> bool:
@@ -224,6 +232,7 @@ def repair(session: Session) -> str:
     try:
         info = check(session, timeout=10)
     except Exception:
+        log.debug("the process group check failed: re-creating the group", exc_info=True)
         info = []
     seqs = [i.get("seq") for i in info]
     intact = (
@@ -276,8 +285,8 @@ def define_groups(
     session.group_specs = specs
     try:
         registry.write(session)  # a kernel that attaches later knows them
-    except Exception:
-        pass
+    except Exception as e:
+        log.warning(RECORD_FAILED, session.cluster_id, "groups", type(e).__name__, e, exc_info=True)
     return dict(specs)
 
 

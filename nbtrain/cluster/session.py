@@ -42,8 +42,8 @@ def close_client(client: Any) -> None:
     if client is not None:
         try:
             client.close(linger=0)
-        except Exception:
-            pass
+        except Exception:  # a client whose sockets are already gone is closed: nothing left to do
+            log.debug("closing an ipyparallel client failed", exc_info=True)
 
 
 class ClientLock:

@@ -122,7 +122,7 @@ class Dist:
         value = None
         try:
             value = fn()
-        except Exception as e:
+        except Exception as e:  # carried to every rank below, which raise it together
             err = e
         report = (
             None if err is None else (type(err).__name__, str(err), isinstance(err, ConfigError))

@@ -301,7 +301,7 @@ def collectives(last: int = 8) -> dict[str, Any]:
             out = summarize_dump(
                 pickle.loads(raw), last=last, since_ns=int(_STATE.get("group_since_ns", 0))
             )
-        except Exception as err:
+        except Exception as err:  # returned in the report: diagnose shows what it could not read
             errors.append(f"{name}: {err!r}")
             continue
         if name == "nccl" and 0 < len(out["pending"]) <= MAX_SITES:

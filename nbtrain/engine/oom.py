@@ -160,7 +160,7 @@ def release(err: BaseException) -> dict[str, Any]:
             if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
         except Exception:
-            pass
+            log.debug("torch.cuda.empty_cache() failed after an out-of-memory error", exc_info=True)
     return _device_info()
 
 
@@ -208,6 +208,8 @@ def install() -> None:
             try:
                 _annotate(value)  # type: ignore[arg-type]
             except Exception:
+                # torch's own message is shown, without nbtrain's note on it
+                log.debug("annotating an out-of-memory error failed", exc_info=True)
                 oom = False
         result = original(exc_tuple, *args, **kwargs)
         if oom:
@@ -216,7 +218,7 @@ def install() -> None:
             try:
                 _released_note(value)  # type: ignore[arg-type]
             except Exception:
-                pass
+                log.debug("the note on released memory failed", exc_info=True)
             # inside a cell IPython is still handling the exception here; on an H100 only 2 of 79 GiB
             # were back at this point: release once more when the cell is over
             _STATE["pending"] = value
@@ -228,7 +230,7 @@ def install() -> None:
             try:
                 release(err)
             except Exception:
-                pass
+                log.debug("releasing an out-of-memory error's memory failed", exc_info=True)
 
     ip.showtraceback = showtraceback
     ip.events.register("post_run_cell", post_run_cell)

@@ -196,7 +196,7 @@ def main() -> None:
             os._exit(0)
         try:
             conn.send(("ok", getattr(worker, op)(*args)))
-        except Exception as e:
+        except Exception as e:  # the traceback to this process's log, the error to the caller
             traceback.print_exc()
             sys.stderr.flush()
             conn.send(("error", f"{type(e).__name__}: {e}"))

@@ -261,6 +261,7 @@ def _log_tail(
                 ar = cluster.client[other.engine_id].apply_async(tail_file, path, 200)
                 return list(ar.get(timeout=2.0)), path
             except Exception:
+                log.debug("rank %d's log could not be read through rank %d", rank, r, exc_info=True)
                 break
     return [], path
 
@@ -332,7 +333,7 @@ def end_engines(cluster: Session, ranks: Sequence[int]) -> None:
                 # the nanny on that host delivers it
                 cluster.client.send_signal(signal.SIGKILL, targets=[info.engine_id], block=False)
             except Exception:
-                pass
+                log.debug("SIGKILL to rank %d on %s failed", r, info.host, exc_info=True)
     lost_ranks(cluster).update(ranks)
 
 
@@ -347,13 +348,13 @@ def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
         try:
             cluster.interrupt(survivors)
         except Exception:
-            pass
+            log.debug("interrupting the survivors %s failed", survivors, exc_info=True)
     deaths = []
     for r in dead:
         fut = ar._children[run.which.index(r)]
         try:
             cell_stderr = fut.output.metadata.get("stderr", "") or ""
-        except Exception:
+        except Exception:  # no output came back from the dead rank: its log file's tail is used
             cell_stderr = ""
         start = getattr(run, "log_offsets", {}).get(r, 0)
         deaths.append(describe_death(cluster, r, cell_stderr, survivors, start))
@@ -373,6 +374,7 @@ def fail_cell(run: Any, ar: Any, dead: Sequence[int], started: float) -> None:
         try:
             stacks = cluster.stacks(stuck, timeout=2.0)
         except Exception:
+            log.debug("the stacks of ranks %s could not be read", stuck, exc_info=True)
             stacks = {}
         kinds = {r: classify(i) for r, i in stacks.items()}
         # one that answers, is not in a collective and has left the cell's code is on its way out
@@ -471,8 +473,15 @@ def restart(cluster: Session, all_ranks: bool = False, timeout: float | None = N
     lost_ranks(cluster).clear()
     try:
         registry.write(cluster)
-    except Exception:
-        pass
+    except Exception as e:
+        log.warning(
+            "nbtrain: cluster %s restarted, but its record could not be written (%s: %s); a kernel "
+            "that attaches later sees it as before the restart",
+            cluster.cluster_id,
+            type(e).__name__,
+            e,
+            exc_info=True,
+        )
     took = time.monotonic() - t0
     if not replace:
         return (

@@ -48,7 +48,10 @@ def _stop(side: dict[str, Any]) -> None:
         ipc = ipp.Cluster.from_file(profile_dir=side["profile_dir"], cluster_id=side["cluster_id"])
         ipc.stop_cluster_sync()
     except Exception:
-        pass
+        # the processes are killed below whatever ipyparallel managed
+        log.debug(
+            "stopping cluster %s through ipyparallel failed", side.get("cluster_id"), exc_info=True
+        )
     procs.kill_with_children(pids)
     registry.remove_files(side["profile_dir"], side["cluster_id"])  # the side file too
 
@@ -81,7 +84,7 @@ def watch(path: Path, idle: float) -> None:
                 client = ipp.Client(
                     profile_dir=side["profile_dir"], cluster_id=side["cluster_id"], timeout=10
                 )
-            except Exception:
+            except Exception:  # the hub is not up (yet, or any more): counted as busy, asked again
                 client = None
         if client is None or _busy(client):
             last_active = time.monotonic()

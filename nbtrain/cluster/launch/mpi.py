@@ -248,7 +248,9 @@ class MPILaunch(EngineLaunch):
             try:  # ipyparallel saw it end: the process is a moment from gone
                 es.process.wait(timeout=5)
             except Exception:
-                pass
+                log.debug(
+                    "mpiexec did not end within 5 s of ipyparallel seeing it end", exc_info=True
+                )
             gone = _exited(es)
         if gone:
             raise ClusterError(explain_exit(_exit_code(es), _output(es)))

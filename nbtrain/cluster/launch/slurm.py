@@ -393,7 +393,8 @@ class SlurmLaunch(EngineLaunch):
                 for s in slots:
                     got[s.get("label") or "?"] = got.get(s.get("label") or "?", 0) + 1
         except Exception:
-            pass
+            # the message below names the short nodes without the engines' own answer
+            log.debug("the registered engines did not say their nodes", exc_info=True)
         nodes = expand_nodes(found[2]) if found else []
         short = [
             f"{h} ({got.get(h, 0)} of {self.per_node})"

@@ -202,7 +202,7 @@ def check_hosts(lo: LaunchOptions, timeout: float) -> dict[str, HostCheck]:
         for spec, fut in zip(specs, futures):
             try:
                 results[spec.host] = fut.result()
-            except Exception as e:
+            except Exception as e:  # the first host's error is raised below, once all have ended
                 first_error = first_error or e
     if first_error is not None:
         raise first_error
@@ -316,7 +316,8 @@ def raise_missing_engines(
             ):
                 got[h] = got.get(h, 0) + 1
     except Exception:
-        pass
+        # the message below names the short hosts without the engines' own answer
+        log.debug("the registered engines did not say their hosts", exc_info=True)
     short = [f"{h} ({got.get(h, 0)} of {n})" for h, n in counts.items() if got.get(h, 0) < n]
     msg = (
         f"not every engine registered within --timeout {timeout:g} s: missing on {', '.join(short)}. "

@@ -63,7 +63,7 @@ class ParallelSSHEngineSetLauncher(SSHEngineSetLauncher):
             for (key, *_), fut in zip(todo, futures):
                 try:
                     fut.result()
-                except Exception as e:
+                except Exception as e:  # collected: raised below, every host's error in one
                     errors.append(f"{key}: {e}")
         self.n = len(todo)
         if errors:

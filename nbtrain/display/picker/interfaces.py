@@ -59,7 +59,7 @@ def check_node_interfaces(
         for host, fut in futures.items():
             try:
                 found[host] = {n: list(a) for n, a in fut.result().items()}
-            except Exception as e:
+            except Exception as e:  # returned: the form shows each host's error beside it
                 errors[host] = error_text(e)
     return found, errors
 

@@ -448,7 +448,7 @@ class ClusterPicker:
                 with progress.from_this_thread():
                     # force: the picker replaces the cluster it started (the button says Start)
                     cluster = start_cluster(s, force=self.cluster is not None)
-            except Exception as e:
+            except Exception as e:  # shown in the form, which the user is looking at
                 done.set()
                 self.status.value = f"failed after {time.monotonic() - t0:.1f} s"
                 self._show_error(error_text(e))
@@ -488,7 +488,7 @@ class ClusterPicker:
                 result = cluster.probe(max_bytes=self.probe_max_bytes)
                 self.probe_out.value = f"<pre>{html.escape(str(result))}</pre>"
                 self._show_error("")
-            except Exception as e:
+            except Exception as e:  # shown in the form, which the user is looking at
                 self.probe_out.value = ""
                 self._show_error(error_text(e))
             finally:
@@ -503,7 +503,7 @@ class ClusterPicker:
             return
         try:
             cluster.stop()
-        except Exception as e:
+        except Exception as e:  # shown in the form, which the user is looking at
             self._show_error(error_text(e))
             return
         self.status.value = "stopped"

@@ -110,7 +110,7 @@ def exchange(d: Dist, fn: Callable[[], Any]) -> list[Any]:
     value, report = None, None
     try:
         value = fn()
-    except Exception as e:
+    except Exception as e:  # reported to every rank below, which raise it as its kind
         kind = (
             "unknown"
             if isinstance(e, UnknownModelError)

@@ -455,7 +455,7 @@ def check_nodes(address: str | None = None, timeout: float = 60.0) -> list[dict[
             name = n.get("NodeManagerHostname") or n.get("NodeManagerAddress", "?")
             try:
                 out.append(dict(ray.get(ref, timeout=timeout)))
-            except Exception as e:
+            except Exception as e:  # that node's row says its error; the other nodes' are kept
                 out.append({"hostname": name, "error": f"{type(e).__name__}: {e}"})
         return out
     finally:
