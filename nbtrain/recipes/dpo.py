@@ -1,14 +1,17 @@
-"""The DPO recipe: SFT's set-up, checkpoints and export, with DPO's data and its own step.
+"""The DPO recipe: the shared set-up, loop and saves, with DPO's pairs, reference and its own step.
 
 In [1]: recipe = DPORecipe(cfg)      # cfg: nbtrain.DPOConfig, read once
 In [2]: recipe.setup()               # pairs, model + LoRA, batch plan, resume; reference log-probs if precomputed
 In [3]: recipe.train()               # the loop, checkpoints, the export
 In [4]: recipe.result()
 
-`nbtrain.finetune(DPOConfig(...))` is `DPORecipe(cfg).run()`. The reference model is the same model with
-its LoRA adapter off (peft's `disable_adapter()`), so there is no second copy: each step runs the pairs
-once without the adapter (no gradients), once with it, or reads the reference log-probabilities
-computed once at set-up (`precompute_ref_log_probs=True`).
+`nbtrain.finetune(DPOConfig(...))` is `DPORecipe(cfg).run()`. It inherits from no other recipe: its
+set-up calls `nbtrain.recipes.run_setup` with its own checks, pairs and batches, its `train` the shared
+loop (`nbtrain.recipes.loop`) over its `train_step`, its saves `nbtrain.recipes.saves`.
+
+The reference model is the same model with its LoRA adapter off (peft's `disable_adapter()`), so there
+is no second copy: each step runs the pairs once without the adapter (no gradients), once with it, or
+reads the reference log-probabilities computed once at set-up (`precompute_ref_log_probs=True`).
 
 A step's global batch is the pairs of every rank's micro-batches; the loss is their mean, so N ranks of
 B pairs train exactly as one rank of N*B (gradients summed by DDP, scaled by world / pairs). The reward
@@ -18,6 +21,7 @@ row holds TRL's means, under TRL's names (`dpo_loss.METRICS`).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -25,11 +29,15 @@ from nbtrain.configs.dpo import DPOConfig
 from nbtrain.data import prefs, tokens
 from nbtrain.errors import ConfigError
 from nbtrain.losses import dpo as dpo_loss
+from nbtrain.recipes import loop, run_setup, saves
+from nbtrain.recipes.base import Recipe
 from nbtrain.recipes.hooks import Hooks
-from nbtrain.recipes.sft import SFTRecipe
+from nbtrain.recipes.saves import TrainResult
+
+log = logging.getLogger(__name__)
 
 
-class DPORecipe(SFTRecipe):
+class DPORecipe(Recipe):
     """One LoRA DPO run on this rank: `setup()`, `train()`, `result()` (or `run()`)."""
 
     kind = "dpo"
@@ -54,21 +62,42 @@ class DPORecipe(SFTRecipe):
 
     # ---- set-up: pairs instead of rows, dropout off, the reference log-probs once if asked
 
-    def prepare_rows(self, source: Any) -> Any:
+    def setup(self) -> None:
+        """The shared set-up with DPO's checks, pairs and batches; then dropout off (where asked), and
+        the reference log-probs of every pair once (precompute_ref_log_probs=True)."""
+        import torch
+
+        run_setup.setup(self, check=self._check, rows=self._rows, batches=self._batches)
+        self.fused = self.loss_fn is not None
+        if self.disable_dropout:
+            # TRL's disable_dropout: the policy and the reference are the same network but for LoRA
+            for m in self.peft_model.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = 0.0
+        self._sums = torch.zeros(len(dpo_loss.METRICS) + 1, dtype=torch.float64)
+        if self.precompute:
+            t0 = time.perf_counter()
+            self.ref_table = self.d.agree(self._precompute)
+            if self.d.is_zero:
+                print(
+                    f"nbtrain: reference log-probs of {len(self.batches.kept):,} pairs computed in "
+                    f"{time.perf_counter() - t0:.1f} s",
+                    flush=True,
+                )
+
+    def _rows(self, source: Any) -> Any:
+        """The training pairs as a token store, tokenized with the pair encoder."""
         return tokens.prepare(
             source, self.tokenizer, self.d, self.data_cache, self.template_kwargs, encoder=prefs
         )
 
     def _check(self) -> dict[str, Any]:
-        # SFT's checks without eval_data, which SFT's row formats would refuse: its pairs are read here
-        eval_data, self.eval_data = self.eval_data, None
-        try:
-            checked = super()._check()
-        finally:
-            self.eval_data = eval_data
-        if eval_data is not None:
+        # the shared checks without eval_data, which SFT's row formats would refuse: its pairs are
+        # read here
+        checked = run_setup.check(self, read_eval=False)
+        if self.eval_data is not None:
             pairs = prefs.load_pairs(
-                eval_data, "eval_data", checked["tokenizer"], self.template_kwargs
+                self.eval_data, "eval_data", checked["tokenizer"], self.template_kwargs
             )
             checked["eval_rows"] = [p for p in pairs if self.cut.keeps(p)]
             if not checked["eval_rows"]:
@@ -80,6 +109,7 @@ class DPORecipe(SFTRecipe):
         return checked
 
     def _batches(self, store: Any) -> None:
+        """This rank's batches of pairs, and its eval pairs in micro-batches."""
         d, plan = self.d, self.plan
 
         def make() -> Any:
@@ -101,27 +131,6 @@ class DPORecipe(SFTRecipe):
             size = plan.micro_batch
             self.evals = [mine[k : k + size] for k in range(0, len(mine), size)]
         self.spe = self.batches.steps_per_epoch
-
-    def setup(self) -> None:
-        import torch
-
-        super().setup()
-        self.fused = self.loss_fn is not None
-        if self.disable_dropout:
-            # TRL's disable_dropout: the policy and the reference are the same network but for LoRA
-            for m in self.peft_model.modules():
-                if isinstance(m, torch.nn.Dropout):
-                    m.p = 0.0
-        self._sums = torch.zeros(len(dpo_loss.METRICS) + 1, dtype=torch.float64)
-        if self.precompute:
-            t0 = time.perf_counter()
-            self.ref_table = self.d.agree(self._precompute)
-            if self.d.is_zero:
-                print(
-                    f"nbtrain: reference log-probs of {len(self.batches.kept):,} pairs computed in "
-                    f"{time.perf_counter() - t0:.1f} s",
-                    flush=True,
-                )
 
     def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         dev = self.d.device
@@ -162,7 +171,25 @@ class DPORecipe(SFTRecipe):
                 table[i] = (c, r)
         return table
 
-    # ---- train: DPO's step
+    # ---- train: the shared loop over DPO's step
+
+    def train(self) -> None:
+        """The shared loop (`nbtrain.recipes.loop.train`) over DPO's `train_step`."""
+        loop.train(self, self.train_step)
+
+    def train_step(self) -> bool:
+        """One DPO step: the step's one small collective (`loop.step_stats`, the pairs and the stop and
+        preemption flags), `accumulate` over the micro-batches of pairs, the optimizer step, then the
+        hooks, eval, log row and checkpoint; False where the run stops before the step."""
+        micro = [loop.micro_batch(self, self.step, a) for a in range(self.plan.grad_accum)]
+        stats = loop.step_stats(self, micro, self.micro_stats)
+        if stats is None:
+            return False
+        self.accumulate(micro, stats)
+        lr = loop.optimizer_step(self)
+        self.meter.tokens += float(stats[:, 2 * self.plan.grad_accum].sum())
+        loop.after_step(self, lr)
+        return True
 
     def micro_stats(self, exs: list[Any]) -> tuple[float, int, int]:
         """(pairs, the longest sequence, tokens) of one micro-batch of pairs on this rank: the loss
@@ -183,7 +210,7 @@ class DPORecipe(SFTRecipe):
             # pad to the longest sequence across ranks: the shapes one rank with the whole batch has
             batch = self._to_device(self.batches.collate(pairs, int(stats[:, GA + a].max())))
             ref = self._reference(batch)
-            with self.synced(a):
+            with loop.synced(self, a):
                 logps = dpo_loss.sequence_logps(self.model, batch, self.autocast, self.fused)
                 losses = dpo_loss.pair_losses(logps, ref, batch, self.beta, self.loss_type)
                 batch_loss = losses.sum()
@@ -213,13 +240,13 @@ class DPORecipe(SFTRecipe):
 
     def log(self, row: dict[str, Any]) -> None:
         """The row with the reward metrics of the steps since the last row, summed over every rank
-        (a collective: every rank logs the same rows), then SFT's logging."""
+        (a collective: every rank logs the same rows), then into the history and the record."""
         sums = self.d.sum_meta(self._sums.clone())
         pairs = float(sums[-1])
         if pairs > 0:
             row = {**row, **{k: float(sums[i]) / pairs for i, k in enumerate(dpo_loss.METRICS)}}
         self._sums.zero_()
-        super().log(row)
+        loop.record(self, row)
 
     def evaluate(self) -> float:
         """The eval loss: the mean DPO loss over every rank's eval_data pairs."""
@@ -254,3 +281,20 @@ class DPORecipe(SFTRecipe):
             {f"eval_{k}": float(totals[1 + i]) / pairs for i, k in enumerate(dpo_loss.METRICS)}
         )
         return out
+
+    # ---- save, cleanup, result: the shared ones
+
+    def save_checkpoint(self, step: int) -> None:
+        """An atomic checkpoint of step `step` in output_dir (rank 0; every rank writes its own shards)."""
+        saves.save_checkpoint(self, step)
+
+    def export(self) -> None:
+        """The adapter (and with merge=True the merged model) in output_dir, written by rank 0."""
+        saves.export(self)
+
+    def cleanup(self) -> None:
+        """Put back the signal handlers, close the live display, and record how the run ended."""
+        loop.cleanup(self)
+
+    def result(self) -> TrainResult:
+        return saves.result(self)

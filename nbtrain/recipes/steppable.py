@@ -7,8 +7,9 @@ In [4]: run.learning_rate = 1e-4               # or run.set(reward_funcs=[...]) 
 In [5]: run.train(steps=50)                    # goes on from step 50: one curve, one record
 In [6]: run.export(); run.close()
 
-The run is the recipe `finetune` runs (`nbtrain.recipes.train.recipe_for`), set up once and kept: its
-loop (`SFTRecipe.begin`, `advance`, `finish`) runs a span per `train` call. The schedule (warmup, decay)
+The run is the recipe `finetune` runs (`nbtrain.recipes.train.recipe_for`), set up once and kept: the
+shared loop (`nbtrain.recipes.loop`: `begin`, `advance` over the recipe's `train_step`, `finish`) runs
+a span per `train` call. The schedule (warmup, decay)
 is the config's, over max_steps or its epochs, and every step's data, dropout and sampling draws are
 the step's own, so for an unchanged config two `train(steps=50)` give the adapter one 100-step
 `finetune` gives, bit for bit on the CPU. Between calls the run's random state is kept aside and put
@@ -18,6 +19,7 @@ back, the signal handlers are the notebook's own, and its record stays "running"
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -26,11 +28,15 @@ from nbtrain.engine import metrics as live
 from nbtrain.engine.signals import interrupts
 from nbtrain.errors import ConfigError
 from nbtrain.model import checkpoint as ckpt
+from nbtrain.recipes import loop
+from nbtrain.recipes.base import Recipe
 from nbtrain.recipes.hooks import Hooks
-from nbtrain.recipes.sft import SFTRecipe, TrainResult
+from nbtrain.recipes.saves import TrainResult
 from nbtrain.runs import loss_unit, run_id_for
 
 __all__ = ["CHANGEABLE", "Run"]
+
+log = logging.getLogger(__name__)
 
 #: the settings `Run.set` may change between spans, per recipe kind; everything else needs a new Run
 CHANGEABLE: dict[str, tuple[str, ...]] = {
@@ -69,7 +75,7 @@ class Run:
             )
             raise ConfigError(msg)
         recipe = recipe_for(cfg, merge=merge, group=group, hooks=hooks)
-        self.recipe: SFTRecipe = recipe
+        self.recipe: Recipe = recipe
         # an interrupt during set-up (whose ranks meet in collectives) waits for its end, as finetune's
         with interrupts.Held():
             recipe.setup()
@@ -161,25 +167,25 @@ class Run:
         ):
             msg = f"Run.train(steps={steps!r}): steps must be an integer >= 1, or None for the rest of the run"
             raise ConfigError(msg)
-        r.hold()
+        loop.hold(r)
         try:
             if self._begun:
                 self._resume()
             else:
-                r.begin()
+                loop.begin(r)
                 self._begun = True
             self._mark(paused=False)
             until = r.total_steps if steps is None else r.step + steps
-            if not r.advance(until):
-                r.finish(stopped=True)
+            if not loop.advance(r, until, r.train_step):
+                loop.finish(r, stopped=True)
                 self._end(f"it was stopped at step {r.step} on request")
             elif r.step >= r.total_steps:
-                r.finish()
+                loop.finish(r)
                 self._end(f"it reached its last step, {r.total_steps}")
             else:
                 self._pause()
         except KeyboardInterrupt:
-            # `step_stats` (or GRPO's `_stop_now`) raises it on every rank at a step's start, with
+            # `loop.step_stats` (or GRPO's `_stop_now`) raises it on every rank at a step's start, with
             # the state 'stopped' and nothing of the step done: the run can go on from there
             if r.state == "stopped":
                 self._pause()
@@ -193,7 +199,7 @@ class Run:
 
     def _pause(self) -> None:
         r = self.recipe
-        r.release()
+        loop.release(r)
         self._rng = ckpt.get_rng_state()
         self._paused_at = time.perf_counter()
         r.state = "paused"
@@ -392,7 +398,7 @@ class Run:
         r = self.recipe
         self._closed = True
         self._ended = "it was closed"
-        r.release()
+        loop.release(r)
         fields: dict[str, Any] = {}
         if self._begun and r.last_saved != r.step:
             self._with_training_rng(lambda: r.save_checkpoint(r.step))

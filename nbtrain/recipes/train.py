@@ -6,17 +6,22 @@ In [1]: %%distributed
    ...: result = nbtrain.finetune(cfg)
 In [2]: result.history.plot(x="step", y="loss")
 
-`finetune` is the public call; the run itself is `nbtrain.recipes.sft.SFTRecipe` (set-up, train, save),
-whose loop takes hooks (`nbtrain.recipes.hooks`).
+`finetune` is the public call; the run itself is a recipe (`nbtrain.recipes.base.Recipe`: set-up, train,
+save), `nbtrain.recipes.sft.SFTRecipe` for an SFTConfig, whose loop takes hooks (`nbtrain.recipes.hooks`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nbtrain.configs.sft import SFTConfig
+from nbtrain.recipes.base import Recipe
 from nbtrain.recipes.hooks import Hooks
-from nbtrain.recipes.sft import SFTRecipe, TrainResult
+from nbtrain.recipes.saves import TrainResult
+from nbtrain.recipes.sft import SFTRecipe
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Hooks", "TrainResult", "finetune", "recipe_for"]
 
@@ -46,7 +51,7 @@ def finetune(
 
 def recipe_for(
     cfg: SFTConfig, merge: bool = False, group: Any = None, hooks: Hooks | None = None
-) -> SFTRecipe:
+) -> Recipe:
     """The recipe `cfg`'s type names (SFT, DPO or GRPO), not yet set up: the one place that picks it,
     for `finetune` and `nbtrain.Run`."""
     from nbtrain.configs.dpo import DPOConfig

@@ -1,4 +1,4 @@
-"""The GRPO recipe: SFT's set-up, checkpoints and export, with prompt rows, rollouts and GRPO's step.
+"""The GRPO recipe: the shared set-up, loop and saves, with prompt rows, rollouts and GRPO's step.
 
 In [1]: recipe = GRPORecipe(cfg)      # cfg: nbtrain.GRPOConfig, read once
 In [2]: recipe.run()                  # set-up, the loop, checkpoints, the export
@@ -13,13 +13,15 @@ In [2]: recipe.run()                  # set-up, the loop, checkpoints, the expor
   so a step's completions come from the adapter one optimizer step old at most (staleness 1). The
   rollout sends each step's completions from its rank 0; actor rank 0 sends the adapter after each
   step (`nbtrain.recipes.grpo.link`). The completions carry the rollout's log-probabilities, the policy
-  ratio's denominator, so the clipped loss corrects for the step of lag.
+  ratio's denominator, so the clipped loss corrects for the step of lag. This rank's side of it is a
+  component the recipe holds, `self.disagg` (`nbtrain.recipes.grpo.disagg.Disaggregated`).
 
 The reference for `beta` > 0 is the same model with its adapter off (peft's `disable_adapter()`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -31,10 +33,15 @@ from nbtrain.errors import ConfigError
 from nbtrain.generation import decode
 from nbtrain.losses import grpo as grpo_loss
 from nbtrain.losses import rewards as grpo_rewards
+from nbtrain.recipes import loop, run_setup, saves
+from nbtrain.recipes.base import Recipe
 from nbtrain.recipes.grpo import rollout as grpo_rollout
 from nbtrain.recipes.grpo.disagg import Disaggregated
 from nbtrain.recipes.grpo.rollout import PromptOrder, PromptRows, RewardFunctionError, Scored
 from nbtrain.recipes.hooks import Hooks
+from nbtrain.recipes.saves import TrainResult
+
+log = logging.getLogger(__name__)
 
 #: completions per `generate` call
 GENERATE_BATCH = 64
@@ -56,7 +63,7 @@ class _PromptBatches:
         return []
 
 
-class GRPORecipe(Disaggregated):
+class GRPORecipe(Recipe):
     """One LoRA GRPO run on this rank: `setup()`, `train()`, `result()` (or `run()`)."""
 
     kind = "grpo"
@@ -68,7 +75,10 @@ class GRPORecipe(Disaggregated):
             msg = f"GRPORecipe needs an nbtrain.GRPOConfig, got {type(cfg).__name__}"
             raise ConfigError(msg)
         self.role = "collocated"
-        self.link: Any = None
+        #: this rank's side of a disaggregated run (None collocated)
+        self.disagg: Disaggregated | None = None
+        actor: list[int] = []
+        rollout: list[int] = []
         if cfg.actor is not None:
             if group is not None:
                 msg = "finetune(group=...) and GRPOConfig(actor=..., rollout=...) both pick ranks; give one"
@@ -79,9 +89,10 @@ class GRPORecipe(Disaggregated):
 
             actor, rollout, actor_pg, rollout_pg = grpo_link.resolve(cfg.actor, str(cfg.rollout))
             self.role = "actor" if dist.get_rank() in actor else "rollout"
-            self.actor_ranks, self.rollout_ranks = actor, rollout
             group = actor_pg if self.role == "actor" else rollout_pg
         super().__init__(cfg, merge=merge, group=group, hooks=hooks)
+        if self.role != "collocated":
+            self.disagg = Disaggregated(self, self.role, actor, rollout)
         self.funcs = list(cfg.reward_funcs)
         self.func_names = cfg.func_names()
         self.weights = cfg.weights()
@@ -111,16 +122,47 @@ class GRPORecipe(Disaggregated):
         self._window: list[dict[str, float]] = []
         self._sums: Any = None
         self._halt = False
-        #: the rollout group failed and raised (so it waits for nothing more from the actor)
-        self._rollout_failed = False
 
-    # ---- set-up: prompt rows instead of tokenized rows
+    # ---- set-up: the shared phases with prompt rows (a rollout rank: `Disaggregated.setup_rollout`)
+
+    def setup(self) -> None:
+        """The shared set-up with GRPO's checks, prompt rows and prompt order (collocated: then every
+        rank's vLLM engine, where engine='vllm'); an actor rank then tells the rollout group how it
+        went (`Disaggregated.handshake`), a rollout rank sets up its own way. Dropout off where asked."""
+        import torch
+
+        if self.disagg is not None and self.role == "rollout":
+            self.disagg.setup_rollout()
+        else:
+            err: BaseException | None = None
+            try:
+                run_setup.setup(
+                    self,
+                    check=self._check,
+                    rows=self._rows,
+                    batches=self._batches,
+                    compile_model=self._compile,
+                )
+                # collocated, every rank samples, so every rank starts its engine
+                if self.role == "collocated":
+                    self.d.agree(self.start_engine)
+            except BaseException as e:  # told to the rollout group below, then raised
+                err = e
+            if self.disagg is not None:
+                self.disagg.handshake(err)
+            if err is not None:
+                raise err
+        if self.disable_dropout:
+            for m in self.peft_model.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = 0.0
+        self._sums = torch.zeros(len(grpo_loss.LOSS_METRICS) + 1, dtype=torch.float64)
 
     def _check(self) -> dict[str, Any]:
         # a step's completions are known from the settings: refused before the model loads
         cfg = self.cfg
         micro, accum = int(cfg.per_device_train_batch_size), cfg.gradient_accumulation_steps
-        ranks = self.d.world if self.role == "collocated" else len(self.actor_ranks)
+        ranks = self.d.world if self.disagg is None else len(self.disagg.actor_ranks)
         completions = ranks * micro * accum
         if completions % self.G:
             who = "rank(s)" if self.role == "collocated" else "actor rank(s)"
@@ -132,9 +174,15 @@ class GRPORecipe(Disaggregated):
                 "or lower num_generations"
             )
             raise ConfigError(msg)
-        return super()._check()
+        if getattr(cfg, "engine", "hf") == "vllm" and self.role != "actor":
+            # the ranks that will sample through vLLM check it is installed in versions that work
+            # together, before any model loads
+            from nbtrain.generation import engines
 
-    def prepare_rows(self, source: Any) -> Any:
+            engines.check_vllm(get_rank(), self.d.host)
+        return run_setup.check(self)
+
+    def _rows(self, source: Any) -> Any:
         def read() -> PromptRows:
             rows = PromptRows.read(source, self.tokenizer, self.template_kwargs)
             # the columns the reward functions name, before the model loads
@@ -147,10 +195,10 @@ class GRPORecipe(Disaggregated):
         d, plan = self.d, self.plan
         completions = d.world * plan.micro_batch * plan.grad_accum
         self.rows: PromptRows = store
-        if self.role == "actor":
+        if self.disagg is not None and self.role == "actor":
             self.notes.append(
-                f"disaggregated GRPO: actor ranks {self.actor_ranks} train while rollout ranks "
-                f"{self.rollout_ranks} sample; each step trains on completions sampled with the adapter "
+                f"disaggregated GRPO: actor ranks {self.disagg.actor_ranks} train while rollout ranks "
+                f"{self.disagg.rollout_ranks} sample; each step trains on completions sampled with the adapter "
                 "of the step before it at most (staleness 1), their log-probabilities the ratio's old policy"
             )
         self.order = PromptOrder(len(store), completions // self.G, self.seed)
@@ -166,83 +214,81 @@ class GRPORecipe(Disaggregated):
                 "be compiled again for every length a completion reaches"
             )
 
-    def setup(self) -> None:
-        import torch
+    def start_engine(self) -> None:
+        """With engine='vllm', this rank's vLLM engine (kept from an earlier run where it fits), carried
+        by the decoding every step's sampling reads."""
+        if getattr(self.cfg, "engine", "hf") != "vllm":
+            return
+        from dataclasses import asdict
 
-        if self.role == "rollout":
-            self._setup_rollout()
-        else:
-            err: BaseException | None = None
-            try:
-                super().setup()
-            except BaseException as e:  # told to the rollout group below, then raised
-                err = e
-            if self.role == "actor":
-                self._handshake(err)
-            if err is not None:
-                raise err
-        if self.disable_dropout:
-            for m in self.peft_model.modules():
-                if isinstance(m, torch.nn.Dropout):
-                    m.p = 0.0
-        self._sums = torch.zeros(len(grpo_loss.LOSS_METRICS) + 1, dtype=torch.float64)
+        d = self.d
+        t0 = time.perf_counter()
+        engine = grpo_rollout.rollout_engine(
+            self.model_name, self.tokenizer, self.peft_model, d, self.compute_dtype
+        )
+        self.decoding = grpo_rollout.RolloutDecoding(**asdict(self.decoding), engine=engine)
+        if d.is_zero:
+            print(
+                f"nbtrain: vLLM rollout engine ready in {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
+
+    # ---- train: the shared loop over GRPO's step (a rollout rank: `Disaggregated.serve`)
 
     def train(self) -> None:
-        if self.role == "rollout":
-            self.serve()
+        """The shared loop (`nbtrain.recipes.loop.train`) over `train_step`; a rollout rank serves
+        the actor group instead, and an actor rank ends the exchange however its loop ended."""
+        if self.disagg is None:
+            loop.train(self, self.train_step)
             return
-        if self.role == "collocated":
-            super().train()
+        if self.role == "rollout":
+            self.disagg.serve()
             return
         failure: str | None = None
         try:
-            super().train()
+            loop.train(self, self.train_step)
         except BaseException as e:
             failure = f"{type(e).__name__}: {e}"
             raise
         finally:
             # the rollout ranks return with the run's history, or raise with the actor's failure
             # (unless they failed first, and raised)
-            if not self._rollout_failed:
-                self._release(failure)
+            if not self.disagg.rollout_failed:
+                self.disagg.release(failure)
 
     def train_step(self) -> bool:
         """One GRPO step: the completions (sampled here, or received from the rollout group), the
         loss over this rank's share, the optimizer step, the log row and checkpoint; False where the
         run stops before the step (a stop request, or a preemption)."""
-        if self._halt or (self.role == "collocated" and self._stop_now()):
+        if self._halt or (self.disagg is None and self._stop_now()):
             return False
         t0 = time.perf_counter()
         figures: dict[str, float] = {}
-        if self.role == "collocated":
+        if self.disagg is None:
             scored = self.rollout(self.step + self.span.shift)
             figures["gen_s"] = max(p.seconds for p in scored.parts)
         else:
-            message = self.link.object(None, src=self.link.rollout0)
-            self.link_state = "owe_weights"
+            message = self.disagg.receive()
             figures["actor_wait_s"] = time.perf_counter() - t0
-            if message["error"]:
-                self._rollout_failed = True
-                raise RewardFunctionError(message["error"])
             scored = message["scored"]
             figures["gen_s"] = message["gen_s"]
             if message.get("rollout_wait_s") is not None:
                 figures["rollout_wait_s"] = message["rollout_wait_s"]
         t1 = time.perf_counter()
         tokens = self.learn(scored)
-        lr = self.optimizer_step()
+        lr = loop.optimizer_step(self)
         figures["train_s"] = time.perf_counter() - t1
-        if self.role == "actor":
+        if self.disagg is not None:
             # the stop check for the next step, then the adapter (and whether to go on) to the rollout
             self._halt = self._stop_now()
             more = self.step < self.total_steps and not self._halt
             t2 = time.perf_counter()
-            self._weights(more)  # waits until the rollout has sampled the next step's completions
-            self.link_state = "await_batch" if more else "done"
+            # waits until the rollout has sampled the next step's completions
+            self.disagg.send(more)
             figures["actor_wait_s"] += time.perf_counter() - t2
         self._window.append({**scored.metrics, **figures})
         self.meter.tokens += tokens
-        self.after_step(lr)
+        loop.after_step(self, lr)
         return True
 
     def _stop_now(self) -> bool:
@@ -359,7 +405,7 @@ class GRPORecipe(Disaggregated):
                     ref = grpo_loss.token_logps(
                         self.peft_model, batch, self.autocast, self.loss_settings.temperature
                     )
-            with self.synced(a):
+            with loop.synced(self, a):
                 logps = grpo_loss.token_logps(
                     model, batch, self.autocast, self.loss_settings.temperature
                 )
@@ -380,7 +426,7 @@ class GRPORecipe(Disaggregated):
 
     def log(self, row: dict[str, Any]) -> None:
         """The row with the rollout's metrics (the mean over the steps since the last row) and the
-        loss metrics (over every rank's tokens), then SFT's logging."""
+        loss metrics (over every rank's tokens), then into the history and the record."""
         sums = self.d.sum_meta(self._sums.clone())
         tokens = float(sums[len(grpo_loss.LOSS_METRICS)])
         extra: dict[str, float] = {}
@@ -395,4 +441,27 @@ class GRPORecipe(Disaggregated):
                 extra[key] = float(sums[i]) / tokens
         self._sums.zero_()
         self._window = []
-        super().log({**row, **extra})
+        loop.record(self, {**row, **extra})
+
+    def eval_metrics(self) -> dict[str, float]:
+        # GRPO has no eval rows (its `evals` is None), so the loop never evaluates it
+        return {}
+
+    # ---- save, cleanup, result: the shared ones
+
+    def save_checkpoint(self, step: int) -> None:
+        """An atomic checkpoint of step `step` in output_dir (rank 0; every rank writes its own shards)."""
+        saves.save_checkpoint(self, step)
+
+    def export(self) -> None:
+        """The adapter (and with merge=True the merged model) in output_dir, written by rank 0."""
+        saves.export(self)
+
+    def cleanup(self) -> None:
+        """Put back the signal handlers, close the live display, and record how the run ended."""
+        loop.cleanup(self)
+
+    def result(self) -> TrainResult:
+        if self.disagg is not None and self.role == "rollout":
+            return self.disagg.rollout_result()
+        return saves.result(self)
