@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 import time
 from pathlib import Path
 from typing import Any
+
+from nbtrain import atomic
+
+log = logging.getLogger(__name__)
 
 #: how a run ends: "stopped" on a stop request, "preempted" by SIGTERM/SIGUSR1 (with a checkpoint)
 STATES = ("running", "done", "failed", "stopped", "preempted")
@@ -50,6 +55,32 @@ METRICS_FILE = "metrics.jsonl"
 #: completions sampled during training (`SFTConfig.sample_prompts`), one JSON row per prompt and step,
 #: appended by rank 0: {"step", "index", "prompt", "completion", "reference", "tokens", "seconds"}
 SAMPLES_FILE = "samples.jsonl"
+#: the MLflow run a resume continues (`nbtrain.telemetry.tracking`), {"run_id", "tracking_uri"}
+MLFLOW_RUN_FILE = "mlflow_run.json"
+#: the exported PEFT adapter's folder and the merged model's (`nbtrain.model.checkpoint`), read by
+#: `generate` and by run comparison
+ADAPTER_DIR = "adapter"
+MERGED_DIR = "merged"
+#: a scaling report's files (`nbtrain.cluster.scaling.report`); the Jupyter server reads the last two
+SCALING_MD, SCALING_JSON, SCALING_PNG = "scaling.md", "scaling.json", "scaling.png"
+
+
+# the files of an ipyparallel profile's security/ folder that nbtrain writes or reads
+def cluster_file_name(cluster_id: str) -> str:
+    """The name of a cluster's side file (nbtrain's record of it: rank table, backend, the attached
+    kernel), which `nbtrain.cluster.registry` writes beside ipyparallel's own cluster file and the
+    Jupyter server reads; `cluster_file_name("*")` is a glob of them all."""
+    return f"nbtrain-{cluster_id}.json"
+
+
+def cluster_side_file(profile_dir: str | os.PathLike[str], cluster_id: str) -> Path:
+    """``<profile_dir>/security/nbtrain-<cluster_id>.json``: the side file of cluster `cluster_id`."""
+    return Path(profile_dir) / "security" / cluster_file_name(cluster_id)
+
+
+def ipp_cluster_file_name(cluster_id: str) -> str:
+    """ipyparallel's own cluster file, beside the side file (its controller's pid and state)."""
+    return f"cluster-{cluster_id}.json"
 
 
 def nbtrain_home() -> Path:
@@ -74,12 +105,6 @@ def run_id_for(output_dir: str | os.PathLike[str]) -> str:
     """A stable id for a run folder: resuming into the same folder keeps the same run."""
     resolved = str(Path(output_dir).expanduser().resolve())
     return hashlib.sha1(resolved.encode()).hexdigest()[:12]
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, sort_keys=True))
-    os.replace(tmp, path)
 
 
 def get_run(run_id: str) -> dict[str, Any] | None:
@@ -130,7 +155,7 @@ def register_run(
         world_size=world_size,
     )
     clear_stop(record["id"])
-    _write_json(registry_dir() / f"{record['id']}.json", record)
+    atomic.write_json(registry_dir() / f"{record['id']}.json", record, sort_keys=True)
     return record["id"]
 
 
@@ -220,7 +245,7 @@ def update_run(run_id: str, **fields: Any) -> None:
     if record is None:
         return
     record.update(fields)
-    _write_json(registry_dir() / f"{run_id}.json", record)
+    atomic.write_json(registry_dir() / f"{run_id}.json", record, sort_keys=True)
 
 
 def finish_run(run_id: str, state: str, **fields: Any) -> None:
@@ -255,7 +280,7 @@ def record_scaling(
     # written finished in one go: the sidebar never sees a scaling report "running"
     measured = str(Path(run_dir).expanduser().resolve()) if run_dir is not None else None
     record.update(state="done", ended=record["started"], scaling=folder, measured=measured)
-    _write_json(registry_dir() / f"{scaling_id}.json", record)
+    atomic.write_json(registry_dir() / f"{scaling_id}.json", record, sort_keys=True)
     return scaling_id
 
 
@@ -273,7 +298,7 @@ def request_stop(run_id: str) -> bool:
     record = get_run(run_id)
     if record is None or record.get("state") != "running":
         return False
-    (registry_dir() / f"{run_id}.stop").write_text(str(time.time()))
+    atomic.write_text(registry_dir() / f"{run_id}.stop", str(time.time()))
     return True
 
 

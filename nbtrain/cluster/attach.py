@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from nbtrain import runs
 from nbtrain.cluster import registry
 from nbtrain.cluster.faults.recovery import lost_ranks
 from nbtrain.cluster.launch import local
@@ -59,12 +60,12 @@ def find_clusters(profile: str = "nbtrain") -> list[dict[str, Any]]:
     import psutil
 
     out = []
-    for path in sorted((_profile_dir(profile) / "security").glob("nbtrain-*.json")):
+    for path in sorted((_profile_dir(profile) / "security").glob(runs.cluster_file_name("*"))):
         try:
             side = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        ipp_file = path.with_name(f"cluster-{side.get('cluster_id')}.json")
+        ipp_file = path.with_name(runs.ipp_cluster_file_name(str(side.get("cluster_id"))))
         try:
             ctl = json.loads(ipp_file.read_text()).get("controller", {}).get("state", {})
             alive = psutil.pid_exists(int(ctl.get("pid", -1)))

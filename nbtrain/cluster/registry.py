@@ -7,16 +7,21 @@ show nodes, ranks and GPUs. Written atomically, mode 0600, removed when the clus
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from nbtrain import atomic
+from nbtrain.runs import cluster_side_file, ipp_cluster_file_name
+
+log = logging.getLogger(__name__)
+
 
 def _side_file(profile_dir: str | Path, cluster_id: str) -> Path:
-    return Path(profile_dir) / "security" / f"nbtrain-{cluster_id}.json"
+    return cluster_side_file(profile_dir, cluster_id)
 
 
 def side_file(ipp_cluster: Any) -> Path | None:
@@ -53,14 +58,9 @@ def write(cluster: Any, state: str = "running") -> None:
         "reinits": getattr(cluster, "reinits", 0),
         "updated": time.time(),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    atomic.write_json(path, data, perms=0o600)
     # ipyparallel writes its own cluster file world-readable; it names pids and log paths: keep it private
-    ipp_file = path.with_name(f"cluster-{cluster.cluster_id}.json")
+    ipp_file = path.with_name(ipp_cluster_file_name(cluster.cluster_id))
     try:
         os.chmod(ipp_file, 0o600)
     except OSError:

@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import NotARunError
-from nbtrain.runs import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
+from nbtrain.runs import ADAPTER_DIR, CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
 
 log = logging.getLogger(__name__)
 
-ADAPTER_DIR = "adapter"
 #: the curves a comparison draws by default
 COMPARE_METRICS = ("loss", "eval_loss", "tokens_per_s", "learning_rate")
 #: settings that differ between any two runs by design (where they write, whether they resume), so a

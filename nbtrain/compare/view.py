@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import html
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nbtrain import atomic
 from nbtrain.compare.data import (
     COMPARE_METRICS,
     METRICS_FILE,
@@ -49,6 +51,8 @@ from nbtrain.plots import (
     unit,
 )
 from nbtrain.runs import run_id_for
+
+log = logging.getLogger(__name__)
 
 #: the last values a comparison's table shows, where any run has them
 FINAL_COLUMNS = ("step", "loss", "eval_loss", "grad_norm", "tokens_per_s", "mfu", "peak_memory_gb")
@@ -154,9 +158,7 @@ class Comparison:
         }
         written = {}
         for name, data in body.items():
-            tmp = out / f".{name}.{os.getpid()}.tmp"
-            tmp.write_bytes(data)
-            os.replace(tmp, out / name)
+            atomic.write_bytes(out / name, data)
             written[name.rsplit(".", 1)[1]] = str(out / name)
         return written
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -25,7 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nbtrain import atomic
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
@@ -280,10 +284,7 @@ class Source:
             known = {k: v for k, v in known.items() if not k.startswith(f"{self.path}|")}
             known[key] = digest
             try:
-                memo.parent.mkdir(parents=True, exist_ok=True)
-                tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(known))
-                os.replace(tmp, memo)
+                atomic.write_json(memo, known)
             except OSError:  # a read-only cache folder: the digest is made again next time
                 pass
             return digest

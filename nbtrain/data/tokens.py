@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -31,12 +32,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from nbtrain import atomic
 from nbtrain.data import rows as sft_rows
 from nbtrain.data import store as files
 from nbtrain.data.rows import encode_batch, row_problem
 from nbtrain.data.sources import BadLine, Source
 from nbtrain.data.store import FORMAT, META, PartWriter, TokenStore, open_cache, part_stem, version
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 ENV = "NBTRAIN_DATA_CACHE"
 OFF = ("off", "none", "false", "0")
@@ -402,16 +406,12 @@ def prepare(
             "parts": site_parts,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        tmp = work / f"{META}.tmp"
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, work / META)
-        if final.exists() and open_cache(final) is None:
-            # an unreadable cache of the same name (cut short, another version's): moved aside first
-            stale = root / f"{key}.stale-{run}"
-            os.replace(final, stale)
-            shutil.rmtree(stale, ignore_errors=True)
+        atomic.write_json(work / META, meta, indent=1)
+        # an unreadable cache of the same name (cut short, another version's) is replaced: set aside
+        # until this one is in place; a readable one is kept
+        stale = final.exists() and open_cache(final) is None
         try:
-            os.replace(work, final)
+            atomic.commit_dir(work, final, replace=stale)
         except OSError:  # another run made the same cache first: use that one
             shutil.rmtree(work, ignore_errors=True)
 

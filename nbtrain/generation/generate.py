@@ -27,6 +27,7 @@ from nbtrain.engine.dist import Dist
 from nbtrain.engine.signals import interrupts
 from nbtrain.errors import ConfigError
 from nbtrain.generation import decode, engines
+from nbtrain.runs import ADAPTER_DIR, MERGED_DIR
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class _Model:
 def _adapter_path(value: Any) -> str:
     if hasattr(value, "output_dir") and hasattr(value, "adapter_dir"):  # a TrainResult
         # adapter_dir is set on rank 0 only; every rank knows the output folder it is in
-        return str(Path(value.output_dir) / "adapter")
+        return str(Path(value.output_dir) / ADAPTER_DIR)
     if isinstance(value, str | os.PathLike):
         return os.fspath(value)
     msg = (
@@ -58,7 +59,7 @@ def _adapter_path(value: Any) -> str:
     raise ConfigError(msg)
 
 
-_RUN_PARTS = ("adapter", "merged")
+_RUN_PARTS = (ADAPTER_DIR, MERGED_DIR)
 
 
 def _tail(path: str, k: int) -> str:
@@ -112,8 +113,8 @@ def _run_adapter(path: str) -> str:
     p = Path(path).expanduser()
     if not p.is_dir() or any((p / f).is_file() for f in ("adapter_config.json", "config.json")):
         return path
-    if (p / "adapter" / "adapter_config.json").is_file():
-        return os.path.join(path, "adapter")
+    if (p / ADAPTER_DIR / "adapter_config.json").is_file():
+        return os.path.join(path, ADAPTER_DIR)
     saved = list_checkpoints(p)
     if not (saved or (p / CONFIG_FILE).is_file() or (p / METRICS_FILE).is_file()):
         return path  # not a run folder: _classify says what it lacks

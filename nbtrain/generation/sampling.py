@@ -19,14 +19,18 @@ memory before each sample; on a GPU it sleeps between samples. It is kept for th
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
+from nbtrain import atomic
 from nbtrain.data.prompts import read_prompts, shown
 from nbtrain.engine import metrics as live
 from nbtrain.generation import decode, engines
 from nbtrain.runs import SAMPLES_FILE
+
+log = logging.getLogger(__name__)
 
 
 class Sampler:
@@ -122,6 +126,4 @@ def _keep_before(path: Path, step: int) -> None:
                     kept.append(line + "\n")
             except json.JSONDecodeError:
                 continue  # a line cut short by a crash
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept))
-    tmp.replace(path)
+    atomic.write_text(path, "".join(kept))

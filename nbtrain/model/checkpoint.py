@@ -7,6 +7,7 @@ a save leaves the previous checkpoint (and the previous adapter) whole and loada
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -14,84 +15,51 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nbtrain import atomic
 from nbtrain.errors import ConfigError
 
 # CONFIG_FILE: the run's settings, in each checkpoint and in output_dir itself (what a run comparison
 # reads); the names of a run folder's files are nbtrain.runs'
-from nbtrain.runs import CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
+from nbtrain.runs import (
+    ADAPTER_DIR,
+    CONFIG_FILE,
+    MERGED_DIR,
+    METRICS_FILE,
+    MLFLOW_RUN_FILE,
+    SAMPLES_FILE,
+)
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
 #: what a run leaves in its output_dir besides checkpoints (mlflow_run.json: nbtrain.telemetry.tracking's
 #: RUN_FILE, the MLflow run a resume continues)
-RUN_LEFTOVERS = ("adapter", "merged", METRICS_FILE, CONFIG_FILE, SAMPLES_FILE, "mlflow_run.json")
-
-
-def _fsync_tree(path: Path) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems do not fsync directories
-        pass
-    finally:
-        os.close(fd)
+RUN_LEFTOVERS = (ADAPTER_DIR, MERGED_DIR, METRICS_FILE, CONFIG_FILE, SAMPLES_FILE, MLFLOW_RUN_FILE)
 
 
 def open_atomic_dir(final: Path) -> Path:
     """The empty temporary sibling that `commit_atomic_dir` renames to `final` (sweeping leftovers of
     saves killed midway); in a sharded run every rank writes into it, then rank 0 commits."""
-    final = Path(final)
-    parent = final.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f".tmp-{final.name}-{os.getpid()}"
+    parent = Path(final).parent
     # a save killed midway leaves its temp folder behind; only rank 0 of one run opens these, so any
     # other temp folder is such a leftover
-    for stale in parent.glob(".tmp-*"):
+    for stale in parent.glob(f"{atomic.TMP_PREFIX}*"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir()
-    return tmp
+    return atomic.open_dir(final)
 
 
 def commit_atomic_dir(tmp: Path, final: Path) -> Path:
-    """fsync everything in `tmp` and rename it to `final`, replacing an older `final`."""
-    final, parent = Path(final), Path(final).parent
-    _fsync_tree(tmp)
-    old = None
-    if final.exists():
-        # rename the old one aside first: at every instant one complete folder is in place or aside
-        old = parent / f".old-{final.name}-{os.getpid()}"
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    """fsync everything in `tmp` and rename it to `final`, replacing an older `final`
+    (`nbtrain.atomic.commit_dir`: the old one is set aside until the new one is in place)."""
+    return atomic.commit_dir(tmp, final)
 
 
 def write_atomic_dir(final: Path, fill: Callable[[Path], None], tmp: Path | None = None) -> Path:
     """Create folder `final` by filling a temporary sibling and renaming it; replaces an older `final`.
     `tmp`: a temporary folder opened already (`open_atomic_dir`), which other ranks have written into."""
-    tmp = open_atomic_dir(final) if tmp is None else Path(tmp)
-    try:
-        fill(tmp)
-        return commit_atomic_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return atomic.write_dir(final, fill, open_atomic_dir(final) if tmp is None else Path(tmp))
 
 
 def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[Path]:
@@ -167,11 +135,7 @@ def restore_schedule(scheduler: Any, optimizer: Any, saved: dict[str, Any]) -> N
 def write_run_config(output_dir: Path, config: dict[str, Any]) -> Path:
     """Write `output_dir/sft_config.json` (rank 0, at run start), atomically: a reader sees the old
     file or the new one, never half of one."""
-    path = Path(output_dir) / CONFIG_FILE
-    tmp = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(config, indent=2, default=str))
-    os.replace(tmp, path)
-    return path
+    return atomic.write_json(Path(output_dir) / CONFIG_FILE, config, indent=2, default=str)
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -216,11 +180,7 @@ def prune_checkpoints(output_dir: str | os.PathLike[str], keep: int, written: Pa
     others = [p for p in found if p.resolve() != Path(written).resolve()]
     doomed = others[: max(0, len(found) - keep)]
     for path in doomed:
-        aside = path.parent / f".tmp-delete-{path.name}-{os.getpid()}"
-        os.replace(path, aside)
-        shutil.rmtree(aside, ignore_errors=True)
-    if doomed:
-        _fsync_dir(Path(output_dir))
+        atomic.remove_tree(path)
     return doomed
 
 
@@ -263,7 +223,7 @@ def export_adapter(
         model.save_pretrained(tmp, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
 
-    return write_atomic_dir(Path(output_dir) / "adapter", fill)
+    return write_atomic_dir(Path(output_dir) / ADAPTER_DIR, fill)
 
 
 def export_merged(
@@ -291,7 +251,7 @@ def export_merged(
         tokenizer.save_pretrained(tmp)
 
     with quiet_hf():  # no "Writing model shards" bar under the run's own output
-        return write_atomic_dir(Path(output_dir) / "merged", fill)
+        return write_atomic_dir(Path(output_dir) / MERGED_DIR, fill)
 
 
 def export_merged_from_adapter(
@@ -404,7 +364,7 @@ def clear_output_dir(out: Path) -> None:
     for p in out.iterdir() if out.is_dir() else []:
         if (
             CHECKPOINT_RE.match(p.name)
-            or p.name in ("adapter", "merged")
+            or p.name in (ADAPTER_DIR, MERGED_DIR)
             or p.name.startswith(".tmp-")
         ):
             shutil.rmtree(p, ignore_errors=True)

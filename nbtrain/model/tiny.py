@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from nbtrain import atomic
+
+log = logging.getLogger(__name__)
 
 PAD, EOS, BOS, IM_START = "<|pad|>", "<|im_end|>", "<|begin|>", "<|im_start|>"
 SPECIAL_TOKENS = [PAD, EOS, BOS, IM_START]
@@ -155,15 +158,12 @@ def _save(model: Any, tokenizer: Any, out: Path) -> str:
     out.parent.mkdir(parents=True, exist_ok=True)
     # a new folder is written whole beside it, then renamed: ranks of one host may call this on
     # the same path at once (the same seed gives the same model), and no reader sees half a model
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not (out / "config.json").exists():
-                raise  # not a twin that landed first: a real failure
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # replace=False: a twin's folder already in place is kept, and this rename fails
+        with atomic.folder(out, replace=False) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    except OSError:
+        if not (out / "config.json").exists():
+            raise  # not a twin that landed first: a real failure
     return str(out)

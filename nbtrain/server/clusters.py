@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from nbtrain import runs
+
 log = logging.getLogger(__name__)
 
 # what ipyparallel's cluster ids look like (a time stamp and a random part); anything else is not
@@ -23,7 +25,7 @@ _CLUSTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 def _side_file(profile_dir: str, cluster_id: str) -> dict[str, Any] | None:
-    path = Path(profile_dir) / "security" / f"nbtrain-{cluster_id}.json"
+    path = runs.cluster_side_file(profile_dir, cluster_id)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -103,7 +105,9 @@ def find_side_file(cluster_id: str | None) -> dict[str, Any] | None:
     when the cluster stops); None otherwise."""
     if not cluster_id or not _CLUSTER_ID.fullmatch(cluster_id):
         return None
-    for path in sorted(_ipython_dir().glob(f"profile_*/security/nbtrain-{cluster_id}.json")):
+    for path in sorted(
+        _ipython_dir().glob(f"profile_*/security/{runs.cluster_file_name(cluster_id)}")
+    ):
         data = _side_file(str(path.parent.parent), cluster_id)
         if data is not None:
             return data

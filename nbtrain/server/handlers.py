@@ -211,7 +211,7 @@ class ScalingHandler(_Base):
     def get(self, run_id: str) -> None:
         """GET /nbtrain/api/runs/<id>/scaling: the run's scaling.json, and its folder."""
         record = self._run_or_404(run_id)
-        path = _scaling_file(record, "scaling.json")
+        path = _scaling_file(record, runs.SCALING_JSON)
         try:
             report = json.loads(path.read_text())
         except ValueError as e:
@@ -224,7 +224,7 @@ class ScalingImageHandler(JupyterHandler):
     @tornado.web.authenticated
     def get(self, run_id: str) -> None:
         """GET /nbtrain/api/runs/<id>/scaling.png: the report's figure."""
-        path = _scaling_file(_run_or_404(run_id), "scaling.png")
+        path = _scaling_file(_run_or_404(run_id), runs.SCALING_PNG)
         self.set_header("Content-Type", "image/png")
         self.set_header("Cache-Control", "no-cache")
         self.finish(path.read_bytes())

@@ -4,16 +4,20 @@ runs-registry record."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nbtrain import atomic
 from nbtrain.engine.dist import Dist
 from nbtrain.runs import METRICS_FILE
 
 if TYPE_CHECKING:
     from nbtrain.telemetry.tracking import Trackers
+
+log = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s per GPU (no sparsity), for MFU. A name is matched on whole words, so an L40 is
 # not an L4 and an H100 PCIe or NVL is not an SXM; a GPU not listed reports no MFU rather than a wrong one.
@@ -86,9 +90,7 @@ class RunLog:
         self.total = total
         self.trackers = trackers  # report_to's TensorBoard and MLflow writers
         # a resumed run drops the rows logged after its checkpoint, which it is about to redo
-        tmp = out / f".{METRICS_FILE}.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
-        os.replace(tmp, out / METRICS_FILE)
+        atomic.write_text(out / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in history))
         self.file = (out / METRICS_FILE).open("a")
         self.run_id = register_run(
             out,

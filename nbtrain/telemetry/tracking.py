@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import socket
@@ -30,10 +31,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nbtrain import atomic
 from nbtrain.errors import ConfigError
+from nbtrain.runs import MLFLOW_RUN_FILE
+
+log = logging.getLogger(__name__)
 
 REPORTERS = ("tensorboard", "mlflow")
-RUN_FILE = "mlflow_run.json"
+RUN_FILE = MLFLOW_RUN_FILE
 # after a failed send, MLflow rows wait this long before the next try (its client already retried)
 RETRY_S = 60.0
 _STATUS = {"done": "FINISHED", "stopped": "KILLED", "preempted": "KILLED", "failed": "FAILED"}
@@ -95,16 +100,6 @@ def _numbers(row: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def samples_markdown(rows: list[dict[str, Any]]) -> str:
     """One sampled step as a markdown table (TensorBoard's text tab renders markdown)."""
 
@@ -156,7 +151,7 @@ class _TensorBoard:
                 tag = "eval/" + key[5:] if key.startswith("eval_") else "train/" + key
                 self.writer.add_scalar(tag, value, row["step"])
             self.writer.flush()
-        except Exception as e:
+        except Exception as e:  # said by _warn: training goes on without TensorBoard
             self.ok = False
             _warn(
                 f"TensorBoard writing to {self.dir} failed at step {row['step']} ({e}); training "
@@ -169,7 +164,7 @@ class _TensorBoard:
         try:
             self.writer.add_text("samples", samples_markdown(rows), step)
             self.writer.flush()
-        except Exception as e:
+        except Exception as e:  # said by _warn: the rows are in metrics.jsonl all the same
             _warn(
                 f"TensorBoard: the samples of step {step} could not be written to {self.dir} ({e})"
             )
@@ -177,7 +172,7 @@ class _TensorBoard:
     def finish(self, state: str) -> None:
         try:
             self.writer.close()
-        except Exception as e:
+        except Exception as e:  # said by _warn: the run itself has ended
             _warn(f"TensorBoard: closing {self.dir} failed ({e})")
 
 
@@ -219,7 +214,7 @@ class _MLflow:
             )
             raise ConfigError(msg) from e
         self.run_id: str = run_id
-        _write_json_atomic(run_file, {"run_id": self.run_id, "tracking_uri": self.uri})
+        atomic.write_json(run_file, {"run_id": self.run_id, "tracking_uri": self.uri})
         # rows a new run lacks (a resume that had no MLflow run before) are sent with the first row
         self.pending = [r for r in history if r["step"] > self.last_step]
         print(f"nbtrain: MLflow run {self.run_id} at {self.uri}")
@@ -280,7 +275,7 @@ class _MLflow:
         try:
             for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
                 self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
-        except Exception as e:
+        except Exception as e:  # kept for the next try, or said by _warn at the end
             steps = f"steps {self.pending[0]['step']}..{self.pending[-1]['step']}"
             if final:
                 _warn(
@@ -313,7 +308,7 @@ class _MLflow:
             if state != "failed" and adapter.is_dir():
                 self.client.log_artifacts(self.run_id, str(adapter), artifact_path="adapter")
             self.client.set_terminated(self.run_id, _STATUS.get(state, "FAILED"))
-        except Exception as e:
+        except Exception as e:  # said by _warn: the run itself has ended
             _warn(f"MLflow: ending run {self.run_id} at {self.uri} failed ({e})")
 
 

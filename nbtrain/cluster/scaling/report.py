@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
-import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nbtrain import atomic, runs
 from nbtrain.cluster.scaling.model import Fit, Verdict
+
+log = logging.getLogger(__name__)
 
 COLUMNS = (
     ("nodes", "nodes"),
@@ -171,9 +174,10 @@ class ScalingReport:
         """Write scaling.md, scaling.png and scaling.json into `folder` (made if missing)."""
         path = Path(folder).expanduser()
         path.mkdir(parents=True, exist_ok=True)
-        (path / "scaling.md").write_text(self.markdown())
-        (path / "scaling.png").write_bytes(self.png())
-        (path / "scaling.json").write_text(json.dumps(self.to_json(), indent=1, default=str))
+        # each file whole or not at all: the Jupyter server reads scaling.json and scaling.png
+        atomic.write_text(path / runs.SCALING_MD, self.markdown())
+        atomic.write_bytes(path / runs.SCALING_PNG, self.png())
+        atomic.write_json(path / runs.SCALING_JSON, self.to_json(), indent=1, default=str)
         self.folder = str(path)
         return path
 

@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from nbtrain import atomic
 from nbtrain.errors import NbtrainError
 
-log = logging.getLogger("nbtrain")
+log = logging.getLogger(__name__)
 
 # widget value -> label, for the launchers with a page of their own (MPI is started with
 # %nbtrain start --launcher mpi; the picker has no page for it). A launcher whose module names a
@@ -153,10 +154,7 @@ def settings_path() -> Path:
 def save_settings(settings: PickerSettings, path: Path | None = None) -> Path:
     """Write the settings as JSON (atomically: a crash never leaves half a file)."""
     path = path or settings_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(asdict(settings), indent=2))
-    tmp.replace(path)
+    atomic.write_json(path, asdict(settings), indent=2)
     return path
 
 

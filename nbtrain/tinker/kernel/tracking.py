@@ -5,14 +5,16 @@ for the Lab's run panel, and the live loss plot in the notebook, one row per `op
 from __future__ import annotations
 
 import json
-import os
+import logging
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from nbtrain import runs
+from nbtrain import atomic, runs
 from nbtrain.generation.utf8 import decode_completion
+
+log = logging.getLogger(__name__)
 
 KIND = "tinker"
 LOSS_UNIT = "summed loss"
@@ -173,8 +175,5 @@ class ModelRun:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Old or new, never half: a temp name, then os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, sort_keys=True))
-    os.replace(tmp, path)
+    """Old or new, never half (`nbtrain.atomic.write_json`)."""
+    atomic.write_json(path, data, sort_keys=True)

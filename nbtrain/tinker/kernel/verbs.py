@@ -8,6 +8,7 @@ category "user", anything else with category "server" and the cluster's message 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import threading
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nbtrain import atomic
 from nbtrain.tinker.kernel import protocol as proto
 from nbtrain.tinker.kernel import wire
 from nbtrain.tinker.kernel.backend import Backend
@@ -23,6 +25,8 @@ from nbtrain.tinker.kernel.futures import Executor, Future, Payload, Step
 from nbtrain.tinker.kernel.protocol import RequestError, bad, get_field
 from nbtrain.tinker.kernel.sampling import Sampling
 from nbtrain.tinker.kernel.tracking import ModelRun, write_json
+
+log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.json"  # in a model's folder: its base model and LoRA settings, for loads
 #: under the service's folder: where a preemption notice writes every live model's state
@@ -343,16 +347,12 @@ class Verbs(Sampling, Expiry):
 
     def delete_checkpoint(self, owner: str, kind: str, name: str) -> dict[str, Any]:
         """DELETE training_runs/{model_id}/checkpoints/{kind}/{name} (the cookbook's rolling saves)."""
-        import shutil
-
         folder, _ = self._checkpoint(proto.tinker_path(owner, kind, name), kind)
         for m in self.models.values():
             if m.last_state == proto.tinker_path(owner, kind, name):
                 m.last_state = None  # a restart must not reload what is gone
         # renamed first, so a reader never sees half a folder
-        doomed = folder.with_name(f".deleted-{folder.name}-{secrets.token_hex(4)}")
-        folder.rename(doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        atomic.remove_tree(folder, prefix=".deleted-")
         return {}
 
     def load_weights(self, body: dict[str, Any]) -> Future:

@@ -11,18 +11,18 @@ folder and broadcasts it, so the other ranks need not see the same file system.
 from __future__ import annotations
 
 import json
-import os
+import logging
 import re
-import shutil
-import tempfile
-import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nbtrain import atomic
 from nbtrain.errors import ConfigError
 from nbtrain.tinker.ranks import registry
+
+log = logging.getLogger(__name__)
 
 ADAPTER_FILE = "adapter_model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -73,20 +73,9 @@ def _write_adapter(folder: Path, config: Any, tensors: dict[str, Any]) -> None:
 
 
 def _replace_dir(path: Path, write: Callable[[Path], None]) -> None:
-    """Write a folder at `path` through `write(tmp)` and rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
-    try:
-        write(tmp)
-        if path.exists():
-            old = path.with_name(f".old-{path.name}-{uuid.uuid4().hex[:8]}")
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Write a folder at `path` through `write(tmp)` and move it into place: every file fsynced, the
+    old folder set aside until the new one is in (`nbtrain.atomic.write_dir`)."""
+    atomic.write_dir(path, write)
 
 
 def _on_rank_zero(what: str, fn: Callable[[], Any]) -> Any:
