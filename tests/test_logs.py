@@ -306,3 +306,28 @@ def test_a_failed_registry_write_is_a_warning_naming_the_cluster_and_the_reason(
     text = rec.getMessage()
     assert rec.name == "nbtrain.cluster.group" and "nbtrain-1234abcd" in text
     assert "No space left on device" in text and rec.exc_info is not None
+
+
+@pytest.mark.timeout(600)
+def test_a_local_cluster_logs_its_start_and_stop_and_the_level_reaches_the_ranks():
+    """NBTRAIN_LOG=info: the launcher's start (command, pids) and stop are on stderr; a level set
+    later in the kernel reaches the running ranks when their process group is made again."""
+    code = (
+        "import logging, nbtrain\n"
+        "c = nbtrain.start(n=1, force=True)\n"
+        "try:\n"
+        "    level = lambda: __import__('logging').getLogger('nbtrain').level\n"
+        "    print('before', c.run(level))\n"
+        "    nbtrain.set_log_level('debug')\n"
+        "    c.reinit_group()\n"
+        "    print('after', c.run(level))\n"
+        "finally:\n"
+        "    c.stop()\n"
+    )
+    out = _fresh(code, NBTRAIN_LOG="info")
+    err = out.stderr
+    assert "nbtrain.cluster.launch.local INFO: cluster nbtrain-" in err, err[-3000:]
+    assert "starting 1 engine(s) here: " in err and "-m nbtrain.engine.boot" in err
+    assert "engine(s) up, pids [" in err and "stopping local cluster nbtrain-" in err
+    # the engine inherited NBTRAIN_LOG=info; the re-init gave it the kernel's new level
+    assert f"before [{logging.INFO}]" in out.stdout and f"after [{logging.DEBUG}]" in out.stdout

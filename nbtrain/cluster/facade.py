@@ -242,7 +242,7 @@ def _stop_at_exit() -> None:
         try:
             cluster.stop()
         except Exception as e:  # pragma: no cover - best effort at exit
-            print(f"nbtrain: stopping the cluster at exit failed: {e}", file=sys.stderr)
+            log.warning("nbtrain: stopping the cluster at exit failed: %s", e, exc_info=True)
 
 
 atexit.register(_stop_at_exit)

@@ -109,8 +109,7 @@ class Worker:
                 self.memory = True
             except (AttributeError, TypeError):
                 # another vLLM's internals: its own loader, from files in RAM, still works
-                traceback.print_exc()
-                print("nbtrain: adapters go to vLLM as files in RAM", file=sys.stderr)
+                log.info("adapters go to vLLM as files in RAM", exc_info=True)
         # one token now: a model vLLM cannot run (the CPU build's attention refuses head_dim 24) fails
         # the start, not the first rollout, and the first call's kernel set-up is paid here
         from vllm import SamplingParams

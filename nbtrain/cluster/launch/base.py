@@ -93,6 +93,7 @@ def ssh_run(lo: LaunchOptions, location: str, cmd: str, timeout: float) -> Any:
 
     Returns the CompletedProcess; raises subprocess.TimeoutExpired a little after `timeout`.
     """
+    log.debug("ssh %s: %s", location, cmd)
     return subprocess.run(
         [*ssh_base(lo, timeout), location, cmd],
         capture_output=True,
@@ -216,8 +217,10 @@ def start_engines(launch: EngineLaunch, options: StartOptions, quiet: bool = Tru
     engine_pids: dict[str, list[int]] = {}
     step = "starting the controller"
     try:
+        log.info("cluster %s: starting the controller on %s", cluster_id, listen.address)
         ipp_cluster.start_controller_sync()
         step = f"starting {total} engine(s) {launch.what}"
+        log.info("cluster %s: %s (%s launcher)", cluster_id, step, lo.launcher)
         ipp_cluster.start_engines_sync(total)
         step = "connecting to the controller"
         client = ipp_cluster.connect_client_sync()
@@ -239,6 +242,9 @@ def start_engines(launch: EngineLaunch, options: StartOptions, quiet: bool = Tru
         launch.registered(ipp_cluster, say)
         step = "saying hello to the engines"
         ranks, engine_pids = hello(client, launch.host_order(), remaining)
+        log.info(
+            "cluster %s: %d engine(s) registered, pids by host %s", cluster_id, total, engine_pids
+        )
         step = "running preflight on every engine"
         result = run_preflight(client, ranks, lo.allow_version_mismatch, remaining, say)
         step = "choosing the network interface of every node"
@@ -263,6 +269,7 @@ def start_engines(launch: EngineLaunch, options: StartOptions, quiet: bool = Tru
             run_id=ipp_cluster.cluster_id,
         )
     except BaseException as e:
+        log.info("cluster %s: start failed while %s (%s); tearing down", cluster_id, step, e)
         launch.teardown(ipp_cluster, client, engine_pids, False)
         error = start_failed(step, e)
         if error is e:
@@ -367,6 +374,7 @@ def teardown_remote(
     Remote pids are only ever signalled on their own host (here they may be anyone's). The engines'
     logs on the hosts are kept after a failed start (the error message points at them).
     """
+    log.info("stopping engines %s and the controller", engine_pids or "(none registered)")
     close_client(client)
     location_of = {s.host: s.location for s in lo.hosts}
     pids: dict[str, set[int]] = {}

@@ -102,8 +102,16 @@ def start(options: StartOptions, lo: LaunchOptions | None = None, quiet: bool = 
     pids: list[int] = []
     step = "starting the controller"
     try:
+        log.info("cluster %s: starting the controller on 127.0.0.1", cluster_id)
         ipp_cluster.start_controller_sync()
         step = f"starting {options.n} engine(s)"
+        log.info(
+            "cluster %s: starting %d engine(s) here: %s -m nbtrain.engine.boot, environment %s",
+            cluster_id,
+            options.n,
+            sys.executable,
+            ipp_cluster.config.LocalEngineSetLauncher.environment,
+        )
         ipp_cluster.start_engines_sync(options.n)
         step = "connecting to the controller"
         client = ipp_cluster.connect_client_sync()
@@ -124,6 +132,7 @@ def start(options: StartOptions, lo: LaunchOptions | None = None, quiet: bool = 
         hellos = {eid: h for eid, h in zip(dv.targets, hellos_list)}
         pids = [p for h in hellos.values() for p in [h["pid"], *h.get("children", [])]]
         ranks = assign_ranks(hellos)
+        log.info("cluster %s: %d engine(s) up, pids %s", cluster_id, len(ranks), pids)
         step = "joining the process group"
         plan = init_group(
             client,
@@ -135,6 +144,7 @@ def start(options: StartOptions, lo: LaunchOptions | None = None, quiet: bool = 
             run_id=ipp_cluster.cluster_id,
         )
     except BaseException as e:
+        log.info("cluster %s: start failed while %s (%s); tearing down", cluster_id, step, e)
         teardown(ipp_cluster, client, pids)
         error = start_failed(step, e)
         if error is e:
@@ -195,6 +205,7 @@ def teardown(ipp_cluster: Any, client: Any, pids: Sequence[int]) -> None:
     local: list[int] = list(pids)
     if ipp_cluster is not None:
         local.extend(procs.launcher_pids(ipp_cluster))
+    log.info("stopping local cluster %s: pids %s", getattr(ipp_cluster, "cluster_id", None), local)
     local.extend(procs.descendants(local))
     groups = procs.session_groups(local)
     # engines (IPython kernels) sit on SIGTERM for seconds; their state is being discarded anyway
@@ -228,6 +239,7 @@ def replace(session: Session, ranks: Sequence[int], timeout: float) -> None:
         time.sleep(0.05)
     procs.kill_tree(orphans, grace=1.0)
     before = set(session.client.ids)
+    log.info("replacing the engines of ranks %s (old pids %s)", list(ranks), orphans)
     session.ipp_cluster.start_engines_sync(len(ranks))
     for r, (eid, h) in zip(sorted(ranks), new_engines(session, before, len(ranks), remaining)):
         adopt(session.ranks[r], eid, h)

@@ -238,6 +238,7 @@ class MPILaunch(EngineLaunch):
         cfg.mpi_cmd = [MPIEXEC]
         cfg.mpi_args = mpi_args(self.lo, flavour())
         cfg.engine_cmd = [self.lo.remote_python, "-m", "nbtrain.engine.boot"]
+        log.debug("mpi: %s", " ".join([*cfg.mpi_cmd, *cfg.mpi_args, "-n", "N", *cfg.engine_cmd]))
 
     def watch(self, ipp_cluster: Any, say: Any, force: bool = False) -> None:
         es = self._engine_set(ipp_cluster)

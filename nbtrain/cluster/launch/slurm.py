@@ -218,6 +218,7 @@ class SlurmEngineSet(SlurmEngineSetLauncher):
 
     def _run_command(self, command: list[str], **kwargs: Any) -> str:
         env = slurm_env(kwargs.pop("env", None))
+        log.debug("slurm: %s", shlex.join(command))
         try:
             proc = subprocess.run(
                 command,

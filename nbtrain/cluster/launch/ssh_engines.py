@@ -54,7 +54,9 @@ class ParallelSSHEngineSetLauncher(SSHEngineSetLauncher):
 
         def go(item: tuple[str, Any, str | None, str]) -> str:
             key, el, user, hostname = item
+            log.debug("engine %s: starting on %s: %s", key, hostname, el.args)
             el.start(user=user, hostname=hostname)
+            log.info("engine %s: started on %s (pid %s)", key, hostname, getattr(el, "pid", "?"))
             return key
 
         with ThreadPoolExecutor(max(1, len(todo))) as pool:
@@ -77,6 +79,7 @@ class ParallelSSHEngineSetLauncher(SSHEngineSetLauncher):
         running = [el for el in self.launchers.values() if el.state == "running"]
 
         def one(el: Any) -> None:
+            log.info("engine %s: stopping (SIGTERM)", el.identifier)
             try:
                 el.signal(signal.SIGTERM)
                 el.wait_one(timeout=self.stop_seconds_until_kill)

@@ -132,8 +132,8 @@ class TinkerService:
         # on the server's loop, between requests: one timer for every session
         try:
             self.verbs.expire_idle()
-        except Exception as e:  # noqa: BLE001 - the service serves on; the next tick tries again
-            print(f"nbtrain: the Tinker service's session expiry failed: {e}", file=sys.stderr)
+        except Exception as e:  # the service serves on; the next tick tries again
+            log.warning("nbtrain: the Tinker service's session expiry failed: %s", e, exc_info=True)
         self._rearm()
 
     def _rearm(self) -> None:

@@ -53,6 +53,7 @@ class RayEngineSet(EngineLauncher):
         refs = [self._start_actor(task) for task in range(len(self.bundle_of_task))]
         self.n = len(refs)
         self.infos = list(ray.get(refs, timeout=self.start_timeout))
+        log.info("ray: %d engine(s) started: %s", len(self.infos), self.infos)
         self.notify_start(self.infos)
         return self.infos
 
@@ -91,6 +92,12 @@ class RayEngineSet(EngineLauncher):
             EXIT_WITH_PARENT_ENV: "1",
         }
         log_name = f"ipengine-{self.cluster_id}-{task}.log"
+        log.debug(
+            "ray: task %d's engine in bundle %d: %s",
+            task,
+            self.bundle_of_task[task],
+            self.engine_args,
+        )
         return actor.start.remote(list(self.engine_args), env, log_name)
 
     def task_of(self, engine_pid: int) -> int | None:
@@ -153,6 +160,7 @@ class RayEngineSet(EngineLauncher):
         actors, self.actors = self.actors, []
         if not actors:
             return
+        log.info("ray: stopping %d engine(s) and their actors", len(actors))
         try:
             ray.get([a.stop.remote() for a in actors], timeout=15)
         except Exception as e:
