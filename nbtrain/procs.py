@@ -1,8 +1,13 @@
 """Processes: the one module that finds, signals or kills them, on this machine or over SSH.
 
 Every teardown path (a stopped cluster, a failed start, a stuck rank, the idle watchdog, a restart)
-calls these; none carries its own copy. A primitive: psutil, os and ssh, no ipyparallel client.
-Remote pids are only ever signalled on their own host (here they may be anyone's).
+calls these, and so does every other signal or kill of a process: the vLLM process and the Ray
+actor's engine (`stop`, `signal_process`), the preemption notice passed on to the default handler,
+srun after a timeout, an engine signalled through ipyparallel (`signal_engine`); none carries its
+own copy. A bottom module beside `nbtrain.atomic`: it imports only the standard library (psutil
+inside its functions, and in the script it runs over SSH), so the rank runtime and the training
+layers may use it as the kernel side does; an ipyparallel client is only ever passed in. Remote pids
+are only ever signalled on their own host (here they may be anyone's).
 """
 
 from __future__ import annotations
@@ -130,12 +135,58 @@ def session_groups(pids: Sequence[int]) -> list[int]:
 # -- signalling and killing ----------------------------------------------------------------------
 
 
+def signal_process(proc: Any, sig: int) -> bool:
+    """Send `sig` to one process on this machine: a pid, a `subprocess.Popen` or a `psutil.Process`.
+    False when it has exited already (a Popen already reaped, no such pid): nothing to signal."""
+    if isinstance(proc, subprocess.Popen):
+        if proc.poll() is not None:
+            return False
+        proc.send_signal(sig)  # a Popen knows whether its pid is still its child's
+        return True
+    if isinstance(proc, int):
+        try:
+            os.kill(proc, sig)
+        except ProcessLookupError:
+            return False
+        return True
+    import psutil
+
+    try:
+        proc.send_signal(sig)
+    except psutil.NoSuchProcess:
+        return False
+    return True
+
+
 def interrupt(pid: int) -> None:
     """SIGINT to `pid` here (a KeyboardInterrupt in whatever it runs); gone already is fine."""
-    try:
-        os.kill(pid, signal.SIGINT)
-    except ProcessLookupError:
-        pass
+    signal_process(pid, signal.SIGINT)
+
+
+def stop(proc: subprocess.Popen[Any], grace: float = 5.0, kill_wait: float = 5.0) -> int | None:
+    """End a child process this process started: SIGTERM, up to `grace` seconds to exit, then
+    SIGKILL and up to `kill_wait` seconds to be reaped (`grace=0`: SIGKILL at once). Its exit code,
+    or None if it could not be reaped even then."""
+    if proc.poll() is None and grace > 0:
+        signal_process(proc, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        signal_process(proc, signal.SIGKILL)
+        try:
+            proc.wait(kill_wait)
+        except subprocess.TimeoutExpired:
+            pass
+    return proc.returncode
+
+
+def signal_engine(client: Any, sig: int, engine_id: int) -> None:
+    """Ask ipyparallel to send `sig` to engine `engine_id` (an ipyparallel `Client`): its nanny on the
+    engine's host delivers it, for an engine whose pid is on another machine. Not blocking; the
+    client's errors (a controller that is gone) propagate."""
+    client.send_signal(sig, targets=[engine_id], block=False)
 
 
 def kill_with_children(pids: Sequence[int]) -> list[int]:

@@ -23,6 +23,7 @@ import inspect
 import json
 import logging
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain import net
+from nbtrain import net, procs
 from nbtrain.cluster.launch import LaunchOptions, preflight
 from nbtrain.cluster.launch import ray as ray_launch
 from nbtrain.cluster.launch.base import ssh_run
@@ -276,7 +277,7 @@ def check_slurm(timeout: float = 120.0, **settings: Any) -> list[dict[str, Any]]
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         # srun gives its allocation back when it ends
-        proc.terminate()
+        procs.signal_process(proc, signal.SIGTERM)
         proc.communicate(timeout=30)
         msg = (
             f"`{shlex.join(cmd[:-3])}` got no nodes or no answer within {timeout:g} s (the "

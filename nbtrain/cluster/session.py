@@ -309,7 +309,7 @@ class Session:
             if info.host == local and self.ipp_cluster is not None:
                 procs.interrupt(info.pid)
                 continue
-            self.client.send_signal(signal.SIGINT, targets=[info.engine_id], block=False)
+            procs.signal_engine(self.client, signal.SIGINT, info.engine_id)
 
     def restart_ranks(self, ranks: Sequence[int], timeout: float | None = None) -> None:
         """Replace the engines of `ranks` with fresh ones (the launcher's way), and re-create the group."""

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
+
+from nbtrain import procs
 
 log = logging.getLogger(__name__)
 
@@ -69,22 +69,14 @@ class EngineHost:
         return None if self.proc is None else self.proc.poll()
 
     def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
+        if self.proc is not None:
+            procs.signal_process(self.proc, sig)
 
     def stop(self, grace: float = 5.0) -> int | None:
         """SIGTERM the engine, SIGKILL it after `grace` seconds; its exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
+        return procs.stop(self.proc, grace=grace, kill_wait=5)
 
     def tail(self, lines: int = 20) -> str:
         """The end of the engine's log (for a start that failed)."""

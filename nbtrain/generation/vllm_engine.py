@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from nbtrain import procs
 from nbtrain.generation import decode
 from nbtrain.generation.engine_base import (
     Completion,
@@ -227,10 +228,8 @@ class VLLMEngine(Engine):
         return value
 
     def _kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(10)
+        if self.proc is not None:
+            procs.stop(self.proc, grace=0, kill_wait=10)
 
     def close(self) -> None:
         if self.closed:

@@ -331,7 +331,7 @@ def end_engines(cluster: Session, ranks: Sequence[int]) -> None:
         else:
             try:
                 # the nanny on that host delivers it
-                cluster.client.send_signal(signal.SIGKILL, targets=[info.engine_id], block=False)
+                procs.signal_engine(cluster.client, signal.SIGKILL, info.engine_id)
             except Exception:
                 log.debug("SIGKILL to rank %d on %s failed", r, info.host, exc_info=True)
     lost_ranks(cluster).update(ranks)

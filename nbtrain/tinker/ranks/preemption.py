@@ -25,6 +25,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from nbtrain import procs
 from nbtrain.engine.rank import get_rank
 from nbtrain.engine.signals.preempt import SIGNALS, signal_name
 from nbtrain.tinker.ranks import registry, state
@@ -78,7 +79,7 @@ def _on_signal(signum: int, frame: Any) -> None:
             old(signum, frame)
         elif old != signal.SIG_IGN:
             signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            procs.signal_process(os.getpid(), signum)
 
 
 def _checkpoint() -> None:
