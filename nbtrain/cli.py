@@ -193,8 +193,10 @@ def written_elsewhere() -> list[tuple[str, Path]]:
 
 def _summary(out: Path) -> list[str]:
     """Final loss, adapter and metrics of the newest run under `out`, if it trained one."""
+    from nbtrain.runs import METRICS_FILE
+
     lines = []
-    metrics = sorted(out.rglob("metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+    metrics = sorted(out.rglob(METRICS_FILE), key=lambda p: p.stat().st_mtime)
     if metrics:
         rows = [json.loads(ln) for ln in metrics[-1].read_text().splitlines() if ln.strip()]
         losses = [r["loss"] for r in rows if r.get("loss") is not None]

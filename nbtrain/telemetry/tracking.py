@@ -298,15 +298,15 @@ class _MLflow:
         """Nothing per step: the whole samples.jsonl is sent when the run ends."""
 
     def finish(self, state: str) -> None:
-        from nbtrain.runs import SAMPLES_FILE
+        from nbtrain.runs import ADAPTER_DIR, SAMPLES_FILE
 
         self._send(final=True)
-        adapter = self.out / "adapter"
+        adapter = self.out / ADAPTER_DIR
         try:
             if (self.out / SAMPLES_FILE).is_file():
                 self.client.log_artifact(self.run_id, str(self.out / SAMPLES_FILE))
             if state != "failed" and adapter.is_dir():
-                self.client.log_artifacts(self.run_id, str(adapter), artifact_path="adapter")
+                self.client.log_artifacts(self.run_id, str(adapter), artifact_path=ADAPTER_DIR)
             self.client.set_terminated(self.run_id, _STATUS.get(state, "FAILED"))
         except Exception as e:  # said by _warn: the run itself has ended
             _warn(f"MLflow: ending run {self.run_id} at {self.uri} failed ({e})")
