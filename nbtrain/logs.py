@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 from nbtrain.errors import ConfigError
 
@@ -45,7 +46,7 @@ class _Stderr(logging.StreamHandler):
         self.setFormatter(logging.Formatter(FORMAT))
 
     @property  # type: ignore[override]
-    def stream(self):  # noqa: ANN201 - logging's own attribute, typed there
+    def stream(self) -> Any:
         return sys.stderr
 
     @stream.setter
