@@ -204,10 +204,12 @@ class TinkerService:
         self._thread.join(timeout=10)
         if _current is self:
             _current = None
-        for name, value in list(_ENV_SET.items()):
-            if os.environ.get(name) == value:
-                del os.environ[name]
-            del _ENV_SET[name]
+            # only the exported service unexports: a TinkerService made directly and stopped
+            # leaves the running service's TINKER_BASE_URL / TINKER_API_KEY alone
+            for name, value in list(_ENV_SET.items()):
+                if os.environ.get(name) == value:
+                    del os.environ[name]
+                del _ENV_SET[name]
 
 
 def _export(service: TinkerService) -> None:

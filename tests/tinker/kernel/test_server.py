@@ -101,7 +101,10 @@ def _http(svc, path, body=None, key=None, ctype="application/json"):
         return e.code, json.loads(e.read() or b"null")
 
 
-def test_forward_backward_sums_the_loss_and_optim_step_is_a_run(svc, tc):
+def test_forward_backward_sums_the_loss_and_optim_step_is_a_run(svc, sc, base):
+    # a model of its own: its first optim_step is step 1 of its run whatever ran before (the
+    # module's `tc` has taken as many steps as the tests before this one)
+    tc = sc.create_lora_training_client(base_model=base, rank=RANK, seed=1).result()
     data = [_datum(7, 1), _datum(11, 2)]
     fb = tc.forward_backward(data, "cross_entropy").result()
     lps = [o["logprobs"].to_numpy() for o in fb.loss_fn_outputs]
@@ -266,13 +269,15 @@ def test_a_checkpoint_is_deleted_through_the_rest_client(svc, sc, tc):
         sc.create_rest_client().delete_checkpoint_from_tinker_path(path).result()
 
 
-def test_a_key_is_checked_when_bound_beyond_the_loopback(base):
+def test_a_key_is_checked_when_bound_beyond_the_loopback(svc, base):
     from nbtrain.tinker.kernel import InProcessBackend, TinkerService
 
+    # the module's service (svc) is running and exported its url and key, as serve_tinker does
+    exported = {k: os.environ.get(k) for k in ("TINKER_BASE_URL", "TINKER_API_KEY")}
     key = "tml-test-0123456789"
-    svc = TinkerService(InProcessBackend(), host="0.0.0.0", port=0, api_key=key, root=None)
+    other = TinkerService(InProcessBackend(), host="0.0.0.0", port=0, api_key=key, root=None)
     try:
-        local = type("S", (), {"url": f"http://127.0.0.1:{svc.port}", "api_key": key})()
+        local = type("S", (), {"url": f"http://127.0.0.1:{other.port}", "api_key": key})()
         assert _http(local, "/api/v1/healthz")[0] == 200
         assert _http(local, "/api/v1/healthz", key="tml-wrong-0123456789")[0] == 401
         assert (
@@ -280,7 +285,10 @@ def test_a_key_is_checked_when_bound_beyond_the_loopback(base):
             == 401
         )
     finally:
-        svc.stop()
+        other.stop()
+    # stopping a service that was never exported leaves the running one's variables (a client made
+    # after this test still finds the module's service: test_a_checkpoint_is_deleted_...)
+    assert {k: os.environ.get(k) for k in exported} == exported
 
 
 def _usr1_handler():
