@@ -193,7 +193,7 @@ def written_elsewhere() -> list[tuple[str, Path]]:
 
 def _summary(out: Path) -> list[str]:
     """Final loss, adapter and metrics of the newest run under `out`, if it trained one."""
-    from nbtrain.runs import METRICS_FILE
+    from nbtrain.runs import ADAPTER_CONFIG_FILE, METRICS_FILE
 
     lines = []
     metrics = sorted(out.rglob(METRICS_FILE), key=lambda p: p.stat().st_mtime)
@@ -206,7 +206,7 @@ def _summary(out: Path) -> list[str]:
                 f"{len(rows)} rows, last step {rows[-1].get('step')})"
             )
         lines.append(f"  metrics       {metrics[-1]}")
-    adapters = sorted(out.rglob("adapter_config.json"), key=lambda p: p.stat().st_mtime)
+    adapters = sorted(out.rglob(ADAPTER_CONFIG_FILE), key=lambda p: p.stat().st_mtime)
     adapters = [p for p in adapters if "checkpoint" not in p.parent.parent.name]
     if adapters:
         lines.append(f"  adapter       {adapters[-1].parent}")

@@ -61,6 +61,10 @@ MLFLOW_RUN_FILE = "mlflow_run.json"
 #: `generate` and by run comparison
 ADAPTER_DIR = "adapter"
 MERGED_DIR = "merged"
+#: PEFT's names for an adapter folder's two files (its settings, its LoRA tensors), which nbtrain
+#: writes and reads in checkpoints, exports, the Tinker service's saves and the vLLM process
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 #: a scaling report's files (`nbtrain.cluster.scaling.report`); the Jupyter server reads the last two
 SCALING_MD, SCALING_JSON, SCALING_PNG = "scaling.md", "scaling.json", "scaling.png"
 

@@ -27,7 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.errors import NotARunError
-from nbtrain.runs import ADAPTER_DIR, CONFIG_FILE, METRICS_FILE, SAMPLES_FILE
+from nbtrain.runs import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_DIR,
+    CONFIG_FILE,
+    METRICS_FILE,
+    SAMPLES_FILE,
+)
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +285,7 @@ def load_run(path: str | os.PathLike[str]) -> RunData:
         config=config,
         rows=rows,
         final=final_values(rows),
-        adapter=str(adapter) if (adapter / "adapter_config.json").is_file() else None,
+        adapter=str(adapter) if (adapter / ADAPTER_CONFIG_FILE).is_file() else None,
         run_id=(record or {}).get("id"),
         state=(record or {}).get("state"),
         metrics=list(names),

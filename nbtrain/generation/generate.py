@@ -27,7 +27,7 @@ from nbtrain.engine.dist import Dist
 from nbtrain.engine.signals import interrupts
 from nbtrain.errors import ConfigError
 from nbtrain.generation import decode, engines
-from nbtrain.runs import ADAPTER_DIR, MERGED_DIR
+from nbtrain.runs import ADAPTER_CONFIG_FILE, ADAPTER_DIR, ADAPTER_WEIGHTS_FILE, MERGED_DIR
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,9 @@ def _run_adapter(path: str) -> str:
     from nbtrain.runs import CONFIG_FILE, METRICS_FILE
 
     p = Path(path).expanduser()
-    if not p.is_dir() or any((p / f).is_file() for f in ("adapter_config.json", "config.json")):
+    if not p.is_dir() or any((p / f).is_file() for f in (ADAPTER_CONFIG_FILE, "config.json")):
         return path
-    if (p / ADAPTER_DIR / "adapter_config.json").is_file():
+    if (p / ADAPTER_DIR / ADAPTER_CONFIG_FILE).is_file():
         return os.path.join(path, ADAPTER_DIR)
     saved = list_checkpoints(p)
     if not (saved or (p / CONFIG_FILE).is_file() or (p / METRICS_FILE).is_file()):
@@ -190,7 +190,7 @@ def _classify(m: _Model) -> None:
     if m.kind != "adapter" or m.path is None:
         return
     p = Path(m.path).expanduser()
-    if (p / "adapter_config.json").is_file():
+    if (p / ADAPTER_CONFIG_FILE).is_file():
         return
     if (p / "config.json").is_file():
         m.kind = "model"
@@ -208,7 +208,7 @@ def _base_of(models: list[_Model]) -> str | None:
 
     for m in models:
         if m.kind == "adapter" and m.path:
-            cfg = json.loads((Path(m.path).expanduser() / "adapter_config.json").read_text())
+            cfg = json.loads((Path(m.path).expanduser() / ADAPTER_CONFIG_FILE).read_text())
             base = cfg.get("base_model_name_or_path")
             if base:
                 return str(base)
@@ -284,7 +284,7 @@ class _Loader:
 
         lora = None
         if adapter is not None:
-            lora = json.loads((Path(adapter) / "adapter_config.json").read_text())
+            lora = json.loads((Path(adapter) / ADAPTER_CONFIG_FILE).read_text())
             odd = [k for k in ("use_dora", "use_rslora") if lora.get(k)]
             if odd or lora.get("modules_to_save") or lora.get("peft_type", "LORA") != "LORA":
                 what = ", ".join(odd) or "modules_to_save or a non-LoRA type"
@@ -359,7 +359,7 @@ def _fill_lora(model: Any, adapter: str) -> None:
 
     from nbtrain.model.shard import fill_adapter
 
-    path = Path(adapter) / "adapter_model.safetensors"
+    path = Path(adapter) / ADAPTER_WEIGHTS_FILE
     if not path.is_file():
         msg = f"adapter {adapter!r} has no adapter_model.safetensors; save it with peft's save_pretrained (safetensors)"
         raise ConfigError(msg)

@@ -40,6 +40,7 @@ from nbtrain.generation.engine_base import (
     check_vllm,
 )
 from nbtrain.generation.utf8 import decode_completion
+from nbtrain.runs import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -362,8 +363,8 @@ def lora_tensors(adapter: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         from safetensors.torch import load_file
 
         folder = Path(adapter)
-        config = json.loads((folder / "adapter_config.json").read_text())
-        return load_file(str(folder / "adapter_model.safetensors")), config
+        config = json.loads((folder / ADAPTER_CONFIG_FILE).read_text())
+        return load_file(str(folder / ADAPTER_WEIGHTS_FILE)), config
     from peft import get_peft_model_state_dict
 
     name = adapter.active_adapter
@@ -459,7 +460,7 @@ def columns(
     import json
 
     ranks = [
-        json.loads((Path(str(m.path)) / "adapter_config.json").read_text()).get("r", 8)
+        json.loads((Path(str(m.path)) / ADAPTER_CONFIG_FILE).read_text()).get("r", 8)
         for m in models
         if m.kind == "adapter"
     ]

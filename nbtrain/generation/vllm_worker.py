@@ -149,11 +149,13 @@ class Worker:
             return f"{MEMORY}{lora_id}"
         import json
 
+        from nbtrain.runs import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
         folder = os.path.join(_ram_folder(), str(lora_id))
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "adapter_model.safetensors"), "wb") as f:
+        with open(os.path.join(folder, ADAPTER_WEIGHTS_FILE), "wb") as f:
             f.write(blob)
-        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        with open(os.path.join(folder, ADAPTER_CONFIG_FILE), "w") as f:
             json.dump(config, f)
         return folder
 

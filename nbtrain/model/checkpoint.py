@@ -22,6 +22,7 @@ from nbtrain.errors import ConfigError
 # reads); the names of a run folder's files are nbtrain.runs'
 from nbtrain.runs import (
     ADAPTER_DIR,
+    ADAPTER_WEIGHTS_FILE,
     CONFIG_FILE,
     MERGED_DIR,
     METRICS_FILE,
@@ -156,7 +157,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         rng.append(torch.load(f, weights_only=False, map_location="cpu"))
     config_file = p / CONFIG_FILE
     return {
-        "adapter": load_file(str(p / "adapter_model.safetensors"), device="cpu"),
+        "adapter": load_file(str(p / ADAPTER_WEIGHTS_FILE), device="cpu"),
         # None in a sharded run's checkpoint: its optimizer state is in sharded/ (nbtrain.model.shard)
         "optimizer": torch.load(p / "optimizer.pt", weights_only=False, map_location="cpu")
         if (p / "optimizer.pt").is_file()

@@ -20,11 +20,12 @@ from typing import Any
 
 from nbtrain import atomic
 from nbtrain.errors import ConfigError
+from nbtrain.runs import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from nbtrain.tinker.ranks import registry
 
 log = logging.getLogger(__name__)
 
-ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_FILE = ADAPTER_WEIGHTS_FILE
 OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "service.json"
 
@@ -135,7 +136,7 @@ def read_adapter(folder: Path) -> tuple[Any, dict[str, Any], str]:
     from peft import PeftConfig
     from safetensors.torch import load_file
 
-    if not (folder / "adapter_config.json").is_file():
+    if not (folder / ADAPTER_CONFIG_FILE).is_file():
         msg = f"{folder} is not an adapter folder (no adapter_config.json); pass a folder saved for sampling or training"
         raise registry.UnknownModelError(msg)
     config = PeftConfig.from_pretrained(str(folder))
