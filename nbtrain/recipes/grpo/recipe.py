@@ -320,7 +320,7 @@ class GRPORecipe(Recipe):
         part, report, reward = None, None, False
         try:
             part = self._part(prompts, data_step, grpo_rollout.share(n, d.rank, d.world))
-        except Exception as e:
+        except Exception as e:  # told to the other ranks in the gather below, then raised
             reward = isinstance(e, RewardFunctionError)
             report = str(e) if reward else f"{type(e).__name__}: {e}"
             err = e
