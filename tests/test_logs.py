@@ -141,13 +141,6 @@ PACKAGE = ROOT / "nbtrain"
 LOGGER_NAMED_LOGGER = {"nbtrain/engine/metrics.py"}
 # the package's namespace: `nbtrain.log` is the metrics call, resolved lazily; nothing here logs
 NO_LOGGER = {"nbtrain/__init__.py"}
-# helper "recipes" is restructuring these files now and applies both rules there; the lead empties
-# this set when that lands (each entry: a module, not a line, as the lines move)
-PENDING_RECIPES = {
-    "nbtrain/recipes/grpo/link.py",
-    "nbtrain/recipes/grpo/rollout.py",
-    "nbtrain/recipes/grpo/recipe.py",
-}
 LOG_METHODS = {"debug", "info", "warning", "error", "exception", "critical"}
 
 
@@ -235,12 +228,12 @@ def silent_excepts(modules: list[tuple[str, ast.Module, str]]) -> list[str]:
 
 
 def test_every_module_with_code_has_its_own_logger():
-    missing = [m for m in missing_loggers(_modules()) if m not in PENDING_RECIPES]
+    missing = [m for m in missing_loggers(_modules())]
     assert not missing, "add `log = logging.getLogger(__name__)` to:\n" + "\n".join(missing)
 
 
 def test_no_broad_except_is_silent():
-    found = [f for f in silent_excepts(_modules()) if f.split(":")[0] not in PENDING_RECIPES]
+    found = [f for f in silent_excepts(_modules())]
     assert not found, (
         "each of these broad excepts must re-raise, log the reason (log.debug/warning(..., "
         "exc_info=True)) or say in a comment why silence is right:\n" + "\n".join(found)

@@ -8,9 +8,12 @@ The groups are the named groups `%nbtrain groups` made (`nbtrain.engine.groups.G
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def resolve(actor: str, rollout: str) -> tuple[list[int], list[int], Any, Any]:

@@ -19,6 +19,7 @@ A reward function that raises is named with the data row it failed on and the ra
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from nbtrain.data.prompts import Entry
 from nbtrain.errors import ConfigError
 from nbtrain.generation import decode
 from nbtrain.losses.grpo import advantages, nanstd
+
+log = logging.getLogger(__name__)
 
 _ACCEPTED = "a 'prompt' (a string or a list of {'role', 'content'} messages) and any other columns"
 
