@@ -18,7 +18,9 @@ from nbtrain.errors import ClusterError, DistributedCellError, NbtrainError
 log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_CELL_FILE = re.compile(r"ipykernel_\d+/\d+\.py|<ipython-input-\d+-[0-9a-f]+>")
+# a cell's name in a traceback differs by rank with each rank's execution count ("Cell In[18]" on a
+# rank that ran more cells alone, --ranks): the same failure all the same
+_CELL_FILE = re.compile(r"ipykernel_\d+/\d+\.py|<ipython-input-\d+-[0-9a-f]+>|Cell In\[\d+\]")
 
 
 def _normalise(text: str) -> str:
