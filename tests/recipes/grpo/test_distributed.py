@@ -274,11 +274,16 @@ r = nbtrain.finetune(nbtrain.GRPOConfig(**kw))
 
 
 def test_a_dead_rollout_rank_is_a_dead_rank(cluster, tiny, tmp_path):
-    """The last test of the module: it leaves the cluster with a dead rank."""
+    """A rollout rank that dies mid-run is named as dead; the module's cluster is then restarted
+    (the dead rank replaced, the module's names set again) for the tests after this one."""
     cluster.push({"grpo_kw": _kw(tiny, tmp_path / "dead", actor="actor", rollout="rollout")})
     cluster.groups(actor="0", rollout="1")
-    with pytest.raises(nbtrain.DistributedCellError) as err:
-        cluster.execute(DIES, output="none", live=False)
+    try:
+        with pytest.raises(nbtrain.DistributedCellError) as err:
+            cluster.execute(DIES, output="none", live=False)
+    finally:
+        cluster.restart()
+        cluster.execute(SETUP, output="none")
     text = str(err.value)
     print(text[:400])
     # what the cluster says of any rank that dies in a cell: which one, how, and the actor not left
