@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -189,12 +190,16 @@ def test_math_rl_importance_sampling_reports_rewards(rl_run):
     assert final["state_path"].startswith("tinker://"), final
 
 
-def test_math_rl_resumes_from_its_checkpoint(service, model, rl_run):
-    before = final_trained(rl_run)
+def test_math_rl_resumes_from_its_checkpoint(service, model, rl_run, tmp_path):
+    # a copy of the first run's log folder: the resumed run appends to it, and
+    # test_math_rl_importance_sampling_reports_rewards reads the first run's whichever runs first
+    log = tmp_path / "log"
+    shutil.copytree(rl_run, log)
+    before = final_trained(log)
     proc = recipe(
         service,
         "math_rl",
-        rl_run,
+        log,
         f"model_name={model}",
         *RL_ARGS,
         "max_steps=4",
@@ -202,10 +207,10 @@ def test_math_rl_resumes_from_its_checkpoint(service, model, rl_run):
     )
     said = proc.stdout + proc.stderr
     assert "Resumed training from tinker://" in said, said[-3000:]
-    rewarded = [r for r in rows(rl_run / "metrics.jsonl") if REWARD in r]
+    rewarded = [r for r in rows(log / "metrics.jsonl") if REWARD in r]
     # the first run's steps kept, the resumed run's appended from its checkpoint's batch
     assert [r["step"] for r in rewarded] == [0, 1, 2, 3], rewarded
-    final = rows(rl_run / "checkpoints.jsonl")[-1]
+    final = rows(log / "checkpoints.jsonl")[-1]
     assert final["name"] == "final" and final["batch"] == 4, final
     # the token totals went on from the checkpoint's: two more steps trained on top
-    assert final_trained(rl_run) > before
+    assert final_trained(log) > before
