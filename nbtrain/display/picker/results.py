@@ -13,6 +13,9 @@ from typing import Any
 from nbtrain.errors import NbtrainError
 
 log = logging.getLogger(__name__)
+#: where a start's progress lines arrive: every module logs under "nbtrain" (its own name below it),
+#: so the handler listens on the package's logger, not on this module's
+progress_log = logging.getLogger("nbtrain")
 
 
 def error_text(e: BaseException) -> str:
@@ -79,16 +82,16 @@ class Progress(logging.Handler):
     @contextlib.contextmanager
     def from_this_thread(self) -> Iterator[None]:
         self._thread = threading.get_ident()
-        old = log.level
+        old = progress_log.level
         # INFO must reach the handler; the level goes back afterwards
-        if log.getEffectiveLevel() > logging.INFO:
-            log.setLevel(logging.INFO)
-        log.addHandler(self)
+        if progress_log.getEffectiveLevel() > logging.INFO:
+            progress_log.setLevel(logging.INFO)
+        progress_log.addHandler(self)
         try:
             yield
         finally:
-            log.removeHandler(self)
-            log.setLevel(old)
+            progress_log.removeHandler(self)
+            progress_log.setLevel(old)
 
 
 # -- the widgets -----------------------------------------------------------------------------------
