@@ -16,6 +16,18 @@ import pytest
 SESSION_MARK = "NBTRAIN_TEST_SESSION"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A suite started in the background by a shell without job control (`cmd &` in a script)
+    inherits SIGINT ignored, and so does every process it starts: then no interrupt test can
+    interrupt anything (Python installs its KeyboardInterrupt handler only where SIGINT is not
+    ignored). Python's handler is put back here, and the processes the tests start (exec resets a
+    handled signal to its default) get their own again."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `gpu` skip themselves where torch sees no CUDA GPU, and say so."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
