@@ -110,6 +110,8 @@ def check_group_usable(ip, cluster) -> None:
     """nbtrain's group is still the one the next cell uses, and it reduces across both ranks."""
     run_cell(
         ip,
+        # imports its own names: a rank replaced after an interrupt starts with a fresh namespace
+        "import torch, torch.distributed as dist\n"
         "t = torch.tensor([float(rank + 1)])\n"
         "dist.all_reduce(t)\n"
         "after = (dist.is_initialized(), t.item(), dist.group.WORLD is group)\n",
@@ -293,6 +295,7 @@ def test_interrupted_lightning_fit_leaves_a_usable_group(ip, cluster, tmp_path):
         "        import time; time.sleep(0.05)\n",
     ).replace("max_epochs=2", "max_epochs=10_000")
     failed: dict[str, BaseException] = {}
+    reinits = cluster.reinits
 
     def fit() -> None:
         try:
@@ -310,7 +313,12 @@ def test_interrupted_lightning_fit_leaves_a_usable_group(ip, cluster, tmp_path):
     runner.join(60)
     assert not runner.is_alive()
     # Lightning catches the KeyboardInterrupt, shuts down and calls sys.exit(1)
-    assert isinstance(failed.get("error"), DistributedCellError)
+    error = failed.get("error")
+    assert isinstance(error, DistributedCellError)
+    # Where the interrupt lands is a race: a rank caught inside DDP's all-reduce while its peer has
+    # already left waits there, and nbtrain replaces it. Then the error must say so.
+    if cluster.reinits > reinits:
+        assert "replaced" in str(error) or "re-created" in str(error), str(error)
     cluster.repair_group()  # what nbtrain does after an interrupted %%distributed cell
     check_group_usable(ip, cluster)
     # ipykernel restores its SIGINT handler for every request, undoing Lightning's SIG_IGN
