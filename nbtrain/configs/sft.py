@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nbtrain.configs.field_types import type_problems
+from nbtrain.configs.lora import lora_problems
 from nbtrain.data.prompts import sampling_problems
 from nbtrain.errors import ConfigError
 from nbtrain.telemetry import tracking
@@ -123,6 +124,12 @@ class SFTConfig:
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
     target_modules: str | list[str] = field(
         default="all-linear", metadata={"help": "Module names to adapt, or 'all-linear'."}
+    )
+    lora_moe: str | list[str] = field(
+        default_factory=lambda: ["experts", "shared_experts"],
+        metadata={
+            "help": "MoE: what 'all-linear' adapts beyond attention, of experts, shared_experts, router."
+        },
     )
     logging_steps: int = field(
         default=10, metadata={"help": "Log metrics every this many steps (and at the last step)."}
@@ -369,14 +376,6 @@ class SFTConfig:
             f"learning_rate={self.learning_rate!r} must be > 0, e.g. 2e-4 for LoRA",
         )
         need(
-            isinstance(self.lora_alpha, int | float) and self.lora_alpha > 0,
-            f"lora_alpha={self.lora_alpha!r} must be > 0",
-        )
-        need(
-            isinstance(self.lora_dropout, int | float) and 0 <= self.lora_dropout < 1,
-            f"lora_dropout={self.lora_dropout!r} must be in [0, 1)",
-        )
-        need(
             isinstance(self.max_grad_norm, int | float) and self.max_grad_norm >= 0,
             f"max_grad_norm={self.max_grad_norm!r} must be >= 0 (0 disables clipping)",
         )
@@ -399,14 +398,7 @@ class SFTConfig:
             self.truncation_side in ("right", "left"),
             f"truncation_side={self.truncation_side!r} must be 'right' or 'left'",
         )
-        tm = self.target_modules
-        need(
-            (isinstance(tm, str) and bool(tm))
-            or (isinstance(tm, list | tuple) and bool(tm) and all(isinstance(m, str) for m in tm)),
-            f"target_modules={tm!r} must be 'all-linear' or a non-empty list of module names such as ['q_proj', 'v_proj']",
-        )
-        if isinstance(tm, tuple):
-            self.target_modules = list(tm)
+        problems += lora_problems(self)
         if self.resume is not None:
             if isinstance(self.resume, os.PathLike):
                 self.resume = os.fspath(self.resume)

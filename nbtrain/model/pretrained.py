@@ -230,22 +230,44 @@ def check_target_modules(model: Any, target_modules: str | list[str]) -> None:
 
 
 def apply_lora(model: Any, cfg: Any) -> Any:
-    """Wrap `model` in a peft LoRA model per `cfg` (rank, alpha, dropout, target modules)."""
+    """Wrap `model` in a peft LoRA model per `cfg` (rank, alpha, dropout, target modules, and on an
+    MoE model `lora_moe`: see `nbtrain.model.targets`)."""
     from peft import LoraConfig, get_peft_model
 
+    from nbtrain.model import targets
+
     check_target_modules(model, cfg.target_modules)
+    t = targets.plan(model, cfg.target_modules, getattr(cfg, "lora_moe", targets.DEFAULT_MOE))
+    dropout = float(cfg.lora_dropout)
+    # peft's parameter LoRA (the fused experts) takes no dropout: build without, add it where peft can
+    late = dropout if t.parameters and dropout else 0.0
     lora = LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=cfg.target_modules,
+        lora_dropout=0.0 if late else dropout,
+        target_modules=t.modules,
+        target_parameters=t.parameters or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
     try:
         with quiet_hf():
-            return get_peft_model(model, lora)
+            wrapped = get_peft_model(model, lora)
     except ValueError as e:  # e.g. a target that is not a layer type LoRA supports
-        linear = ", ".join(linear_module_names(model))
-        msg = f"LoRA could not wrap target_modules={cfg.target_modules!r}: {e}. The model's linear modules are: {linear}"
+        msg = (
+            f"LoRA could not wrap target_modules={cfg.target_modules!r}: {e}. The model's "
+            f"{targets.module_names(model)}"
+        )
         raise ConfigError(msg) from None
+    if late:
+        n = targets.add_dropout(wrapped, late)
+        log.info(
+            "lora_dropout=%g on the %d linear LoRA layers; peft's LoRA on the %d expert parameters "
+            "takes no dropout (the saved adapter_config.json says 0)",
+            late,
+            n,
+            len(t.parameters),
+        )
+    if t.moe:
+        log.info("LoRA on an MoE model:\n%s", t.describe())
+    return wrapped

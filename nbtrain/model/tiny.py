@@ -94,30 +94,30 @@ def make_tiny_model(
 ) -> str:
     """Build a tiny causal LM (random weights) and its tokenizer, save both to `path`, return the path.
 
-    `arch` is "llama" or "qwen2". The defaults give about 110K parameters and build in about a second;
-    LoRA fine-tuning on the shipped instructions with learning_rate ~1e-2 takes the loss from ~6 to ~4
-    in 100 steps.
+    `arch` is a family of `nbtrain.model.families` ("llama", "qwen2", "qwen3_moe", "gpt_oss",
+    "qwen3_5"...). The defaults give about 110K parameters (llama) and build in about a second; LoRA
+    fine-tuning on the shipped instructions with learning_rate ~1e-2 takes the loss from ~6 to ~4 in
+    100 steps.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
+    from nbtrain.model.families import family
+
+    fam = family(arch)
     tokenizer = make_tiny_tokenizer(vocab_size, corpus)
-    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config}
-    if arch not in configs:
-        msg = f"unknown tiny model arch {arch!r}; use one of {', '.join(configs)}"
-        raise ValueError(msg)
-    config = configs[arch](
+    config = fam.build_config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
+        num_layers=num_layers,
+        heads=num_heads,
         intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=max(1, num_heads // 2),
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        max_positions=max_position_embeddings,
+        special={
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+        },
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -1,0 +1,259 @@
+"""Where LoRA goes on a model: what `target_modules='all-linear'` means on dense, MoE and hybrid models.
+
+On a dense model 'all-linear' is every linear layer but the output head, as in peft. On an MoE model
+nbtrain reads the model's own blocks (a module with an `experts` child) and chooses by the
+`lora_moe` setting, which names any of:
+
+- "experts": the routed experts. transformers 5 stores them fused, as 3-d parameters
+  (`experts.gate_up_proj`, `experts.down_proj`), which peft adapts through `target_parameters`; older
+  layouts (a list of expert MLPs) are plain linear layers;
+- "shared_experts": the always-on experts beside them (DeepSeek-V3, Llama 4, Qwen3-Next);
+- "router": the gate that picks experts for each token, and Qwen's shared-expert gate.
+
+The default adapts the experts and the shared experts and leaves the router alone. That is what
+Unsloth and torchtune do for their MoE LoRA recipes, and peft's own GPT-OSS example (attention and
+expert parameters, no router): a LoRA on a router with a rank-1/size-E output moves which experts are
+chosen, which the load balancing was trained against. peft's own 'all-linear' does put LoRA on the
+router (`mlp.gate`) and, for GPT-OSS, on no expert at all; nbtrain passes peft an explicit plan so that
+neither happens.
+
+peft's parameter LoRA (`lora.ParamWrapper`) takes no dropout. With `lora_dropout > 0` on a model whose
+experts are parameters, nbtrain builds the adapter without dropout and then puts it on the linear
+layers' LoRA inputs only, and says so; the saved adapter_config.json says `lora_dropout: 0`, as a
+plain peft load of that adapter needs.
+
+In [1]: t = plan(model)                 # Targets: the modules, the expert parameters, what was left out
+In [2]: t.describe()                    # one line per kind, with parameter counts
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbtrain.configs.lora import MOE_PARTS
+from nbtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: what `lora_moe` adapts unless told otherwise: experts and shared experts, never the router
+DEFAULT_MOE = ("experts", "shared_experts")
+#: names transformers gives an MoE block's parts
+_ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
+_SHARED_NAMES = ("shared_expert", "shared_experts")
+
+
+@dataclass
+class Targets:
+    """A LoRA plan: `modules` and `parameters` go to peft's LoraConfig as they are."""
+
+    modules: str | list[str]
+    parameters: list[str] = field(default_factory=list)
+    linear: list[str] = field(default_factory=list)  # full names of the linear layers adapted
+    expert_params: list[str] = field(
+        default_factory=list
+    )  # full names of expert parameters adapted
+    left_out: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # MoE part -> full names not adapted
+    moe: bool = False
+
+    def describe(self) -> str:
+        lines = [
+            f"linear layers: {len(self.linear)} ({', '.join(short_names(self.linear)) or 'none'})"
+        ]
+        if self.moe:
+            lines.append(
+                f"expert parameters: {len(self.expert_params)} ({', '.join(short_names(self.expert_params)) or 'none'})"
+            )
+            for part, names in sorted(self.left_out.items()):
+                lines.append(f"not adapted, {part}: {len(names)} ({', '.join(short_names(names))})")
+        return "\n".join(lines)
+
+
+def short_names(names: list[str]) -> list[str]:
+    """The distinct last parts of dotted names, in order of first appearance."""
+    seen: dict[str, None] = {}
+    for n in names:
+        seen.setdefault(n.rsplit(".", 1)[-1], None)
+    return list(seen)
+
+
+def check_moe(moe: Any) -> tuple[str, ...]:
+    """`lora_moe` as a tuple of MOE_PARTS, or a ConfigError naming the choices."""
+    parts = (moe,) if isinstance(moe, str) else tuple(moe or ())
+    bad = [p for p in parts if p not in MOE_PARTS]
+    if bad or not all(isinstance(p, str) for p in parts):
+        msg = f"lora_moe={moe!r}: each entry must be one of {', '.join(MOE_PARTS)} (or () for attention only)"
+        raise ConfigError(msg)
+    return parts
+
+
+def _is_linear(module: Any) -> bool:
+    import torch
+
+    if isinstance(module, torch.nn.Linear):
+        return True
+    try:
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+    except ImportError:
+        return False
+    return isinstance(module, Conv1D)
+
+
+def _moe_parts(model: Any) -> dict[str, str]:
+    """Full module name -> MoE part ("experts", "shared_experts", "router") for every MoE block's
+    children (the block is the module with an `experts` child)."""
+    parts: dict[str, str] = {}
+    for name, module in model.named_modules():
+        children = dict(module.named_children())
+        if "experts" not in children:
+            continue
+        prefix = f"{name}." if name else ""
+        parts[prefix + "experts"] = "experts"
+        for child in children:
+            if child in _ROUTER_NAMES:
+                parts[prefix + child] = "router"
+            elif child in _SHARED_NAMES:
+                parts[prefix + child] = "shared_experts"
+    return parts
+
+
+def _part_of(name: str, parts: dict[str, str]) -> str | None:
+    for owner, part in parts.items():
+        if name == owner or name.startswith(owner + "."):
+            return part
+    return None
+
+
+def plan(
+    model: Any, target_modules: str | list[str] = "all-linear", moe: Any = DEFAULT_MOE
+) -> Targets:
+    """The LoRA plan for `model`: an explicit list of modules (and expert parameters) for
+    'all-linear'; a list or regex given by the user is taken as it is, where the name "experts" in a
+    list means the expert parameters."""
+    moe = check_moe(moe)
+    parts = _moe_parts(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear: list[str] = []
+    left: dict[str, list[str]] = {}
+    experts: list[str] = []
+    explicit = not (isinstance(target_modules, str) and target_modules.lower() == "all-linear")
+    wanted = set(moe)
+    if explicit and isinstance(target_modules, list) and "experts" in target_modules:
+        wanted = {"experts"}
+        target_modules = [t for t in target_modules if t != "experts"]
+    elif explicit:
+        wanted = set()
+    for name, module in model.named_modules():
+        part = _part_of(name, parts)
+        if part == "experts" and name in parts:  # the experts module itself: its 3-d parameters
+            params = [
+                f"{name}.{p}" for p, w in module.named_parameters(recurse=False) if w.ndim == 3
+            ]
+            (experts if "experts" in wanted else left.setdefault("experts", [])).extend(params)
+        if part == "router" and name in parts and not _is_linear(module):
+            w = getattr(module, "weight", None)
+            if w is not None and getattr(w, "ndim", 0) == 2:
+                (experts if "router" in wanted else left.setdefault("router", [])).append(
+                    f"{name}.weight"
+                )
+            continue
+        if not _is_linear(module) or module is head or explicit:
+            continue
+        if part is None or part in wanted:
+            linear.append(name)
+        else:
+            left.setdefault(part, []).append(name)
+    if explicit:
+        return Targets(target_modules, list(experts), [], experts, left, bool(parts))
+    if not linear and not experts:
+        msg = f"'all-linear' found no linear layer in {type(model).__name__} to put LoRA on"
+        raise ConfigError(msg)
+    renamed = peft_renames(model)
+    # peft reads these names, on this family, as transformers 4's expert layers and moves them to the
+    # fused experts: a dense or shared-expert MLP named so would lose its LoRA. Its weight as a
+    # parameter target keeps it, and a plain peft load builds the same adapter.
+    as_params = [n for n in linear if n.rsplit(".", 1)[-1] in renamed]
+    modules = [n for n in linear if n not in as_params]
+    params = experts + [f"{n}.weight" for n in as_params]
+    pattern = _modules_pattern(modules, model) if modules else []
+    return Targets(pattern, params, linear, experts, left, bool(parts))
+
+
+def peft_renames(model: Any) -> set[str]:
+    """Module names that peft (>= 0.18, on transformers 5) turns into expert parameters for this
+    model's family: the v4 names of fused experts and routers (gate, gate_proj, up_proj, down_proj,
+    w1, w2, w3). Empty for families peft leaves alone."""
+    try:
+        from peft.utils import transformers_weight_conversion as conv
+    except ImportError:
+        return set()
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    pattern = getattr(conv, "_MODEL_TO_CONVERSION_PATTERN", {}).get(model_type)
+    return set(getattr(conv, "_MOE_TARGET_MODULE_MAPPING", {}).get(pattern, {}))
+
+
+def _modules_pattern(linear: list[str], model: Any) -> str | list[str]:
+    """Short names where they pick exactly `linear`; otherwise a regex over full names."""
+    chosen = set(linear)
+    names = short_names(linear)
+    others = [
+        n
+        for n, m in model.named_modules()
+        if n and n not in chosen and n.rsplit(".", 1)[-1] in names
+    ]
+    if not others:
+        return sorted(names)
+    return "^(?:" + "|".join(re.escape(n) for n in linear) + ")$"
+
+
+def module_names(model: Any) -> str:
+    """The model's own linear modules and expert parameters, for messages (not peft's wrapper names)."""
+    plain = model
+    for attr in ("base_model", "model"):  # under peft: PeftModel.base_model.model
+        if type(plain).__name__.startswith("Peft") or type(plain).__name__ == "LoraModel":
+            plain = getattr(plain, attr, plain)
+    skip = (
+        "base_layer",
+        "lora_A",
+        "lora_B",
+        "lora_dropout",
+        "lora_embedding_A",
+        "lora_embedding_B",
+    )
+    linear = short_names(
+        [
+            n
+            for n, m in plain.named_modules()
+            if _is_linear(m) and not any(s in n.split(".") for s in skip)
+        ]
+    )
+    params = short_names(
+        [
+            n
+            for n, p in plain.named_parameters()
+            if p.ndim == 3 and not any(s in n.split(".") for s in skip)
+        ]
+    )
+    out = f"linear modules: {', '.join(linear) or 'none'}"
+    if params:
+        out += f"; expert parameters: {', '.join(params)}"
+    return out
+
+
+def add_dropout(peft_model: Any, p: float) -> int:
+    """Dropout `p` on the LoRA input of every linear LoRA layer (not on parameter LoRA, which peft
+    cannot give one). Returns how many layers got it."""
+    import torch
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    n = 0
+    for module in peft_model.modules():
+        if isinstance(module, LoraLayer) and not isinstance(module, ParamWrapper):
+            for adapter in list(module.lora_dropout.keys()):
+                module.lora_dropout[adapter] = torch.nn.Dropout(p=p)
+                n += 1
+    return n

@@ -1,0 +1,214 @@
+"""The model matrix: a tiny model of each family (nbtrain.model.families, built from the family's own
+transformers config class and saved with save_pretrained) through LoRA's plan, SFT, export and
+generation. One module-scoped folder of models; each family's runs are in-process (world size 1).
+
+What 'all-linear' must mean is checked against the model's own modules: every linear layer but the
+output head and the router gets LoRA, and every MoE's experts do, as parameters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nbtrain.model.families import FAMILIES
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning")
+
+MOE = [n for n, f in FAMILIES.items() if f.kind == "moe"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from nbtrain.model.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("families")
+    return {name: make_tiny_model(root / name, arch=name) for name in FAMILIES}
+
+
+def _load(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _cfg(**kw):
+    from types import SimpleNamespace
+
+    base = dict(lora_r=4, lora_alpha=8, lora_dropout=0.05, target_modules="all-linear")
+    base["lora_moe"] = ["experts", "shared_experts"]
+    return SimpleNamespace(**{**base, **kw})
+
+
+def _adapted(peft_model) -> set[str]:
+    """Full names (without peft's prefix) of what holds a LoRA: linear modules, or the module whose
+    parameter peft wraps (nested ParamWrappers under one experts module count once)."""
+    out = set()
+    for name, _ in peft_model.named_parameters():
+        if ".lora_A." in name:
+            holder = name.split(".lora_A.")[0].removeprefix("base_model.model.")
+            while holder.endswith(".base_layer"):
+                holder = holder.removesuffix(".base_layer")
+            out.add(holder)
+    return out
+
+
+def _routers(model) -> set[str]:
+    routers = set()
+    for name, module in model.named_modules():
+        kids = dict(module.named_children())
+        if "experts" in kids:
+            routers |= {
+                f"{name}.{k}" for k in kids if k in ("gate", "router", "shared_expert_gate")
+            }
+    return routers
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_all_linear_adapts_every_linear_layer_and_the_experts_not_the_router(models, family):
+    from nbtrain.model.pretrained import apply_lora
+    from nbtrain.model.targets import plan
+
+    model = _load(models[family])
+    head = model.get_output_embeddings()
+    routers = _routers(model)
+    linear = {
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and m is not head and not any(n == r for r in routers)
+    }
+    experts = {n for n, m in model.named_modules() if n.endswith(".experts")}
+    t = plan(model)
+    assert t.moe == (FAMILIES[family].kind == "moe")
+    wrapped = _adapted(apply_lora(model, _cfg()))  # the default dropout, as a user runs it
+    assert linear <= wrapped, f"linear layers without LoRA: {sorted(linear - wrapped)[:5]}"
+    assert experts <= wrapped, f"experts without LoRA: {sorted(experts - wrapped)}"
+    assert not (routers & wrapped), f"LoRA on the router: {sorted(routers & wrapped)}"
+    assert not any(n.endswith("lm_head") for n in wrapped)
+    if family in MOE:
+        assert experts, "an MoE family with no experts module"
+        assert t.left_out.get("router"), "the router was not seen"
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_lora_moe_chooses_experts_shared_experts_and_router(models, family):
+    from nbtrain.model.pretrained import apply_lora
+
+    model = _load(models[family])
+    routers = _routers(model)
+    shared = {
+        n
+        for n, _ in model.named_modules()
+        if n.split(".")[-1] in ("shared_expert", "shared_experts")
+    }
+    experts = {n for n, _ in model.named_modules() if n.endswith(".experts")}
+    with_router = _adapted(apply_lora(_load(models[family]), _cfg(lora_moe=["experts", "router"])))
+    assert routers <= with_router and experts <= with_router
+    assert not any(w.startswith(tuple(s + "." for s in shared)) for w in with_router)
+    attention_only = _adapted(apply_lora(_load(models[family]), _cfg(lora_moe=[])))
+    assert not (attention_only & (experts | routers))
+    assert not any(w.startswith(tuple(s + "." for s in shared)) for w in attention_only)
+    assert any("attn" in w or "attention" in w for w in attention_only)
+
+
+def test_a_failed_wrap_names_the_models_own_modules(models):
+    from nbtrain.errors import ConfigError
+    from nbtrain.model.pretrained import apply_lora
+
+    model = _load(models["qwen3_moe"])
+    # a target peft cannot wrap: the norm (not a layer type LoRA supports)
+    with pytest.raises(ConfigError) as e:
+        apply_lora(model, _cfg(target_modules=["q_norm"]))
+    text = str(e.value)
+    assert "q_proj" in text and "gate_up_proj" in text
+    assert "base_layer" not in text and "default" not in text
+
+
+def test_a_bad_lora_moe_is_refused_before_anything_loads():
+    import nbtrain
+    from nbtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="lora_moe=.*experts, shared_experts, router"):
+        nbtrain.SFTConfig(model="x", data=[{"prompt": "a", "completion": "b"}], lora_moe=["expert"])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_sft_trains_and_its_adapter_loads_in_plain_peft_and_merges_equal(models, family, tmp_path):
+    """SFT on the shipped instructions: the loss falls; the exported adapter, loaded with plain peft
+    onto the base, gives the logits of the merged export; and it is not the base."""
+    from peft import PeftModel
+
+    import nbtrain
+    from nbtrain.data.examples import instructions_path
+
+    cfg = nbtrain.SFTConfig(
+        model=models[family],
+        data=instructions_path(),
+        output_dir=str(tmp_path / "run"),
+        max_steps=8,
+        per_device_train_batch_size=4,
+        learning_rate=2e-2,
+        max_length=64,
+        logging_steps=1,
+        save_steps=None,
+        seed=0,
+    )
+    result = nbtrain.finetune(cfg, merge=True)
+    losses = list(result.history["loss"].dropna())
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+    adapter_cfg = json.loads((Path(result.adapter_dir) / "adapter_config.json").read_text())
+    if family in MOE:
+        assert any("experts" in p for p in adapter_cfg["target_parameters"]), adapter_cfg
+        assert adapter_cfg["lora_dropout"] == 0  # what a plain peft load of parameter LoRA needs
+    ids = torch.tensor([[3, 17, 42, 8, 99, 5, 23, 61, 7, 11]])
+    base = _load(models[family]).eval()
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, result.adapter_dir).eval()(input_ids=ids).logits
+        merged = _load(result.merged_dir).eval()(input_ids=ids).logits
+    torch.testing.assert_close(adapted, merged, atol=2e-5, rtol=1e-4)
+    assert (adapted - plain).abs().max() > 1e-3, "the adapter changed nothing"
+
+
+# different lengths in one batch (the left-padding trap), and a chat prompt
+PROMPTS = [
+    "Hi",
+    "Add 12 and 30, then tell me a story about a fox. " * 3,
+    [{"role": "user", "content": "Say hi"}],
+]
+
+
+def _greedy(model, tok, prompt, new: int) -> list[int]:
+    """transformers' generate on one prompt alone (no padding): the generated ids, through eos."""
+    if isinstance(prompt, str):
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+    else:
+        text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False
+    )
+    gen = out[0, ids.shape[1] :].tolist()
+    return gen[: gen.index(tok.eos_token_id) + 1] if tok.eos_token_id in gen else gen
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_generate_equals_transformers(models, family):
+    """nbtrain.generate, batched and left-padded, gives what transformers gives each prompt alone,
+    through the family's own cache (sliding windows, linear-attention and Mamba states)."""
+    from transformers import AutoTokenizer
+
+    import nbtrain
+    from nbtrain.generation.utf8 import decode_completion
+
+    new = 8
+    tok = AutoTokenizer.from_pretrained(models[family])
+    model = _load(models[family]).eval()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    want = [_greedy(model, tok, p, new) for p in PROMPTS]
+    assert len({tuple(w) for w in want}) == len(PROMPTS)  # varied: a padding mistake would show
+    df = nbtrain.generate(PROMPTS, model=models[family], max_new_tokens=new, batch_size=3)
+    assert list(df.completion) == [decode_completion(tok, ids) for ids in want]
+    assert list(df.tokens) == [len(ids) for ids in want]
