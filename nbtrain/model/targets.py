@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,34 @@ def check_moe(moe: Any) -> tuple[str, ...]:
     return parts
 
 
+_PEFT_PARTS = {"lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B"}
+_PEFT_PARTS |= {"lora_magnitude_vector", "base_layer"}
+
+
+def _unwrapped(module: Any) -> Any:
+    """The layer under peft's LoRA wrappers (nested for parameter LoRA), or the module itself."""
+    while hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+        module = module.base_layer
+    return module
+
+
+def _named_modules(model: Any) -> Iterator[tuple[str, Any]]:
+    """The model's own modules by their own names, also where peft has wrapped some (the Tinker
+    service adds adapters to a base that holds others): a wrapper stands for the layer it wraps."""
+    for name, module in model.named_modules():
+        if not _PEFT_PARTS.isdisjoint(name.split(".")):
+            continue
+        yield name, _unwrapped(module)
+
+
+def _head_name(model: Any) -> str | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return None
+    head = _unwrapped(head)
+    return next((n for n, m in _named_modules(model) if m is head), None)
+
+
 def _is_linear(module: Any) -> bool:
     import torch
 
@@ -107,7 +136,7 @@ def _moe_parts(model: Any) -> dict[str, str]:
     """Full module name -> MoE part ("experts", "shared_experts", "router") for every MoE block's
     children (the block is the module with an `experts` child)."""
     parts: dict[str, str] = {}
-    for name, module in model.named_modules():
+    for name, module in _named_modules(model):
         children = dict(module.named_children())
         if "experts" not in children:
             continue
@@ -136,7 +165,7 @@ def plan(
     list means the expert parameters."""
     moe = check_moe(moe)
     parts = _moe_parts(model)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _head_name(model)
     linear: list[str] = []
     left: dict[str, list[str]] = {}
     experts: list[str] = []
@@ -147,7 +176,7 @@ def plan(
         target_modules = [t for t in target_modules if t != "experts"]
     elif explicit:
         wanted = set()
-    for name, module in model.named_modules():
+    for name, module in _named_modules(model):
         part = _part_of(name, parts)
         if part == "experts" and name in parts:  # the experts module itself: its 3-d parameters
             params = [
@@ -161,7 +190,7 @@ def plan(
                     f"{name}.weight"
                 )
             continue
-        if not _is_linear(module) or module is head or explicit:
+        if not _is_linear(module) or name == head or explicit:
             continue
         if part is None or part in wanted:
             linear.append(name)
@@ -257,3 +286,37 @@ def add_dropout(peft_model: Any, p: float) -> int:
                 module.lora_dropout[adapter] = torch.nn.Dropout(p=p)
                 n += 1
     return n
+
+
+#: path parts that put a linear layer in the MLP (Tinker's train_mlp); the rest of a block is attention
+_MLP_PARTS = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "shared_mlp")
+
+
+def by_role(model: Any, attn: bool, mlp: bool, unembed: bool) -> Targets:
+    """The LoRA plan for Tinker's `train_attn`, `train_mlp`, `train_unembed`: attention (with linear
+    attention and Mamba mixers), the MLP (on an MoE: experts and shared experts, never the router)
+    and the output head, each on or off."""
+    t = plan(model, "all-linear", DEFAULT_MOE if mlp else ())
+    head_name = _head_name(model)
+
+    def is_mlp(name: str) -> bool:
+        return any(p in _MLP_PARTS for p in name.split("."))
+
+    linear = [n for n in t.linear if (is_mlp(n) and mlp) or (not is_mlp(n) and attn)]
+    if unembed and head_name is not None:
+        linear.append(head_name)
+    experts = list(t.expert_params) if mlp else []
+    renamed = peft_renames(model)
+    as_params = [n for n in linear if n.rsplit(".", 1)[-1] in renamed]
+    modules = [n for n in linear if n not in as_params]
+    params = experts + [f"{n}.weight" for n in as_params]
+    if not modules and not params:
+        flags = [
+            f
+            for f, on in (("train_attn", attn), ("train_mlp", mlp), ("train_unembed", unembed))
+            if on
+        ]
+        msg = f"{flags} find no layer to put LoRA on in {type(model).__name__}; its {module_names(model)}"
+        raise ConfigError(msg)
+    pattern = _modules_pattern(modules, model) if modules else []
+    return Targets(pattern, params, linear, experts, t.left_out, t.moe)

@@ -212,3 +212,63 @@ def test_greedy_generate_equals_transformers(models, family):
     df = nbtrain.generate(PROMPTS, model=models[family], max_new_tokens=new, batch_size=3)
     assert list(df.completion) == [decode_completion(tok, ids) for ids in want]
     assert list(df.tokens) == [len(ids) for ids in want]
+
+
+def _datum(n: int, seed: int) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(5, 400, n + 1)
+    w = (rng.random(n) > 0.3).astype(np.float32)
+    return {
+        "tokens": toks[:-1].tolist(),
+        "loss_fn_inputs": {"target_tokens": toks[1:].astype(np.int64), "weights": w},
+    }
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tinker_cross_entropy_is_the_weighted_logprob_sum_and_samples(models, family):
+    """The Tinker service's rank side, in one process: after a step (so both LoRA factors are
+    non-zero), forward_backward('cross_entropy') is -sum(logprob * weight) of a plain peft model with
+    the same weights; MoE experts are trained (train_mlp), the router is not; sampling runs."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    from nbtrain.model.targets import by_role
+    from nbtrain.tinker import ranks as service
+
+    mid = f"tinker-{family}"
+    service.create_model(mid, models[family], {"rank": 4, "seed": 1})
+    try:
+        datums = [_datum(7, 0), _datum(5, 1)]
+        service.forward_backward(mid, datums, "cross_entropy", None, False)
+        service.optim_step(mid, {"learning_rate": 1e-2})
+        out = service.forward_backward(mid, datums, "cross_entropy", None, True)
+        weights = service.weights(mid)
+        if family in MOE:
+            assert any(".experts." in k for k in weights), sorted(weights)[:8]
+        routers = _routers(_load(models[family]))
+        assert not any(k.split(".lora_")[0].endswith(tuple(routers)) for k in weights)
+        t = by_role(_load(models[family]), True, True, True)
+        cfg = LoraConfig(
+            r=4, lora_alpha=32, target_modules=t.modules, target_parameters=t.parameters or None
+        )
+        ref = get_peft_model(_load(models[family]), cfg)
+        set_peft_model_state_dict(ref, {k: torch.tensor(v) for k, v in weights.items()})
+        ref.eval()
+        want = 0.0
+        with torch.no_grad():
+            for d, got in zip(datums, out["outputs"], strict=True):
+                logits = ref(input_ids=torch.tensor([d["tokens"]])).logits[0].float()
+                t_ids = torch.as_tensor(d["loss_fn_inputs"]["target_tokens"])
+                lp = torch.log_softmax(logits, -1).gather(-1, t_ids[:, None]).squeeze(-1)
+                torch.testing.assert_close(
+                    torch.as_tensor(got["logprobs"]), lp, atol=1e-5, rtol=1e-4
+                )
+                want -= float((lp * torch.as_tensor(d["loss_fn_inputs"]["weights"])).sum())
+        assert out["metrics"]["loss:sum"] == pytest.approx(want, rel=1e-5)
+        sampled = service.sample(
+            {"model_id": mid}, datums[0]["tokens"], 2, {"max_tokens": 4, "seed": 0}
+        )
+        assert [len(s["tokens"]) for s in sampled["sequences"]] == [4, 4]
+    finally:
+        service.unload(mid)

@@ -26,13 +26,6 @@ from nbtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-#: module names LoRA goes on, per Tinker's `train_attn`, `train_mlp`, `train_unembed`; the names a
-#: model does not have are left out (Llama, Qwen2, Qwen3, Mistral, Gemma use the first of each list)
-TARGETS: dict[str, tuple[str, ...]] = {
-    "train_attn": ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "query_key_value", "out_proj"),
-    "train_mlp": ("gate_proj", "up_proj", "down_proj", "c_fc", "fc1", "fc2", "dense_h_to_4h"),
-    "train_unembed": ("lm_head",),
-}
 #: Tinker's LoRA has no dropout and a fixed alpha
 LORA_ALPHA = 32
 #: ephemeral sampler snapshots kept per process (oldest dropped first); an RL loop makes one a step.
@@ -175,35 +168,21 @@ def check_lora(lora: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def target_modules(model: Any, lora: dict[str, Any]) -> list[str]:
-    """The short module names LoRA goes on in `model` for the train_* flags of `lora`."""
-    import torch
-
-    present = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n}
-    linear = {
-        n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-    }
-    out: list[str] = []
-    for flag, names in TARGETS.items():
-        if lora[flag]:
-            out += [n for n in names if n in present]
-    if not out:
-        msg = (
-            f"none of the module names for {[f for f in TARGETS if lora[f]]} are in this model; its "
-            f"linear modules are: {', '.join(sorted(linear))}"
-        )
-        raise ConfigError(msg)
-    return out
-
-
 def lora_config(base: Base, lora: dict[str, Any]) -> Any:
+    """Tinker's LoraConfig as peft's: its train_* flags through `nbtrain.model.targets.by_role`
+    (attention with linear attention and Mamba mixers; the MLP with an MoE's experts, not its router;
+    the head)."""
     from peft import LoraConfig
 
+    from nbtrain.model.targets import by_role
+
+    t = by_role(_plain(base.model), lora["train_attn"], lora["train_mlp"], lora["train_unembed"])
     return LoraConfig(
         r=lora["rank"],
         lora_alpha=LORA_ALPHA,
         lora_dropout=0.0,
-        target_modules=target_modules(_plain(base.model), lora),
+        target_modules=t.modules,
+        target_parameters=t.parameters or None,
         bias="none",
         task_type="CAUSAL_LM",
     )

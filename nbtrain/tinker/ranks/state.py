@@ -223,7 +223,9 @@ def load_slot(base: registry.Base, config: Any, tensors: dict[str, Any], tag: An
 
     from nbtrain.model.pretrained import quiet_hf
 
-    key = (config.r, config.lora_alpha, tuple(sorted(config.target_modules or [])))
+    modules = config.target_modules
+    modules = modules if isinstance(modules, str) else tuple(sorted(modules or []))
+    key = (config.r, config.lora_alpha, modules, tuple(sorted(config.target_parameters or [])))
     if base.slot_lora != key:
         with quiet_hf(), warnings.catch_warnings():
             warnings.filterwarnings(
