@@ -272,3 +272,80 @@ def test_tinker_cross_entropy_is_the_weighted_logprob_sum_and_samples(models, fa
         assert [len(s["tokens"]) for s in sampled["sequences"]] == [4, 4]
     finally:
         service.unload(mid)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_dpo_and_a_grpo_run(models, family, tmp_path):
+    """Two DPO steps on the shipped preference pairs and two GRPO steps with a reward function, on
+    the defaults (lora_dropout 0.05): each logs finite losses and exports an adapter."""
+    import math
+
+    import nbtrain
+    from nbtrain.data.examples import preferences_path
+
+    common = dict(model=models[family], logging_steps=1, save_steps=None, data_cache="off", seed=0)
+    dpo = nbtrain.finetune(
+        nbtrain.DPOConfig(
+            data=preferences_path(),
+            output_dir=str(tmp_path / "dpo"),
+            max_steps=2,
+            per_device_train_batch_size=2,
+            learning_rate=5e-3,
+            max_length=48,
+            **common,
+        )
+    )
+    assert len(dpo.history) == 2 and all(math.isfinite(x) for x in dpo.history["loss"])
+    rows = [{"prompt": f"What is {a} plus {b}?\nAnswer: "} for a in range(3) for b in range(3)]
+    grpo = nbtrain.finetune(
+        nbtrain.GRPOConfig(
+            data=rows,
+            reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+            num_generations=2,
+            max_completion_length=4,
+            per_device_train_batch_size=4,
+            output_dir=str(tmp_path / "grpo"),
+            max_steps=2,
+            learning_rate=1e-2,
+            **common,
+        )
+    )
+    assert len(grpo.history) == 2 and all(math.isfinite(x) for x in grpo.history["loss"])
+    assert Path(dpo.adapter_dir, "adapter_model.safetensors").is_file()
+    assert Path(grpo.adapter_dir, "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_run_in_two_spans_equals_one_run(models, family, tmp_path):
+    """nbtrain.Run: 2 + 2 steps give the uninterrupted run's losses and adapter, bit for bit (dropout on,
+    so the spans must hand the RNG on too)."""
+    from safetensors.torch import load_file
+
+    import nbtrain
+    from nbtrain.data.examples import instructions_path
+
+    def cfg(out):
+        return nbtrain.SFTConfig(
+            model=models[family],
+            data=instructions_path(),
+            output_dir=str(out),
+            max_steps=4,
+            per_device_train_batch_size=2,
+            learning_rate=1e-2,
+            logging_steps=1,
+            save_steps=None,
+            max_length=48,
+            lora_dropout=0.1,
+            data_cache="off",
+            seed=3,
+        )
+
+    one = nbtrain.finetune(cfg(tmp_path / "one"))
+    run = nbtrain.Run(cfg(tmp_path / "two"))
+    assert run.train(steps=2).state == "paused"
+    two = run.train(steps=2)
+    assert two.state == "done"
+    assert list(two.history["loss"]) == list(one.history["loss"])
+    a = load_file(Path(one.adapter_dir) / "adapter_model.safetensors")
+    b = load_file(Path(two.adapter_dir) / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
