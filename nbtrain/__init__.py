@@ -32,6 +32,7 @@ __all__ = [
     "__version__",
     "attach",
     "check",
+    "check_model",
     "compare",
     "connect",
     "current_cluster",
@@ -62,6 +63,8 @@ _LAZY = {
     "Run": "nbtrain.recipes.steppable",
     "attach": "nbtrain.cluster.api",
     "check": "nbtrain.cluster.check",
+    # what each path does with a model, from its config alone (twin of %nbtrain check --model)
+    "check_model": "nbtrain.model.report",
     # the module itself, which is callable: nbtrain.compare([...]) draws, nbtrain.compare.load_run reads
     "compare": "nbtrain.compare",
     "connect": "nbtrain.cluster.api",
@@ -97,6 +100,7 @@ if TYPE_CHECKING:
     from nbtrain.errors import ConfigError, DistributedCellError
     from nbtrain.generation.generate import generate
     from nbtrain.logs import set_log_level
+    from nbtrain.model.report import check_model
     from nbtrain.recipes.steppable import Run
     from nbtrain.recipes.train import TrainResult, finetune
     from nbtrain.tinker.kernel.serve import serve_tinker, tinker_url

@@ -165,6 +165,16 @@ def test_launcher_options_table_is_current():
     )
 
 
+def test_model_matrix_table_is_current():
+    from nbtrain.model import matrix
+
+    text = matrix.PAGE.read_text(encoding="utf-8")
+    assert text == matrix.TABLE.render(text), (
+        f"the model matrix table in docs/models.md differs from the matrix; regenerate it with: "
+        f"{matrix.COMMAND}"
+    )
+
+
 def test_history_columns_are_documented():
     # every column finetune can write (report.py's Meter.row) has a row in the history table
     import inspect

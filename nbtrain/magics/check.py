@@ -1,4 +1,5 @@
-"""`%nbtrain check`: every node's host, CPUs, GPUs and versions, the odd ones marked, with fixes.
+"""`%nbtrain check`: every node's host, CPUs, GPUs and versions, the odd ones marked, with fixes;
+`%nbtrain check --model PATH`: what each path does with that model.
 
 Thin: parse, call `Cluster.check()` or `nbtrain.check(...)`, print.
 """
@@ -43,6 +44,16 @@ def add_check_command(sub: Any) -> None:
             opt.cli, dest=name, default=None, metavar=opt.metavar or name.upper(), help=text
         )
     p.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="instead of the nodes: what each path does with this model (a folder or Hub id), from "
+        "its config alone: LoRA targets and their parameters, experts, packing, FSDP2, QLoRA, vLLM",
+    )
+    p.add_argument(
+        "--lora-r", type=int, default=16, dest="lora_r", help="with --model: the LoRA rank to count"
+    )
+    p.add_argument(
         "--timeout",
         type=positive_float,
         default=None,
@@ -55,6 +66,12 @@ def cmd_check(args: argparse.Namespace) -> Any:
     from nbtrain.cluster.check import check, check_settings
     from nbtrain.cluster.facade import current_cluster
 
+    if args.model:
+        from nbtrain.model.report import check_model
+
+        report = check_model(args.model, lora_r=args.lora_r)
+        print(report)
+        return None
     names = {n for names in check_settings().values() for n in names}
     given = {k: v for k in names if (v := getattr(args, k, None)) is not None}
     cluster = current_cluster()

@@ -349,3 +349,41 @@ def test_run_in_two_spans_equals_one_run(models, family, tmp_path):
     a = load_file(Path(one.adapter_dir) / "adapter_model.safetensors")
     b = load_file(Path(two.adapter_dir) / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_packed_row_keeps_its_documents_apart(models, family):
+    """What nbtrain's packed layout feeds the model (no attention mask, position_ids restarting at 0
+    for each document): document B's logits in the row [A, B] equal B's alone, on every family whose
+    layers take the boundary. On a hybrid one the recurrent layers carry A's state into B, and
+    GPT-OSS's mask ignores position_ids: nbtrain refuses to pack those (nbtrain.model.report.packing_refusal)."""
+    from nbtrain.model.report import packing_refusal
+
+    model = _load(models[family]).eval()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(5, 400, (1, 11), generator=g), torch.randint(5, 400, (1, 9), generator=g)
+    row = torch.cat([a, b], 1)
+    pos = torch.cat([torch.arange(11), torch.arange(9)])[None]
+    with torch.no_grad():
+        packed = model(input_ids=row, position_ids=pos, use_cache=False).logits[0, 11:]
+        alone = model(input_ids=b, position_ids=torch.arange(9)[None], use_cache=False).logits[0]
+    apart = torch.allclose(packed, alone, atol=1e-5, rtol=1e-4)
+    if packing_refusal(model.config):
+        assert not apart, "the documents no longer mix: packing could be allowed for this family"
+    else:
+        assert apart, f"packed differs from alone by {(packed - alone).abs().max():.2e}"
+
+
+def test_each_column_of_the_docs_table_is_a_test_here_on_every_family():
+    """docs/models.md says "tested" for a column only where the test it names is in this module and
+    runs on every family of FAMILIES: a test renamed, removed or narrowed fails here."""
+    import sys
+
+    from nbtrain.model.matrix import TESTED
+
+    module = sys.modules[__name__]
+    for column, name in TESTED.items():
+        fn = getattr(module, name, None)
+        assert fn is not None, f"{column!r}: no test {name} in {__name__}"
+        marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "parametrize"]
+        assert any(m.args[0] == "family" and list(m.args[1]) == list(FAMILIES) for m in marks), name
