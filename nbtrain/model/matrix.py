@@ -32,11 +32,11 @@ TESTED: dict[str, str] = {
     "nbtrain.Run": "test_run_in_two_spans_equals_one_run",
     "Tinker": "test_tinker_cross_entropy_is_the_weighted_logprob_sum_and_samples",
     "packing": "test_a_packed_row_keeps_its_documents_apart",
+    "QLoRA (CPU)": "test_qlora_trains_on_a_4_bit_base",
 }
 #: columns not in the matrix yet: family -> where it is tested (others: not yet run)
 ELSEWHERE: dict[str, dict[str, str]] = {
     "FSDP2": {"llama": "tests/model/test_shard.py"},
-    "QLoRA": {"llama": "tests/recipes/test_dpo.py, tests/model/test_shard.py"},
     "vLLM": {"qwen2": "tests/generation/test_vllm*.py"},
 }
 

@@ -387,3 +387,37 @@ def test_each_column_of_the_docs_table_is_a_test_here_on_every_family():
         assert fn is not None, f"{column!r}: no test {name} in {__name__}"
         marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "parametrize"]
         assert any(m.args[0] == "family" and list(m.args[1]) == list(FAMILIES) for m in marks), name
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_qlora_trains_on_a_4_bit_base(models, family, tmp_path):
+    """load_in_4bit: bitsandbytes' NF4 base (its CPU kernels) under the LoRA, three finite steps; on
+    an MoE the fused experts stay unquantised (bitsandbytes takes nn.Linear) and still get LoRA."""
+    import importlib.util
+    import math
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed")
+    import nbtrain
+    from nbtrain.data.examples import instructions_path
+
+    result = nbtrain.finetune(
+        nbtrain.SFTConfig(
+            model=models[family],
+            data=instructions_path(),
+            output_dir=str(tmp_path / "q"),
+            max_steps=3,
+            per_device_train_batch_size=2,
+            learning_rate=1e-2,
+            max_length=48,
+            logging_steps=1,
+            save_steps=None,
+            load_in_4bit=True,
+            data_cache="off",
+        )
+    )
+    assert "4-bit NF4 base" in result.plan["levers"]
+    assert len(result.history) == 3 and all(math.isfinite(x) for x in result.history["loss"])
+    if family in MOE:
+        cfg = json.loads((Path(result.adapter_dir) / "adapter_config.json").read_text())
+        assert any("experts" in p for p in cfg["target_parameters"])
