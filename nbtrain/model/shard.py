@@ -149,8 +149,12 @@ def _lora_init(model: Any, seed: int) -> dict[str, Any]:
         if not isinstance(layer, LoraLayer):
             continue
         for adapter in list(layer.lora_A):
-            r, d_in, d_out = layer.r[adapter], layer.in_features, layer.out_features
-            assert d_in is not None and d_out is not None  # set by every LoRA layer on a Linear
+            # the shapes peft gave them on meta: [r, in] and [out, r] on a linear layer, r times the
+            # expert count on a parameter LoRA of fused experts
+            (r, d_in), d_out = (
+                layer.lora_A[adapter].weight.shape,
+                layer.lora_B[adapter].weight.shape[0],
+            )
             layer.lora_A[adapter] = torch.nn.Linear(d_in, r, bias=False)
             layer.lora_B[adapter] = torch.nn.Linear(r, d_out, bias=False)
             layer.reset_lora_parameters(adapter, True)
@@ -263,6 +267,16 @@ def build_sharded(
         enable_checkpointing(base)
     prepare(base)
     model = apply_lora(base, cfg)
+    targets = model.peft_config["default"].target_parameters
+    if targets:
+        # tests/model/test_shard_families.py: GPT-OSS and Llama 4 give DDP's first loss, then
+        # differ from the second step on (a 5e-3 relative loss gap): not yet exact, so refused
+        msg = (
+            f"shard={cfg.shard!r} does not yet train LoRA on parameters exactly (here the fused "
+            f"experts: {', '.join(sorted({t.rsplit('.', 1)[-1] for t in targets}))}); use shard='ddp', "
+            "or lora_moe=[] to leave the experts out of the LoRA"
+        )
+        raise ConfigError(msg)
     lora = _lora_init(model, cfg.seed)
 
     # bf16 compute with fp32 LoRA masters and fp32 gradient reduction where the run computes in bf16;
@@ -318,7 +332,8 @@ def _load_weights(
         if name in lora:
             _fill(param, lora[name])
             continue
-        key = name.removeprefix(prefix).replace(".base_layer.", ".")
+        # peft's wrappers nest (a parameter LoRA of fused experts wraps twice): drop every base_layer
+        key = ".".join(p for p in name.removeprefix(prefix).split(".") if p != "base_layer")
         want[key] = param
     inner_prefix = getattr(model.get_base_model(), "base_model_prefix", "model") + "."
     for path in _weight_files(source):
