@@ -63,6 +63,12 @@ test-python: $(STAMP)
 #   within 5 s, stacks within 1 s, a link 4x faster unshaped), alone after the others on a quiet machine.
 RUNS := tests/test_notebooks.py tests/test_bench_data_smoke.py tests/test_benchmarks_smoke.py \
 	tests/test_bench_grpo_smoke.py
+# the model matrix (tests/model/: a tiny model of each family through every path; the FSDP2 pairs):
+# ~3 min, in the short vLLM lane
+MODELS := tests/model/test_families.py tests/model/test_shard_families.py tests/model/test_report.py
+test-models: $(STAMP)
+	$(PYTEST) --durations=10 --basetemp=/tmp/nbtrain-pytest-models -m "not timed" $(MODELS)
+
 test-nodes: $(STAMP)
 	sh scripts/testbed-deps.sh
 	$(PYTEST) --durations=15 --basetemp=/tmp/nbtrain-pytest-nodes -m "not timed" tests/multinode
@@ -73,7 +79,7 @@ test-runs: $(STAMP)
 test-main: $(STAMP)
 	sh scripts/testbed-deps.sh
 	$(PYTEST) --durations=25 --basetemp=/tmp/nbtrain-pytest-main -m "not timed" \
-		--ignore=tests/server/test_handlers.py --ignore=tests/multinode $(addprefix --ignore=,$(RUNS)) tests
+		--ignore=tests/server/test_handlers.py --ignore=tests/multinode $(addprefix --ignore=,$(RUNS) $(MODELS)) tests
 
 test-timed: $(STAMP)
 	sh scripts/testbed-deps.sh
@@ -109,7 +115,7 @@ test-vllm-nodes: $(VLLM_STAMP)
 		-m multinode tests/multinode/test_grpo_vllm_nodes.py
 
 # two lanes at once on the 2-core machine, about equally long, and a short third, the vLLM venv's
-# build and tests (measured: the build 102 s at load 2, 574 s at load 13; the tests 131-225 s at
+# build and tests, then the model matrix (measured: the build 102 s at load 2, 574 s at load 13; the tests 131-225 s at
 # load 8-13) (scripts/lanes.sh prints each lane's
 # output whole when it ends; -k: a lane's later parts run after one failed), then the timed tests alone
 test: $(STAMP)
@@ -118,7 +124,7 @@ test: $(STAMP)
 	bash scripts/lanes.sh \
 		checks-nodes-runs '$(MAKE) -k --no-print-directory LAB_BUILT=1 lint docs test-lab test-nodes test-runs' \
 		main '$(MAKE) -k --no-print-directory test-main' \
-		vllm '$(MAKE) -k --no-print-directory test-vllm'
+		vllm '$(MAKE) -k --no-print-directory test-vllm test-models'
 	$(MAKE) --no-print-directory test-timed
 	$(MAKE) --no-print-directory test-vllm-nodes
 
