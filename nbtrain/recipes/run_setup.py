@@ -24,6 +24,7 @@ from typing import Any
 
 from nbtrain.data.batch import BatchPlan, split_global
 from nbtrain.engine.dist import Dist
+from nbtrain.errors import ConfigError
 from nbtrain.model import build as model_build
 from nbtrain.model import checkpoint as ckpt
 from nbtrain.model import memory, quant, shard, speed
@@ -99,6 +100,18 @@ def check(r: Any, read_eval: bool = True) -> dict[str, Any]:
     read = read_eval and r.eval_data is not None
     eval_rows = load_rows(r.eval_data, "eval_data") if read else None
     base_config = check_causal_lm(r.model_name)
+    if getattr(cfg, "packing", False) or getattr(cfg, "padding_free", False):
+        from nbtrain.model.report import packing_refusal
+
+        why = packing_refusal(base_config)
+        if why:
+            what = "packing=True" if getattr(cfg, "packing", False) else "padding_free=True"
+            msg = (
+                f"{what} would mix the documents of a row for {type(base_config).__name__} "
+                f"({r.model_name}): {why}. Set packing=False and padding_free=False "
+                "(docs/models.md says which families this holds for)"
+            )
+            raise ConfigError(msg)
     tokenizer = load_tokenizer(r.model_name)
     quant.check_quant(cfg, d.device, d.rank, d.host)
     if getattr(cfg, "sample_engine", "hf") == "vllm" and getattr(cfg, "sample_prompts", None):

@@ -421,3 +421,30 @@ def test_qlora_trains_on_a_4_bit_base(models, family, tmp_path):
     if family in MOE:
         cfg = json.loads((Path(result.adapter_dir) / "adapter_config.json").read_text())
         assert any("experts" in p for p in cfg["target_parameters"])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "granite4", "qwen3_next", "gpt_oss"])
+@pytest.mark.parametrize("setting", ["packing", "padding_free"])
+def test_packing_is_refused_where_documents_would_mix(models, family, setting, tmp_path):
+    """finetune refuses packing and padding_free on the families whose packed rows mix documents
+    (the test above shows they do), before the model loads and writing nothing."""
+    import nbtrain
+    from nbtrain.data.examples import instructions_path
+    from nbtrain.errors import ConfigError
+
+    out = tmp_path / "run"
+    cfg = nbtrain.SFTConfig(
+        model=models[family],
+        data=instructions_path(),
+        output_dir=str(out),
+        max_steps=1,
+        max_length=48,
+        save_steps=None,
+        data_cache="off",
+        **{setting: True},
+    )
+    with pytest.raises(
+        ConfigError, match=rf"{setting}=True would mix the documents.*packing=False"
+    ):
+        nbtrain.finetune(cfg)
+    assert not out.exists() or not any(out.iterdir())
