@@ -151,10 +151,9 @@ def _lora_init(model: Any, seed: int) -> dict[str, Any]:
         for adapter in list(layer.lora_A):
             # the shapes peft gave them on meta: [r, in] and [out, r] on a linear layer, r times the
             # expert count on a parameter LoRA of fused experts
-            (r, d_in), d_out = (
-                layer.lora_A[adapter].weight.shape,
-                layer.lora_B[adapter].weight.shape[0],
-            )
+            a_shape: Any = layer.lora_A[adapter].weight.shape
+            b_shape: Any = layer.lora_B[adapter].weight.shape
+            r, d_in, d_out = int(a_shape[0]), int(a_shape[1]), int(b_shape[0])
             layer.lora_A[adapter] = torch.nn.Linear(d_in, r, bias=False)
             layer.lora_B[adapter] = torch.nn.Linear(r, d_out, bias=False)
             layer.reset_lora_parameters(adapter, True)
