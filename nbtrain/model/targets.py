@@ -201,15 +201,22 @@ def plan(
     if not linear and not experts:
         msg = f"'all-linear' found no linear layer in {type(model).__name__} to put LoRA on"
         raise ConfigError(msg)
+    pattern, params = _peft_lists(model, linear, experts)
+    return Targets(pattern, params, linear, experts, left, bool(parts))
+
+
+def _peft_lists(
+    model: Any, linear: list[str], experts: list[str]
+) -> tuple[str | list[str], list[str]]:
+    """LoraConfig's target_modules and target_parameters for these linear layers and expert
+    parameters. peft reads some names, on some families, as transformers 4's expert layers and moves
+    them to the fused experts: a dense or shared-expert MLP named so would lose its LoRA. Its weight
+    as a parameter target keeps it, and a plain peft load builds the same adapter."""
     renamed = peft_renames(model)
-    # peft reads these names, on this family, as transformers 4's expert layers and moves them to the
-    # fused experts: a dense or shared-expert MLP named so would lose its LoRA. Its weight as a
-    # parameter target keeps it, and a plain peft load builds the same adapter.
     as_params = [n for n in linear if n.rsplit(".", 1)[-1] in renamed]
     modules = [n for n in linear if n not in as_params]
     params = experts + [f"{n}.weight" for n in as_params]
-    pattern = _modules_pattern(modules, model) if modules else []
-    return Targets(pattern, params, linear, experts, left, bool(parts))
+    return (_modules_pattern(modules, model) if modules else []), params
 
 
 def peft_renames(model: Any) -> set[str]:
@@ -231,7 +238,7 @@ def _modules_pattern(linear: list[str], model: Any) -> str | list[str]:
     names = short_names(linear)
     others = [
         n
-        for n, m in model.named_modules()
+        for n, _ in _named_modules(model)
         if n and n not in chosen and n.rsplit(".", 1)[-1] in names
     ]
     if not others:
@@ -241,30 +248,12 @@ def _modules_pattern(linear: list[str], model: Any) -> str | list[str]:
 
 def module_names(model: Any) -> str:
     """The model's own linear modules and expert parameters, for messages (not peft's wrapper names)."""
-    plain = model
-    for attr in ("base_model", "model"):  # under peft: PeftModel.base_model.model
-        if type(plain).__name__.startswith("Peft") or type(plain).__name__ == "LoraModel":
-            plain = getattr(plain, attr, plain)
-    skip = (
-        "base_layer",
-        "lora_A",
-        "lora_B",
-        "lora_dropout",
-        "lora_embedding_A",
-        "lora_embedding_B",
-    )
-    linear = short_names(
-        [
-            n
-            for n, m in plain.named_modules()
-            if _is_linear(m) and not any(s in n.split(".") for s in skip)
-        ]
-    )
+    linear = short_names([n for n, m in _named_modules(model) if _is_linear(m)])
     params = short_names(
         [
             n
-            for n, p in plain.named_parameters()
-            if p.ndim == 3 and not any(s in n.split(".") for s in skip)
+            for n, p in model.named_parameters()
+            if p.ndim == 3 and _PEFT_PARTS.isdisjoint(n.split("."))
         ]
     )
     out = f"linear modules: {', '.join(linear) or 'none'}"
@@ -306,11 +295,8 @@ def by_role(model: Any, attn: bool, mlp: bool, unembed: bool) -> Targets:
     if unembed and head_name is not None:
         linear.append(head_name)
     experts = list(t.expert_params) if mlp else []
-    renamed = peft_renames(model)
-    as_params = [n for n in linear if n.rsplit(".", 1)[-1] in renamed]
-    modules = [n for n in linear if n not in as_params]
-    params = experts + [f"{n}.weight" for n in as_params]
-    if not modules and not params:
+    pattern, params = _peft_lists(model, linear, experts)
+    if not pattern and not params:
         flags = [
             f
             for f, on in (("train_attn", attn), ("train_mlp", mlp), ("train_unembed", unembed))
@@ -318,5 +304,4 @@ def by_role(model: Any, attn: bool, mlp: bool, unembed: bool) -> Targets:
         ]
         msg = f"{flags} find no layer to put LoRA on in {type(model).__name__}; its {module_names(model)}"
         raise ConfigError(msg)
-    pattern = _modules_pattern(modules, model) if modules else []
     return Targets(pattern, params, linear, experts, t.left_out, t.moe)
