@@ -30,11 +30,18 @@ def lora_problems(cfg: Any) -> list[str]:
         )
     elif isinstance(tm, tuple):
         cfg.target_modules = list(tm)
-    moe = [cfg.lora_moe] if isinstance(cfg.lora_moe, str) else cfg.lora_moe
-    if isinstance(moe, list | tuple) and all(p in MOE_PARTS for p in moe):
-        cfg.lora_moe = list(moe)
+    moe, problem = moe_parts(cfg.lora_moe)
+    if problem:
+        problems.append(problem)
     else:
-        problems.append(
-            f"lora_moe={cfg.lora_moe!r}: name any of {', '.join(MOE_PARTS)}, or [] for attention only"
-        )
+        cfg.lora_moe = moe
     return problems
+
+
+def moe_parts(moe: Any) -> tuple[list[str], str | None]:
+    """`lora_moe` (a part's name, or a list or tuple of them) as a list, and what is wrong with it
+    (None when nothing): SFTConfig's check, and nbtrain.model.targets' for callers with no SFTConfig."""
+    parts = [moe] if isinstance(moe, str) else moe
+    if isinstance(parts, list | tuple) and all(p in MOE_PARTS for p in parts):
+        return list(parts), None
+    return [], f"lora_moe={moe!r}: name any of {', '.join(MOE_PARTS)}, or [] for attention only"

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbtrain.configs.lora import MOE_PARTS
+from nbtrain.configs.lora import moe_parts
 from nbtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -84,12 +84,10 @@ def short_names(names: list[str]) -> list[str]:
 
 def check_moe(moe: Any) -> tuple[str, ...]:
     """`lora_moe` as a tuple of MOE_PARTS, or a ConfigError naming the choices."""
-    parts = (moe,) if isinstance(moe, str) else tuple(moe or ())
-    bad = [p for p in parts if p not in MOE_PARTS]
-    if bad or not all(isinstance(p, str) for p in parts):
-        msg = f"lora_moe={moe!r}: each entry must be one of {', '.join(MOE_PARTS)} (or () for attention only)"
-        raise ConfigError(msg)
-    return parts
+    parts, problem = moe_parts(() if moe is None else moe)  # None: attention only, as before
+    if problem:
+        raise ConfigError(problem)
+    return tuple(parts)
 
 
 _PEFT_PARTS = {"lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B"}
