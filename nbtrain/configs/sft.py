@@ -131,6 +131,12 @@ class SFTConfig:
             "help": "MoE: what 'all-linear' adapts beyond attention, of experts, shared_experts, router."
         },
     )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "MoE: weight of the router's load-balancing loss in SFT; None: as the model's config says (output_router_logits), 0: off."
+        },
+    )
     logging_steps: int = field(
         default=10, metadata={"help": "Log metrics every this many steps (and at the last step)."}
     )

@@ -442,7 +442,9 @@ def last_hidden_states(model: Any, batch: dict[str, Any], autocast: Any) -> tupl
     return hidden, head, softcap
 
 
-def causal_lm_loss_sum(model: Any, batch: dict[str, Any], autocast: Any, impl: LossFn) -> Any:
+def causal_lm_loss_sum(
+    model: Any, batch: dict[str, Any], autocast: Any, impl: LossFn, aux: Any = None
+) -> Any:
     """Summed next-token cross-entropy over the batch's target tokens, without the [B, T, V] logits.
 
     In [1]: loss_sum = causal_lm_loss_sum(ddp_model, batch, autocast, loss_fn)
@@ -453,12 +455,18 @@ def causal_lm_loss_sum(model: Any, batch: dict[str, Any], autocast: Any, impl: L
     gradient sync fires as usual, with the lm_head made the identity for the call so that the output
     is the last hidden states. Only target rows reach the loss (one host sync to find them), which
     also skips the lm_head for prompt and padding tokens. `autocast` is a context-manager factory.
+    `aux`: an MoE's router loss to ask the forward for (`nbtrain.losses.router.RouterAux`), which
+    keeps it; the sum returned is the cross-entropy alone.
     """
     import torch
 
     base = _unwrap(model)
+    extra = aux.kwargs if aux is not None else {}
     with _hidden_states_out(base) as (head, softcap), autocast():
-        hidden = model(**model_inputs(batch)).logits
+        out = model(**model_inputs(batch), **extra)
+    if aux is not None:
+        aux.seen(out)
+    hidden = out.logits
     # position t predicts labels[t + 1]; the last position predicts nothing
     labels = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100).reshape(-1)
     # found on the CPU by the caller where it could (a GPU nonzero() waits for the forward to finish)

@@ -43,6 +43,8 @@ class Recipe(ABC):
 
     #: what the run trains, in its record (`nbtrain.runs.RUN_KINDS`): a recipe sets its own
     kind = "sft"
+    #: an MoE's router loss, where the run adds it (`nbtrain.losses.router`; set by the set-up)
+    router_aux: Any = None
 
     # filled in by the set-up (`nbtrain.recipes.run_setup`), read by the loop, the saves and hooks
     d: Any  #: the process group as the run sees it (`nbtrain.engine.dist.Dist`)
@@ -149,10 +151,11 @@ class Recipe(ABC):
 
         return torch.autocast(device_type=self.d.device.type, dtype=self.compute_dtype)
 
-    def loss_sum(self, net: Any, batch: dict[str, Any]) -> Any:
-        """The summed token loss of `batch` through `net` (the set-up's batch probe, SFT's step)."""
+    def loss_sum(self, net: Any, batch: dict[str, Any], aux: Any = None) -> Any:
+        """The summed token loss of `batch` through `net` (the set-up's batch probe, SFT's step);
+        `aux`: keep an MoE's router loss too (`nbtrain.losses.router.RouterAux`)."""
         # through the module, so a test can wrap nbtrain.recipes.step.loss_sum to slow or kill a rank mid-step
-        return one_step.loss_sum(net, batch, self.autocast, self.loss_fn)
+        return one_step.loss_sum(net, batch, self.autocast, self.loss_fn, aux)
 
     # ---- the contract: each recipe writes these in its own file
 

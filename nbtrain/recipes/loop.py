@@ -71,7 +71,9 @@ def begin(r: Any) -> None:
     # LoRA training FLOPs, a 4-bit base counted at its logical shape, not its packed storage
     token_flops = flops_per_token(r.peft_model)
     peak = peak_flops(d.device) if r.compute_dtype is not None else None
-    r.meter = Meter(d, r.spe, token_flops, peak, step_shift=r.span.shift)
+    r.meter = Meter(
+        d, r.spe, token_flops, peak, step_shift=r.span.shift, aux=r.router_aux is not None
+    )
     r.model.train()
     r.grad_norm = None
     log.debug("%s run %s begins at step %d of %d", r.kind, r.name, r.step, r.total_steps)

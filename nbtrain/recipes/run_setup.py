@@ -25,6 +25,8 @@ from typing import Any
 from nbtrain.data.batch import BatchPlan, split_global
 from nbtrain.engine.dist import Dist
 from nbtrain.errors import ConfigError
+from nbtrain.losses.router import RouterAux
+from nbtrain.losses.router import check as router_check
 from nbtrain.model import build as model_build
 from nbtrain.model import checkpoint as ckpt
 from nbtrain.model import memory, quant, shard, speed
@@ -112,6 +114,7 @@ def check(r: Any, read_eval: bool = True) -> dict[str, Any]:
                 "(docs/models.md says which families this holds for)"
             )
             raise ConfigError(msg)
+    router_check(base_config, cfg.router_aux_loss_coef, r.kind)
     tokenizer = load_tokenizer(r.model_name)
     quant.check_quant(cfg, d.device, d.rank, d.host)
     if getattr(cfg, "sample_engine", "hf") == "vllm" and getattr(cfg, "sample_prompts", None):
@@ -157,6 +160,9 @@ def load_model(r: Any, mesh: Any, notes: list[str]) -> None:
     if loss_note:
         r.notes.append(loss_note)
     r.levers.append(f"loss {loss_name}")
+    r.router_aux, router_note = RouterAux.plan(r.model, cfg.router_aux_loss_coef, r.kind)
+    if router_note:
+        r.notes.append(router_note)
 
 
 def plan_batch(r: Any, n_rows: int) -> None:

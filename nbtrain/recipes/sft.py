@@ -143,17 +143,24 @@ class SFTRecipe(Recipe):
 
     def accumulate(self, micro: list[list[Any]], stats: Any) -> None:
         """SFT's forward and backward over the step's micro-batches: the token loss, normalised by the
-        target tokens of the whole global batch."""
+        target tokens of the whole global batch; on an MoE that asks for it, plus the router loss's
+        mean over micro-batches and ranks times its coefficient (`nbtrain.losses.router`)."""
         d, GA = self.d, self.plan.grad_accum
         n_targets = max(float(stats[:, :GA].sum()), 1.0)
+        aux = self.router_aux
         for a, exs in enumerate(micro):
             # pad to the longest row across ranks: the same shapes as one rank with the whole batch
             batch = self.batches.collate(exs, int(stats[:, GA + a].max()))
             batch = one_step.to_device(batch, d.device)
             with loop.synced(self, a):
-                batch_loss = self.loss_sum(self.model, batch)
+                batch_loss = self.loss_sum(self.model, batch, aux)
                 # DDP averages gradients over ranks; scaling by world turns that into the global sum
-                (batch_loss * (d.world / n_targets)).backward()
+                objective = batch_loss * (d.world / n_targets)
+                if aux is not None:
+                    router = aux.pop()
+                    objective = objective + router * (aux.coef / GA)
+                    self.meter.aux += router.detach().double() / (GA * d.world)
+                objective.backward()
             self.meter.loss += batch_loss.detach().double() / n_targets
 
     def eval_metrics(self) -> dict[str, float]:

@@ -13,14 +13,17 @@ from nbtrain.engine.dist import Dist
 log = logging.getLogger(__name__)
 
 
-def token_loss_sum(model: Any, batch: dict[str, Any], autocast: Any) -> Any:
-    """Summed cross-entropy over target tokens (labels shifted by one)."""
+def token_loss_sum(model: Any, batch: dict[str, Any], autocast: Any, aux: Any = None) -> Any:
+    """Summed cross-entropy over target tokens (labels shifted by one); `aux` as in `loss_sum`."""
     import torch.nn.functional as F
 
     from nbtrain.losses.sft import model_inputs
 
     with autocast():
-        logits = model(**model_inputs(batch)).logits
+        out = model(**model_inputs(batch), **(aux.kwargs if aux is not None else {}))
+    if aux is not None:
+        aux.seen(out)
+    logits = out.logits
     logits = logits[:, :-1].float()
     labels = batch["labels"][:, 1:]
     return F.cross_entropy(
@@ -63,13 +66,14 @@ def loss_impl(
     return name, fn, note
 
 
-def loss_sum(net: Any, batch: dict[str, Any], autocast: Any, fn: Any) -> Any:
-    """Summed cross-entropy over the batch's target tokens, through `net` (the model, or DDP around it)."""
+def loss_sum(net: Any, batch: dict[str, Any], autocast: Any, fn: Any, aux: Any = None) -> Any:
+    """Summed cross-entropy over the batch's target tokens, through `net` (the model, or DDP around it).
+    `aux` (`nbtrain.losses.router.RouterAux`): also ask an MoE for its router loss, which `aux` keeps."""
     if fn is None:
-        return token_loss_sum(net, batch, autocast)
+        return token_loss_sum(net, batch, autocast, aux)
     from nbtrain.losses import sft as loss
 
-    return loss.causal_lm_loss_sum(net, batch, autocast, fn)
+    return loss.causal_lm_loss_sum(net, batch, autocast, fn, aux)
 
 
 def evaluate(

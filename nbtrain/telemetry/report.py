@@ -147,6 +147,8 @@ def read_history(out: Path, upto_step: int) -> list[dict[str, Any]]:
 
 def fmt_line(row: dict[str, Any], total: int) -> str:
     parts = [f"step {row['step']}/{total}", f"loss {row['loss']:.4f}"]
+    if row.get("aux_loss") is not None:  # an MoE's router loss, where the run adds it
+        parts.append(f"aux_loss {row['aux_loss']:.4f}")
     if row.get("reward") is not None:  # GRPO: the mean reward is what a run is watched by
         parts.append(f"reward {row['reward']:.3f}")
     if row.get("grad_norm") is not None:
@@ -175,6 +177,7 @@ class Meter:
         flops_per_token: float,
         peak_flops: float | None,
         step_shift: int = 0,
+        aux: bool = False,
     ):
         import torch
 
@@ -184,12 +187,16 @@ class Meter:
         self.loss = torch.zeros(
             (), dtype=torch.float64, device=d.device
         )  # sum of this rank's loss shares
+        #: an MoE's router loss, this rank's shares of its mean (logged as aux_loss where `aux`)
+        self.has_aux = aux
+        self.aux = torch.zeros((), dtype=torch.float64, device=d.device)
         self.reset()
 
     def reset(self) -> None:
         #: figures a hook adds to the next row (`note`), e.g. the seconds spent sampling
         self.extra: dict[str, float] = {}
         self.loss.zero_()
+        self.aux.zero_()
         self.steps = 0
         self.tokens = 0.0
         self.start = time.perf_counter()
@@ -211,12 +218,13 @@ class Meter:
         elapsed = time.perf_counter() - self.start
         # ranks' loss shares add up to the global mean; rank 0's wall clock (so every rank's row has
         # the same time) and each rank's peak memory ride along
-        vec = torch.zeros(2 + d.world, dtype=torch.float64)
+        vec = torch.zeros(3 + d.world, dtype=torch.float64)
         vec[0] = self.loss.item()
         if d.is_zero:
             vec[1] = time.time()
+        vec[2] = self.aux.item()
         if self.on_gpu:
-            vec[2 + d.rank] = torch.cuda.max_memory_allocated() / 2**30
+            vec[3 + d.rank] = torch.cuda.max_memory_allocated() / 2**30
         vec = d.sum_meta(vec)
         steps = max(self.steps, 1)
         tokens_per_s = self.tokens / elapsed if elapsed > 0 else 0.0
@@ -231,15 +239,17 @@ class Meter:
             # wall-clock time of the row, so runs can be compared against time as well as step
             "time": float(vec[1]),
         }
+        if self.has_aux:
+            row["aux_loss"] = float(vec[2]) / steps
         if eval_loss is not None:
             row["eval_loss"] = eval_loss
         row.update(self.extra)
         if self.on_gpu:
             if self.peak_flops:
                 row["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * d.world)
-            row["peak_memory_gb"] = float(vec[2:].max())
+            row["peak_memory_gb"] = float(vec[3:].max())
             for r in range(d.world):
-                row[f"peak_memory_gb_rank{r}"] = float(vec[2 + r])
+                row[f"peak_memory_gb_rank{r}"] = float(vec[3 + r])
         self.reset()
         return row
 
