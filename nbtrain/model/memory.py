@@ -41,15 +41,36 @@ class Shape:
     kv_heads: int
     vocab: int
     tied: bool = False
+    #: an MoE's parameters per block (experts, router, shared experts, attention), counted on the meta
+    #: device (`for_config`); None: the dense formula
+    measured_block: int | None = None
+    #: the MLP width one token computes through on an MoE (its top-k experts and the shared ones), for
+    #: the activations; None: `intermediate`
+    active_intermediate: int | None = None
+    #: 'all-linear' LoRA parameters at rank 1 (experts included), counted; None: the dense formula
+    lora_per_rank: int | None = None
+
+    #: the width of one attention head where it is not hidden / heads (Qwen3, Gemma); None: that
+    head_dim: int | None = None
 
     @property
     def kv_dim(self) -> int:
-        return self.hidden // self.heads * self.kv_heads
+        return (self.head_dim or self.hidden // self.heads) * self.kv_heads
+
+    @property
+    def q_dim(self) -> int:
+        return (self.head_dim or self.hidden // self.heads) * self.heads
+
+    @property
+    def attention_params(self) -> int:
+        h = self.hidden
+        return h * (2 * self.q_dim + 2 * self.kv_dim) + 2 * h
 
     @property
     def block_params(self) -> int:
-        h = self.hidden
-        return h * (2 * h + 2 * self.kv_dim) + 3 * h * self.intermediate + 2 * h
+        if self.measured_block is not None:
+            return self.measured_block
+        return self.attention_params + 3 * self.hidden * self.intermediate
 
     @property
     def edge_params(self) -> int:
@@ -74,9 +95,60 @@ class Shape:
                 ),
                 vocab=int(config.vocab_size),
                 tied=bool(getattr(config, "tie_word_embeddings", False)),
+                head_dim=_head_dim(config),
             )
         except (AttributeError, TypeError, ValueError):
             return None
+
+    @classmethod
+    def for_config(cls, config: Any) -> Shape | None:
+        """`from_config`, and on an MoE config the blocks, the active MLP width and the LoRA counted on
+        a meta-device build of the model (no memory): the dense formula would count one MLP where
+        the model holds E experts."""
+        text = getattr(config, "get_text_config", lambda: config)()
+        shape = cls.from_config(text)
+        if shape is None or not is_moe(text):
+            return shape
+        return _measured(shape, config)
+
+
+def _head_dim(config: Any) -> int | None:
+    """config.head_dim where it differs from hidden / heads; None otherwise."""
+    hd = getattr(config, "head_dim", None)
+    if not isinstance(hd, int) or hd == int(config.hidden_size) // int(config.num_attention_heads):
+        return None
+    return hd
+
+
+def is_moe(config: Any) -> bool:
+    """Whether a transformers config declares routed experts."""
+    names = ("num_experts", "num_local_experts", "n_routed_experts")
+    return any((getattr(config, n, 0) or 0) > 0 for n in names)
+
+
+def _measured(shape: Shape, config: Any) -> Shape:
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nbtrain.model import targets
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    active = targets.active_numel(model, total)
+    edge = shape.edge_params
+    block = (total - edge) // shape.layers
+    active_mlp = (active - edge) // shape.layers - shape.attention_params
+    plan = targets.plan(model)
+    lora = targets.lora_numel(model, plan.linear, plan.expert_params, 1)
+    return dataclasses.replace(
+        shape,
+        measured_block=block,
+        active_intermediate=max(1, active_mlp // (3 * shape.hidden)),
+        lora_per_rank=lora,
+    )
 
 
 # Meta's published configs (config.json of meta-llama/Meta-Llama-3-8B and -70B)
@@ -85,9 +157,12 @@ LLAMA3_70B = Shape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_head
 
 
 def lora_params(shape: Shape, r: int) -> int:
-    """LoRA weights with target_modules='all-linear' (q, k, v, o, gate, up, down; not lm_head)."""
-    h, kv, i = shape.hidden, shape.kv_dim, shape.intermediate
-    per_layer = r * ((h + h) * 2 + (h + kv) * 2 + (h + i) * 3)
+    """LoRA weights with target_modules='all-linear' (q, k, v, o, gate, up, down; not lm_head; on an
+    MoE, as counted by `Shape.for_config`, the experts too)."""
+    if shape.lora_per_rank is not None:
+        return shape.lora_per_rank * r
+    h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
+    per_layer = r * ((h + q) * 2 + (h + kv) * 2 + (h + i) * 3)
     return shape.layers * per_layer
 
 
@@ -135,7 +210,7 @@ def rank_memory(
         # the current block and the prefetched next one (4-bit words stay 4-bit), and the root unit,
         # unsharded in bf16
         parts["gathered"] = 2 * shape.block_params * PER_VALUE[quant] + shape.edge_params * 2.0
-    h, i = shape.hidden, shape.intermediate
+    h, i = shape.hidden, shape.active_intermediate or shape.intermediate
     tokens = seq_len * micro_batch
     full_block = (8 * h + 3 * i) * 2.0 * tokens
     if gradient_checkpointing:
@@ -153,8 +228,10 @@ def check_fits(cfg: Any, config: Any, device: Any, world: int) -> str | None:
 
     import torch
 
-    shape = Shape.from_config(config)
-    if device.type != "cuda" or shape is None:
+    if device.type != "cuda":
+        return None
+    shape = Shape.for_config(config)
+    if shape is None:
         return None
     quant = "nf4" if cfg.load_in_4bit else "int8" if cfg.load_in_8bit else None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)

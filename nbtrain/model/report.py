@@ -99,36 +99,6 @@ def packing_refusal(config: Any) -> str | None:
     return None
 
 
-def _lora_params(model: Any, linear: list[str], experts: list[str], r: int) -> int:
-    """What peft's LoRA of rank r adds: r*(in+out) a linear layer, r*E*(in+out) an [E, in, out]
-    expert parameter (peft gives each expert its rank-r pair), r*(in+out) a 2-d weight target."""
-    modules = dict(model.named_modules())
-    params = dict(model.named_parameters())
-    n = 0
-    for name in linear:
-        w = modules[name].weight
-        n += r * (w.shape[0] + w.shape[1])
-    for name in experts:
-        p = params[name]
-        n += (
-            r * p.shape[0] * (p.shape[1] + p.shape[2])
-            if p.ndim == 3
-            else r * (p.shape[0] + p.shape[1])
-        )
-    return n
-
-
-def _active(model: Any, config: Any, experts: list[str], total: int) -> int:
-    text = getattr(config, "get_text_config", lambda: config)()
-    k = getattr(text, "num_experts_per_tok", None) or getattr(text, "moe_topk", None)
-    params = dict(model.named_parameters())
-    expert_numel = sum(params[n].numel() for n in experts if params[n].ndim == 3)
-    n_experts = next((params[n].shape[0] for n in experts if params[n].ndim == 3), 0)
-    if not (k and n_experts and expert_numel):
-        return total
-    return total - expert_numel + expert_numel * int(k) // int(n_experts)
-
-
 def check_model(
     model: str, lora_r: int = 16, target_modules: Any = "all-linear", lora_moe: Any = None
 ) -> ModelReport:
@@ -156,9 +126,9 @@ def check_model(
         family=families.of_config(config),
         kind=kind,
         params=total,
-        active_params=_active(built, config, experts, total),
+        active_params=targets.active_numel(built, total),
         lora_r=lora_r,
-        lora_params=_lora_params(built, linear, experts, lora_r),
+        lora_params=targets.lora_numel(built, linear, experts, lora_r),
         lora_linear=linear,
         lora_experts=experts,
         left_out=t.left_out,

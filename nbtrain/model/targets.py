@@ -148,6 +148,59 @@ def _moe_parts(model: Any) -> dict[str, str]:
     return parts
 
 
+def routed_experts(model: Any) -> tuple[int, float]:
+    """(the parameters of the routed experts, the share of them one token uses: top-k / experts) of
+    an MoE model; (0, 1.0) for a dense one. The experts are the modules MoE blocks call `experts`:
+    transformers 5's fused [E, ...] parameters, or an older list of E expert MLPs; the router's top-k
+    is the config's `num_experts_per_tok` (or `moe_topk`)."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", lambda: config)()
+    k = getattr(text, "num_experts_per_tok", None) or getattr(text, "moe_topk", None)
+    modules = dict(_named_modules(model))
+    numel, n_experts = 0, 0
+    for name, part in _moe_parts(model).items():
+        experts = modules.get(name) if part == "experts" else None
+        if experts is None:
+            continue
+        own = [p for n, p in experts.named_parameters() if _PEFT_PARTS.isdisjoint(n.split("."))]
+        numel += sum(p.numel() for p in own)
+        fused = [p for p in own if p.ndim == 3]
+        n_experts = n_experts or (
+            int(fused[0].shape[0]) if fused else len(list(experts.children()))
+        )
+    if not (numel and n_experts and k):
+        return 0, 1.0
+    return numel, min(1.0, int(k) / n_experts)
+
+
+def lora_numel(model: Any, linear: list[str], experts: list[str], r: int) -> int:
+    """What peft's LoRA of rank r adds: r*(in+out) a linear layer, r*E*(in+out) an [E, in, out]
+    expert parameter (peft gives each expert its rank-r pair), r*(in+out) a 2-d weight target."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    n = 0
+    for name in linear:
+        w = modules[name].weight
+        n += r * (w.shape[0] + w.shape[1])
+    for name in experts:
+        p = params[name]
+        n += (
+            r * p.shape[0] * (p.shape[1] + p.shape[2])
+            if p.ndim == 3
+            else r * (p.shape[0] + p.shape[1])
+        )
+    return n
+
+
+def active_numel(model: Any, total: int | None = None) -> int:
+    """The parameters one token computes with: all of a dense model's; an MoE's without the routed
+    experts it is not sent to. `total`: the count to start from (default: every parameter)."""
+    if total is None:
+        total = sum(p.numel() for p in model.parameters())
+    routed, share = routed_experts(model)
+    return total - routed + round(routed * share)
+
+
 def _part_of(name: str, parts: dict[str, str]) -> str | None:
     for owner, part in parts.items():
         if name == owner or name.startswith(owner + "."):

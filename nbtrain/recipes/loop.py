@@ -27,7 +27,7 @@ from nbtrain.engine import metrics as live
 from nbtrain.engine.signals import interrupts
 from nbtrain.engine.signals.preempt import Preempted, Preemption
 from nbtrain.engine.signals.preempt import message as preempt_message
-from nbtrain.model import shard
+from nbtrain.model import shard, targets
 from nbtrain.recipes.span import drop_taken
 from nbtrain.runs import loss_unit, run_id_for
 from nbtrain.telemetry.report import Meter, flops_per_token, peak_flops
@@ -69,7 +69,9 @@ def begin(r: Any) -> None:
         # the peak of this run's training, not of the set-up's probes or an earlier cell's work
         torch.cuda.reset_peak_memory_stats(d.device)
     # LoRA training FLOPs, a 4-bit base counted at its logical shape, not its packed storage
-    token_flops = flops_per_token(r.peft_model)
+    # and on an MoE only the experts a token is routed to
+    routed, share = targets.routed_experts(r.peft_model)
+    token_flops = flops_per_token(r.peft_model, unrouted=routed - round(routed * share))
     peak = peak_flops(d.device) if r.compute_dtype is not None else None
     r.meter = Meter(
         d, r.spe, token_flops, peak, step_shift=r.span.shift, aux=r.router_aux is not None

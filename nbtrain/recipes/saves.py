@@ -135,5 +135,16 @@ def result(r: Any) -> TrainResult:
             "notes": r.notes,
             # (elements this rank holds, elements in all) of the frozen base: 1/N of it under fsdp
             "base_params_held": shard.local_numel(r.peft_model, trainable=False),
+            "params": params(r.peft_model),
         },
     )
+
+
+def params(model: Any) -> dict[str, int]:
+    """The model's parameters in all ("total"), those one token computes with ("active": on an MoE,
+    without the experts it is not routed to) and those trained ("trainable", the LoRA)."""
+    from nbtrain.model import targets
+
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"total": total, "active": targets.active_numel(model, total), "trainable": trainable}

@@ -54,14 +54,16 @@ def peak_bf16_flops(device_name: str) -> float | None:
     return None
 
 
-def flops_per_token(model: Any) -> float:
+def flops_per_token(model: Any, unrouted: int = 0) -> float:
     """Training FLOPs per token of a LoRA model, for MFU: 4N for the forward (2N) and the backward's
     activation gradients (2N), and 2 per trainable parameter for its weight gradients; frozen weights
-    need none. N counts a 4-bit base's logical weights, not its packed storage (`logical_numel`).
+    need none. N counts a 4-bit base's logical weights, not its packed storage (`logical_numel`), less
+    `unrouted`: an MoE's expert parameters a token is not routed to (`nbtrain.model.targets
+    .routed_experts`), so N is the active parameters. LoRA on the experts is counted whole.
     """
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return float(4 * logical_numel(model) + 2 * trainable)
+    return float(4 * (logical_numel(model) - unrouted) + 2 * trainable)
 
 
 def peak_flops(device: Any) -> float | None:

@@ -128,6 +128,7 @@ class ScalingReport:
             "",
             f"Machine: {self.machine}",
             "",
+            *_params_line(self.settings.get("params") or {}),
             f"**Verdict:** {self.verdict.line}",
             "",
             *[f"- {a}" for a in self.verdict.advice],
@@ -206,3 +207,24 @@ def _cell(key: str, row: dict[str, Any]) -> str:
     if isinstance(value, float):
         return f"{value:.4f}"
     return str(value)
+
+
+def _params_line(params: dict[str, int]) -> list[str]:
+    """The model's parameters as the report's second paragraph; nothing where they are not known."""
+    if not params.get("total"):
+        return []
+    total, active, trained = (
+        params["total"],
+        params.get("active", params["total"]),
+        params.get("trainable", 0),
+    )
+    per_token = (
+        ""
+        if active == total
+        else f", {active:,} of them per token (MoE: the routed experts at top-k)"
+    )
+    return [
+        f"Model: {total:,} parameters{per_token}; {trained:,} trained (LoRA), whose gradients the "
+        "all-reduce carries.",
+        "",
+    ]

@@ -306,6 +306,8 @@ def scaling(
             "sizes": sizes,
             "predict": wanted,
             "config": d,
+            # total, active (an MoE's routed experts at top-k of E) and trained parameters
+            "params": results[0]["plan"].get("params", {}) if results else {},
         },
         warnings=warnings,
     )

@@ -85,6 +85,16 @@ def test_scaling_report_on_ranks(cluster, tiny, tmp_path):
     ]
     data = json.loads((tmp_path / "rep" / "scaling.json").read_text())
     assert [r["ranks"] for r in data["rows"]] == [1, 2, 4, 8]
+    # the model's parameters: the base's own and the LoRA's, whose gradients the all-reduce carries
+    from transformers import AutoModelForCausalLM
+
+    params = data["settings"]["params"]
+    base = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny).parameters())
+    assert params["total"] - params["trainable"] == base
+    assert params["active"] == params["total"]  # dense
+    assert rows[1]["grad_bytes"] == 4 * params["trainable"]  # fp32 gradients
+    md = (tmp_path / "rep" / "scaling.md").read_text()
+    assert f"Model: {params['total']:,} parameters; {params['trainable']:,} trained" in md
     assert not (tmp_path / "user-run").exists()
     # the scratch folders were removed
     left = cluster.run(lambda: __import__("glob").glob("/tmp/nbtrain-scaling-*"), ranks=[0])[0]
