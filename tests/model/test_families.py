@@ -214,6 +214,41 @@ def test_greedy_generate_equals_transformers(models, family):
     assert list(df.tokens) == [len(ids) for ids in want]
 
 
+ATTENTION = ("self_attn", "linear_attn", "mamba")  # a decoder layer's mixer, by its own name
+MLP = ("mlp", "feed_forward", "shared_mlp")
+
+
+@pytest.mark.parametrize("flags", ["attn", "mlp", "unembed"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tinker_train_flags_choose_attention_mlp_or_head(models, family, flags):
+    """create_lora_training_client(train_attn=, train_mlp=, train_unembed=), one at a time: the LoRA
+    a plain peft model builds from by_role sits under each layer's mixer only, its MLP only (the
+    experts of an MoE, never the router), or on the output head only."""
+    from peft import LoraConfig, get_peft_model
+
+    from nbtrain.model.targets import by_role
+
+    model = _load(models[family])
+    routers = _routers(model)
+    t = by_role(model, flags == "attn", flags == "mlp", flags == "unembed")
+    cfg = LoraConfig(r=2, target_modules=t.modules, target_parameters=t.parameters or None)
+    adapted = _adapted(get_peft_model(model, cfg))
+    layer_parts = {n.split(".layers.0.")[1].split(".")[0] for n in adapted if ".layers.0." in n}
+    owners = {n for n, _ in model.named_modules() if n.endswith("layers.0")}
+    children = {c for o in owners for c, _ in model.get_submodule(o).named_children()}
+    if flags == "unembed":
+        assert adapted == {"lm_head"}, adapted
+        return
+    assert "lm_head" not in adapted
+    assert not any(n.endswith(tuple(routers)) for n in adapted if routers)
+    wanted = set(ATTENTION if flags == "attn" else MLP) & children
+    assert wanted and wanted <= layer_parts, (layer_parts, children)
+    other = set(MLP if flags == "attn" else ATTENTION)
+    assert not (layer_parts & other), layer_parts
+    if flags == "mlp" and family in MOE:
+        assert any(n.endswith(".experts") for n in adapted), adapted
+
+
 def _datum(n: int, seed: int) -> dict:
     import numpy as np
 
