@@ -105,6 +105,7 @@ venv-vllm: $(VLLM_STAMP)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider -rfEs --durations=10 --basetemp=/tmp/nbtrain-pytest-vllm \
 		tests/generation/test_vllm.py tests/generation/test_vllm_ranks.py tests/generation/test_vllm_versions.py \
+		tests/generation/test_vllm_families.py tests/generation/test_vllm_refusal.py \
 		tests/recipes/grpo/test_grpo_vllm.py tests/test_notebooks.py::test_preference_notebooks_vllm_section_runs
 
 # GRPO through vLLM on 2 simulated nodes: the test bed's namespaces and bridge have fixed names, so

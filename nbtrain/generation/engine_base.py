@@ -106,11 +106,27 @@ class Engine:
         ]
 
 
-def check_vllm(rank: int, host: str) -> None:
-    """Raise `EngineError` if vLLM is missing or its versions do not work together, before any model
-    loads (`nbtrain.engine.preflight.vllm_problem`)."""
+def check_vllm(
+    rank: int, host: str, model: str | None = None, device: Any = None, lora: bool = True
+) -> None:
+    """Raise `EngineError` before any model loads if engine="vllm" cannot serve `model` (with a LoRA
+    where `lora`) on `device` (on a CPU: a family vLLM's CPU build does not run, in
+    `nbtrain.model.families.VLLM_CPU_FAMILIES`), or if vLLM is missing or its versions do not work
+    together (`nbtrain.engine.preflight.vllm_problem`)."""
     from nbtrain.engine.preflight import vllm_problem
 
+    # the family first: where vLLM cannot run the model, installing it would not help
+    if model is not None and getattr(device, "type", str(device)) != "cuda":
+        from nbtrain.model.families import vllm_family_refusal
+        from nbtrain.model.pretrained import check_causal_lm
+
+        refusal = vllm_family_refusal(check_causal_lm(str(model)), lora)
+        if refusal:
+            msg = (
+                f'engine="vllm" on rank {rank} ({host}): {refusal}. Use engine="hf" '
+                "(transformers' generate, which runs every family), or a GPU with the vllm build"
+            )
+            raise EngineError(msg)
     problem = vllm_problem()
     if problem:
         msg = f'engine="vllm" on rank {rank} ({host}): {problem}'

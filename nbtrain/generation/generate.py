@@ -486,7 +486,9 @@ def generate(
                 raise ConfigError(msg)
         check_causal_lm(base)
         if engine == "vllm":  # before any model loads, on every rank
-            engines.check_vllm(d.rank, d.host)
+            engines.check_vllm(
+                d.rank, d.host, base, d.device, any(m.kind == "adapter" for m in models)
+            )
         if load_in_4bit:
             from nbtrain.model import quant
 

@@ -82,7 +82,7 @@ class VLLMEngine(Engine):
         host: str,
         options: VLLMOptions,
     ) -> None:
-        check_vllm(rank, host)  # before anything loads
+        check_vllm(rank, host, model_path, device, lora is not None)  # before anything loads
         self.model_path = model_path
         self.tokenizer, self.device, self.rank, self.host = tokenizer, device, rank, host
         self.options, self.lora_spec = options, lora

@@ -4,6 +4,7 @@ Each keeps what makes its family what it is: its layer types (sliding and full a
 attention, Mamba), head and KV layout, tied or untied embeddings, rope variant, fused projections
 (Phi-3), MLA (DeepSeek-V3), routed and shared experts. Only the sizes are tiny. `make_tiny_model(path,
 arch=FAMILY)` saves one with `save_pretrained`, so the real `from_pretrained` path is what runs.
+`VLLM_CPU_FAMILIES` says which families vLLM's CPU build runs, as found on these tiny models.
 
 In [1]: from nbtrain.model.families import FAMILIES
 In [2]: {name: f.kind for name, f in FAMILIES.items()}     # dense, hybrid or moe
@@ -183,4 +184,66 @@ def of_config(config: Any) -> str | None:
 
         if getattr(getattr(transformers, fam.config, None), "model_type", None) == model_type:
             return name
+    return None
+
+
+#: what vLLM's CPU build (vllm-cpu 0.32.0) does with each family of the model matrix
+#: (`FAMILIES`), found by running each family's tiny model through it: None, it loads
+#: them and its greedy tokens equal transformers' (tests/generation/test_vllm_families.py), base and
+#: LoRA; else why it cannot, and engine="vllm" on a CPU refuses the family before anything loads.
+#: A model of no family here is left to vLLM, which says at its start if it takes it.
+#: Found on the tiny models at head_dim 64 (the CPU attention refuses 16; a real model's 64-256 pass).
+_GDN = (
+    "its gated delta net (linear attention) layers' CPU kernel takes bfloat16 only (AssertionError: "
+    "CPU GDN attention requires BF16.), and engine='vllm' on a CPU computes in float32 as training does"
+)
+_NO_TORCHVISION = (
+    "vLLM's Qwen3.5 code imports its Qwen3-VL code, which needs torchvision, and no torchvision "
+    "build works with vllm-cpu's CPU torch (ModuleNotFoundError: No module named 'torchvision'); "
+    "past that, its gated delta net layers' CPU kernel takes bfloat16 only"
+)
+_MLA = (
+    "its CPU MLA attention takes bfloat16 only where the CPU has AMX (vLLM's default backend there; "
+    "in float32: RuntimeError: invalid weight input features), and its reference CPU MLA backend only "
+    "DeepSeek's full latent size (kv_lora_rank + qk_rope_head_dim = 576); engine='vllm' on a CPU "
+    "computes in float32 as training does"
+)
+VLLM_CPU_FAMILIES: dict[str, str | None] = {
+    "llama": None, "qwen2": None, "qwen3": None, "gemma3": None, "gemma4": None, "mistral": None,
+    "ministral3": None, "phi3": None, "olmo2": None, "olmo3": None, "smollm3": None,
+    "qwen3_5": _NO_TORCHVISION,
+    "granite4": None,
+    "qwen3_moe": None, "gpt_oss": None, "llama4": None,
+    "qwen3_next": _GDN,
+    "deepseek_v3": _MLA,
+}  # fmt: skip
+#: families whose base vLLM's CPU build runs, but not with a LoRA (GRPO, samples, adapters): why
+_MOE_LORA = (
+    "with a LoRA its MoE layers go through vLLM's Triton fused-MoE kernel, which the CPU build "
+    "cannot run (AttributeError: module 'triton.language' has no attribute 'float32')"
+)
+VLLM_CPU_LORA_REFUSED: dict[str, str] = {
+    "qwen3_moe": _MOE_LORA,
+    "gpt_oss": _MOE_LORA,
+    "llama4": _MOE_LORA,
+}
+VLLM_CPU_BUILD = "vllm-cpu 0.32.0"
+
+
+def vllm_family_refusal(config: Any, lora: bool) -> str | None:
+    """Why vLLM's CPU build cannot run a model with this transformers config (with a LoRA where
+    `lora`), from its family's entries in `VLLM_CPU_FAMILIES` and `VLLM_CPU_LORA_REFUSED`; None where
+    it can, or where nbtrain has not tried its family."""
+    name = of_config(config)
+    if name is None:
+        return None
+    what = f"{name} models ({type(config).__name__}, model_type {config.model_type!r})"
+    reason = VLLM_CPU_FAMILIES.get(name)
+    if reason is not None:
+        return f"vLLM's CPU build ({VLLM_CPU_BUILD}) cannot run {what}: {reason}"
+    if lora and name in VLLM_CPU_LORA_REFUSED:
+        return (
+            f"vLLM's CPU build ({VLLM_CPU_BUILD}) runs {what} without a LoRA, not with one: "
+            f"{VLLM_CPU_LORA_REFUSED[name]}"
+        )
     return None

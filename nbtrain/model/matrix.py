@@ -45,8 +45,35 @@ ELSEWHERE: dict[str, dict[str, str]] = {
         "llama4": f"tested, experts without LoRA; with it refused ({_FSDP})",
         "qwen3_moe": f"refused: one file entry per expert ({_FSDP})",
     },
-    "vLLM": {"qwen2": "tested (tests/generation/test_vllm*.py)"},
 }
+_VLLM_TEST = "tests/generation/test_vllm_families.py"
+#: the families tests/generation/test_vllm_families.py runs by default, one per distinct vLLM model
+#: class among those vLLM's CPU build takes (NBTRAIN_VLLM_ALL_FAMILIES=1 runs every one it takes)
+VLLM_TESTED = ("qwen3", "gemma3", "phi3", "granite4", "qwen3_moe", "gpt_oss")
+
+
+#: the vLLM column's few words for a family it refuses (the refusal says the whole reason)
+_VLLM_WHY = {
+    "qwen3_5": "vLLM's Qwen3.5 code needs torchvision, which no CPU torch build here has",
+    "qwen3_next": "its gated delta net CPU kernel takes bfloat16 only",
+    "deepseek_v3": "its MLA CPU kernels take bfloat16 (AMX) or the 576 latent size only",
+}
+
+
+def _vllm(name: str) -> str:
+    """The vLLM column: what vLLM's CPU build does with the family (`families.VLLM_CPU_FAMILIES`,
+    which engine='vllm' checks before the model loads) and the test that shows it."""
+    from nbtrain.model.families import VLLM_CPU_FAMILIES, VLLM_CPU_LORA_REFUSED
+
+    if name not in VLLM_CPU_FAMILIES:
+        return "not yet run"
+    refused = VLLM_CPU_FAMILIES[name]
+    if refused is not None:
+        return f"refused on a CPU: {_VLLM_WHY.get(name, 'see nbtrain/model/families.py')}"
+    where = _VLLM_TEST if name in VLLM_TESTED else f"{_VLLM_TEST} with NBTRAIN_VLLM_ALL_FAMILIES=1"
+    if name in VLLM_CPU_LORA_REFUSED:
+        return f"base tested ({where}); with a LoRA refused on a CPU"
+    return f"tested, base and LoRA ({where})"
 
 
 def _packing(name: str) -> str:
@@ -78,7 +105,7 @@ def _packing(name: str) -> str:
 
 
 def table() -> str:
-    columns = [*TESTED, *ELSEWHERE]
+    columns = [*TESTED, *ELSEWHERE, "vLLM"]
     lines = [
         "| family | kind | config class | " + " | ".join(columns) + " |",
         "|---|---|---|" + "---|" * len(columns),
@@ -89,6 +116,7 @@ def table() -> str:
             cells.append(_packing(name) if col == "packing" else "tested")
         for where in ELSEWHERE.values():
             cells.append(where.get(name, "not yet run"))
+        cells.append(_vllm(name))
         lines.append("| " + " | ".join(cell(c) for c in cells) + " |")
     return "\n".join(lines)
 

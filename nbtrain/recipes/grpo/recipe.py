@@ -179,7 +179,7 @@ class GRPORecipe(Recipe):
             # together, before any model loads
             from nbtrain.generation import engines
 
-            engines.check_vllm(get_rank(), self.d.host)
+            engines.check_vllm(get_rank(), self.d.host, self.model_name, self.d.device)
         return run_setup.check(self)
 
     def _rows(self, source: Any) -> Any:
