@@ -41,9 +41,9 @@ ELSEWHERE: dict[str, dict[str, str]] = {
         "llama": "tested (tests/model/test_shard.py)",
         "qwen3_5": f"tested ({_FSDP})",
         "granite4": f"tested ({_FSDP})",
-        "gpt_oss": f"tested, experts without LoRA; with it refused ({_FSDP})",
-        "llama4": f"tested, experts without LoRA; with it refused ({_FSDP})",
-        "qwen3_moe": f"refused: one file entry per expert ({_FSDP})",
+        "gpt_oss": f"tested, LoRA on the fused experts ({_FSDP})",
+        "llama4": f"tested, LoRA on the fused experts ({_FSDP})",
+        "qwen3_moe": f"tested, experts fused from one file entry each, with LoRA ({_FSDP})",
     },
 }
 _VLLM_TEST = "tests/generation/test_vllm_families.py"

@@ -14,8 +14,13 @@ QLoRA (`load_in_4bit`) follows the same steps with bitsandbytes' 4-bit layers in
 time, quantised on the rank's device (`quant.quantize_like`), and only this rank's rows of its packed
 words are kept.
 
-The LoRA init is replayed on the CPU, layer by layer, exactly as peft makes it, so a sharded run starts
-from the same adapter as a DDP run with the same seed.
+The LoRA init is caught as peft makes it on the CPU (before it moves it to the meta device), seeded as
+DDP seeds it, so a sharded run starts from the same adapter as a DDP run: LoRA on an MoE's fused experts
+(peft's parameter LoRA) included, which is exact under FSDP2 (tests/model/test_shard_families.py).
+
+The units: each decoder layer (the model's `_no_split_modules` class) is one `fully_shard` unit, whole,
+with its attention, router, experts and all their LoRA inside (no expert block is a unit of its own), and
+the root is one more.
 """
 
 from __future__ import annotations
@@ -137,31 +142,61 @@ def _params_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def _lora_init(model: Any, seed: int) -> dict[str, Any]:
-    """The LoRA weights peft would have made on a real model with this seed (it makes none on meta):
-    per LoRA layer in module order, nn.Linear A then B, then peft's own reset. Returns name -> tensor."""
+def _apply_lora(base: Any, cfg: Any, apply_lora: Any) -> tuple[Any, dict[str, Any]]:
+    """(`apply_lora(base, cfg)` seeded as DDP seeds it, the LoRA weights peft made on the way: name ->
+    tensor). peft draws each layer's A and B on the CPU (nn.Linear, then its own reset) and only then
+    moves them to the base's meta device, so they are caught in between, rounded to the dtype they are
+    moved in as DDP's are: DDP's adapter, in peft's own order (the linear layers first, then the
+    parameter LoRAs of fused experts as peft creates them, the nested one last)."""
     import torch
-    from peft.tuners.lora import LoraLayer
 
-    torch.manual_seed(seed)
-    full: dict[str, Any] = {}
+    torch.manual_seed(cfg.seed)
+    with _catching_lora_init() as caught:
+        model = apply_lora(base, cfg)
+    full = {}
     for name, layer in model.named_modules():
-        if not isinstance(layer, LoraLayer):
-            continue
-        for adapter in list(layer.lora_A):
-            # the shapes peft gave them on meta: [r, in] and [out, r] on a linear layer, r times the
-            # expert count on a parameter LoRA of fused experts
-            a_shape: Any = layer.lora_A[adapter].weight.shape
-            b_shape: Any = layer.lora_B[adapter].weight.shape
-            r, d_in, d_out = int(a_shape[0]), int(a_shape[1]), int(b_shape[0])
-            layer.lora_A[adapter] = torch.nn.Linear(d_in, r, bias=False)
-            layer.lora_B[adapter] = torch.nn.Linear(r, d_out, bias=False)
-            layer.reset_lora_parameters(adapter, True)
-            for part in ("lora_A", "lora_B"):
-                mod = getattr(layer, part)[adapter]
-                full[f"{name}.{part}.{adapter}.weight"] = mod.weight.detach().float().clone()
-                mod.to("meta")
-    return full
+        for key, value in caught.get(id(layer), (None, {}))[1].items():
+            full[f"{name}.{key}"] = value
+    return model, full
+
+
+@contextlib.contextmanager
+def _catching_lora_init() -> Iterator[dict[int, tuple[Any, dict[str, Any]]]]:
+    """id(layer) -> (layer, {"lora_A.<adapter>.weight": its initial value, ...}) for each LoRA layer
+    peft builds inside the block (held by reference, so no id is reused)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    caught: dict[int, tuple[Any, dict[str, Any]]] = {}
+    # the two definitions peft's LoRA layers use: a module LoRA's (BaseTunerLayer) and ParamWrapper's own
+    originals = {
+        cls: cls.__dict__["_move_adapter_to_device_of_base_layer"]
+        for cls in (BaseTunerLayer, ParamWrapper)
+    }
+
+    def catching(orig: Any) -> Any:
+        def move(self: Any, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+            before = {}
+            if isinstance(self, LoraLayer):
+                for part in ("lora_A", "lora_B"):
+                    mods = getattr(self, part)
+                    if adapter_name in mods and mods[adapter_name].weight.device.type != "meta":
+                        before[part] = mods[adapter_name].weight.detach().clone()
+            orig(self, adapter_name, *args, **kwargs)
+            seen = caught.setdefault(id(self), (self, {}))[1]
+            for part, value in before.items():
+                dtype = getattr(self, part)[adapter_name].weight.dtype
+                seen.setdefault(f"{part}.{adapter_name}.weight", value.to(dtype).float())
+
+        return move
+
+    for cls, orig in originals.items():
+        cls._move_adapter_to_device_of_base_layer = catching(orig)  # type: ignore[method-assign]
+    try:
+        yield caught
+    finally:
+        for cls, orig in originals.items():
+            cls._move_adapter_to_device_of_base_layer = orig  # type: ignore[method-assign]
 
 
 def _weight_files(model: str) -> list[Path]:
@@ -265,18 +300,7 @@ def build_sharded(
     elif cfg.gradient_checkpointing:
         enable_checkpointing(base)
     prepare(base)
-    model = apply_lora(base, cfg)
-    targets = model.peft_config["default"].target_parameters
-    if targets:
-        # tests/model/test_shard_families.py: GPT-OSS and Llama 4 give DDP's first loss, then
-        # differ from the second step on (a 5e-3 relative loss gap): not yet exact, so refused
-        msg = (
-            f"shard={cfg.shard!r} does not yet train LoRA on parameters exactly (here the fused "
-            f"experts: {', '.join(sorted({t.rsplit('.', 1)[-1] for t in targets}))}); use shard='ddp', "
-            "or lora_moe=[] to leave the experts out of the LoRA"
-        )
-        raise ConfigError(msg)
-    lora = _lora_init(model, cfg.seed)
+    model, lora = _apply_lora(base, cfg, apply_lora)
 
     # bf16 compute with fp32 LoRA masters and fp32 gradient reduction where the run computes in bf16;
     # plain fp32 (no casts at all) otherwise, so that a CPU run equals DDP to float32 rounding
@@ -348,6 +372,13 @@ def _load_weights(
                     del weight
                 else:
                     _fill(param, f.get_slice(key), via.get(target))
+    if want:
+        from nbtrain.model import expert_files
+
+        paths = _weight_files(source)
+        model_type = model.get_base_model().config.model_type
+        for name, src in expert_files.fused(model_type, paths, dict(want), inner_prefix):
+            _fill(want.pop(name), src, via.get(name))
     if want:
         shown = ", ".join(sorted(want)[:4])
         msg = (

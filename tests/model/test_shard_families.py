@@ -14,10 +14,12 @@ from tests.recipes.test_distributed import _kw, _losses, run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-#: the hybrids (linear attention, Mamba), and MoE families whose checkpoints hold the experts fused
-#: (GPT-OSS with sinks, Llama 4 with a shared expert) with the experts left out of the LoRA: FSDP2
-#: refuses LoRA on the fused experts for now (below)
-FAMILIES = ["qwen3_5", "granite4", "gpt_oss", "llama4"]
+#: the hybrids (linear attention, Mamba), MoE families whose checkpoints hold the experts fused
+#: (GPT-OSS with sinks, Llama 4 with a shared expert), and one whose checkpoint holds one entry per
+#: expert (Qwen3-MoE, fused on load as transformers does), with the default LoRA: on the fused
+#: experts too (peft's parameter LoRA, lora.ParamWrapper)
+FAMILIES = ["qwen3_5", "granite4", "gpt_oss", "llama4", "qwen3_moe"]
+MOE = ("gpt_oss", "llama4", "qwen3_moe")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -25,12 +27,10 @@ def test_fsdp_equals_ddp(family, tmp_path):
     from nbtrain.model.tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", arch=family)
+    if family == "qwen3_moe":  # the checkpoint really stores each expert apart
+        assert any(".experts.0.gate_proj." in k for k in _checkpoint_keys(model))
     runs = {
-        shard: run_ranks(
-            tmp_path,
-            2,
-            **_kw(model, tmp_path / shard, shard=shard, max_steps=3, lora_moe=["shared_experts"]),
-        )
+        shard: run_ranks(tmp_path, 2, **_kw(model, tmp_path / shard, shard=shard, max_steps=3))
         for shard in ("ddp", "fsdp")
     }
     hd, hf = runs["ddp"][0]["history"], runs["fsdp"][0]["history"]
@@ -42,33 +42,72 @@ def test_fsdp_equals_ddp(family, tmp_path):
     a_d = load_file(str(Path(runs["ddp"][0]["adapter_dir"]) / "adapter_model.safetensors"))
     assert a_f.keys() == a_d.keys()
     torch.testing.assert_close(a_f, a_d, atol=1e-4, rtol=1e-3)
+    if family in MOE:
+        # the fused experts' own LoRA (both of peft's nested ParamWrappers, A and B) trained, and equal
+        experts = [k for k in a_f if ".experts." in k]
+        assert len(experts) >= 4 and len(experts) % 4 == 0
+        assert all(a_f[k].abs().sum() > 0 for k in experts)
     if family == "llama4":
         assert any(".shared_expert." in k for k in a_f)
 
 
-def test_fsdp_refuses_lora_on_fused_experts_naming_the_fix(tmp_path):
+def _checkpoint_keys(model_dir):
+    from safetensors import safe_open
+
+    keys = []
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            keys += list(f.keys())
+    return keys
+
+
+def _build_sharded(model_dir, out):
+    from nbtrain.configs.sft import SFTConfig
+    from nbtrain.engine.dist import Dist
+    from nbtrain.model import shard
+
+    cfg = SFTConfig(**_kw(model_dir, out, shard="fsdp"))
+    d = Dist()
+    mesh = shard.make_mesh(d, "fsdp", None)
+    return shard.build_sharded(cfg, d, mesh, torch.float32, None, lambda base: None)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_fsdp_wraps_each_decoder_layer_whole_experts_inside(family, tmp_path):
+    """One fully_shard unit per decoder layer (attention, router, experts and their LoRA together)
+    and one for the root: no expert block is a unit of its own, so a layer's experts are gathered in
+    one all-gather and their LoRA gradients reduce-scattered with the layer's."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
     from nbtrain.model.tiny import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "model", arch="gpt_oss")
-    out = run_ranks(
-        tmp_path, 2, check=False, **_kw(model, tmp_path / "fsdp", shard="fsdp", max_steps=1)
-    )
-    assert all(r["rc"] != 0 for r in out)
-    assert "does not yet train LoRA on parameters exactly" in out[0]["output"]
-    assert "use shard='ddp', or lora_moe=[]" in out[0]["output"]
+    model = _build_sharded(make_tiny_model(tmp_path / "model", arch=family), tmp_path / "out")
+    inner = model.get_base_model()
+    units = {n for n, m in inner.named_modules() if isinstance(m, FSDPModule)}
+    assert units == {"", *(f"model.layers.{i}" for i in range(inner.config.num_hidden_layers))}
+    trained = [n for n, p in inner.named_parameters() if ".experts." in n and p.requires_grad]
+    # the experts' LoRA is there, and each piece of it is sharded in its layer's unit
+    assert trained
+    for name, param in inner.named_parameters():
+        if ".experts." in name:
+            assert isinstance(param, DTensor), name
+            assert name.startswith("model.layers.")
 
 
-def test_fsdp_on_a_checkpoint_with_one_file_entry_per_expert_is_refused_naming_ddp(tmp_path):
-    """Qwen3-MoE's checkpoints (as DeepSeek-V3's and Qwen3-Next's) store each expert apart; transformers
-    fuses them as it loads, which FSDP2's own loader does not do yet: refused, saying shard='ddp'."""
+def test_fsdp_on_a_checkpoint_missing_an_expert_is_refused_naming_ddp(tmp_path):
+    """A per-expert checkpoint that lacks one expert's entry cannot be fused: refused before any step,
+    naming the weights and shard='ddp' (which reports what transformers makes of it)."""
+    from safetensors.torch import save_file
+
+    from nbtrain.errors import ConfigError
     from nbtrain.model.tiny import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "model", arch="qwen3_moe")
-    out = run_ranks(
-        tmp_path, 2, check=False, **_kw(model, tmp_path / "fsdp", shard="fsdp", max_steps=1)
-    )
-    assert all(r["rc"] != 0 for r in out)
-    # peft itself adds the experts as parameter targets on this family's meta skeleton, so the
-    # parameter-LoRA refusal may come first; either way a ConfigError that says shard='ddp'
-    assert "nbtrain.errors.ConfigError" in out[0]["output"]
-    assert "shard='ddp'" in out[0]["output"].split("ConfigError", 1)[1]
+    model_dir = make_tiny_model(tmp_path / "model", arch="qwen3_moe")
+    (path,) = sorted(Path(model_dir).glob("*.safetensors"))
+    weights = load_file(str(path))
+    (gone,) = [k for k in weights if k.endswith("layers.0.mlp.experts.1.up_proj.weight")]
+    del weights[gone]
+    save_file(weights, str(path), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"experts\.gate_up_proj.*shard='ddp'"):
+        _build_sharded(model_dir, tmp_path / "out")
