@@ -148,6 +148,12 @@ def _paths(report: ModelReport, config: Any) -> dict[str, str]:
         )
     out["FSDP2"] = "shards each decoder layer whole (attention, experts and router together)"
     if report.kind == "moe":
+        # tests/model/test_shard_families.py: equal to DDP with the experts' LoRA, per-expert files fused
+        out["FSDP2"] += (
+            ", LoRA on the experts included; a checkpoint with one entry per expert is fused as it "
+            "loads, as transformers does"
+        )
+    if report.kind == "moe":
         out["QLoRA"] = (
             "4-bit linear layers only: bitsandbytes quantises nn.Linear, so the fused experts "
             "stay in the compute dtype"

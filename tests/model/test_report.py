@@ -62,6 +62,8 @@ def test_an_moe_counts_the_experts_a_token_uses(models):
     experts = sum(p.numel() for n, p in real.named_parameters() if ".experts." in n)
     assert report.active_params == report.params - experts // 2
     assert "router" in report.left_out and "lora_moe" in str(report)
+    # what tests/model/test_shard_families.py shows FSDP2 does on it
+    assert "LoRA on the experts included" in report.paths["FSDP2"]
 
 
 def test_hybrid_models_are_named_and_their_packing_refused(models):
