@@ -234,10 +234,17 @@ def serve(
     `watch()` names dead ranks (see `ClusterBackend`); `session_timeout` (s, 0: never) ends idle
     sessions, their models saved first.
 
-    One service at a time: a running one is stopped first."""
+    One service at a time: while one serves, another is refused (its clients keep their address
+    and key); stop it first."""
     global _current
-    if _current is not None:
-        _current.stop()
+    if _current is not None and not _current.stopped:
+        msg = (
+            f"a Tinker service is already serving at {_current.url} ({_current.backend.where}); "
+            "its clients would lose it. Stop it first with %nbtrain serve stop "
+            "(nbtrain.current_service().stop()), or keep using that base_url"
+        )
+        raise ConfigError(msg)
+    check_port(port)
     backend: Backend = (
         ClusterBackend(session, watch=watch) if session is not None else InProcessBackend()
     )
@@ -255,6 +262,13 @@ def serve(
     _export(service)
     _arm(service)
     return service
+
+
+def check_port(port: Any) -> None:
+    """A ConfigError unless `port` is a TCP port (0: a free one)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        msg = f"port={port!r} is not a TCP port: give 1-65535, or 0 for a free one"
+        raise ConfigError(msg)
 
 
 def _arm(service: TinkerService) -> None:

@@ -43,6 +43,9 @@ def test_serve_in_this_kernel_trains_through_the_sdk_and_stops(ip, tiny, clean_e
 
     with pytest.raises(nbtrain.ConfigError, match="api_key"):
         ip.run_line_magic("nbtrain", "serve tinker --host 0.0.0.0")
+    with pytest.raises(nbtrain.ConfigError, match="port=99999 is not a TCP port"):
+        ip.run_line_magic("nbtrain", "serve tinker --port 99999")
+    assert current_service() is None
     ip.run_line_magic("nbtrain", f"serve tinker --root {clean_env / 'svc'}")
     out = capsys.readouterr().out
     svc = current_service()
@@ -74,6 +77,11 @@ def test_serve_in_this_kernel_trains_through_the_sdk_and_stops(ip, tiny, clean_e
         capsys.readouterr()
         ip.run_line_magic("nbtrain", "status")
         assert f"{tc.model_id}  base {tiny}  LoRA rank 4  steps 1" in capsys.readouterr().out
+        # a second serve while this one serves is refused, naming it; this one serves on
+        with pytest.raises(nbtrain.ConfigError, match=f"already serving at {svc.url}.*serve stop"):
+            ip.run_line_magic("nbtrain", "serve tinker")
+        assert current_service() is svc and os.environ["TINKER_BASE_URL"] == svc.url
+        assert tc.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"] is not None
         sc.close("success").result()
     finally:
         ip.run_line_magic("nbtrain", "serve stop")
