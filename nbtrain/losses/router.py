@@ -31,8 +31,8 @@ from nbtrain.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def _text_config(model: Any) -> Any:
-    config = getattr(model, "config", None)
+def _text_config(config: Any) -> Any:
+    """The text part of a transformers config (a multimodal one's), or the config itself."""
     return getattr(config, "get_text_config", lambda: config)()
 
 
@@ -85,8 +85,8 @@ class RouterAux:
     ) -> tuple[RouterAux | None, str | None]:
         """(the router loss to add, or None; a note for the run's log, or None) for `model` and the
         `router_aux_loss_coef` setting (None: as the model's config says). Only SFT (`kind`) adds
-        it for now; a DPO or GRPO run on a model that asks gets a note."""
-        check(getattr(model, "config", None), setting, kind)
+        it for now; a DPO or GRPO run on a model that asks gets a note. What the config alone can
+        refuse, `check` refused before the model loaded (`nbtrain.recipes.run_setup.check`)."""
         aux, note = cls._plan(model, setting)
         if aux is None or kind == "sft":
             return aux, note
@@ -97,7 +97,7 @@ class RouterAux:
 
     @classmethod
     def _plan(cls, model: Any, setting: float | None) -> tuple[RouterAux | None, str | None]:
-        text = _text_config(model)
+        text = _text_config(getattr(model, "config", None))
         has_flag = hasattr(text, "output_router_logits")
         if setting is None:
             asked = bool(getattr(text, "output_router_logits", False))
@@ -131,7 +131,7 @@ def check(config: Any, setting: float | None, kind: str = "sft") -> None:
     that this model's config (a transformers config) has none of, or that this recipe does not add."""
     if setting is None or float(setting) == 0:
         return
-    text = getattr(config, "get_text_config", lambda: config)()
+    text = _text_config(config)
     if not hasattr(text, "output_router_logits"):
         msg = (
             f"router_aux_loss_coef={setting!r}: {type(text).__name__} is not an MoE with a router "

@@ -359,7 +359,8 @@ def _load_weights(
         key = ".".join(p for p in name.removeprefix(prefix).split(".") if p != "base_layer")
         want[key] = param
     inner_prefix = getattr(model.get_base_model(), "base_model_prefix", "model") + "."
-    for path in _weight_files(source):
+    paths = _weight_files(source)
+    for path in paths:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 target = key if key in want else inner_prefix + key
@@ -375,7 +376,6 @@ def _load_weights(
     if want:
         from nbtrain.model import expert_files
 
-        paths = _weight_files(source)
         model_type = model.get_base_model().config.model_type
         for name, src in expert_files.fused(model_type, paths, dict(want), inner_prefix):
             _fill(want.pop(name), src, via.get(name))
