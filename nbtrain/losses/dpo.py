@@ -32,33 +32,6 @@ METRICS = (
 )
 
 
-def _token_logps(hidden: Any, weight: Any, bias: Any, labels: Any, softcap: Any) -> Any:
-    """log p(labels[i]) under softmax(hidden[i] @ weight.T + bias), in fp32, a chunk at a time."""
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    from nbtrain.losses.sft import default_chunk_size
-
-    def chunk(h: Any, y: Any) -> Any:
-        logits = h @ weight.t().to(h.dtype)
-        if bias is not None:
-            logits = logits + bias.to(h.dtype)
-        logits = logits.float()
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        return torch.log_softmax(logits, dim=-1).gather(1, y.unsqueeze(1)).squeeze(1)
-
-    size = default_chunk_size(weight.shape[0])
-    parts = []
-    for start in range(0, hidden.shape[0], size):
-        h, y = hidden[start : start + size], labels[start : start + size]
-        if torch.is_grad_enabled() and h.requires_grad:
-            parts.append(checkpoint(chunk, h, y, use_reentrant=False))
-        else:
-            parts.append(chunk(h, y))
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
-
-
 def sequence_logps(model: Any, batch: dict[str, Any], autocast: Any, fused: bool) -> Any:
     """Each row's summed log-probability of its completion tokens (fp32, [rows]).
 
@@ -67,7 +40,7 @@ def sequence_logps(model: Any, batch: dict[str, Any], autocast: Any, fused: bool
     """
     import torch
 
-    from nbtrain.losses.sft import last_hidden_states, model_inputs
+    from nbtrain.losses.sft import chunked_token_logps, last_hidden_states, model_inputs
 
     ids, completion = batch["input_ids"], batch["completion_mask"]
     rows, width = ids.shape
@@ -79,7 +52,7 @@ def sequence_logps(model: Any, batch: dict[str, Any], autocast: Any, fused: bool
         hidden, head, softcap = last_hidden_states(model, batch, autocast)
         flat = hidden.reshape(-1, hidden.shape[-1])
         with autocast():
-            per_token = _token_logps(
+            per_token = chunked_token_logps(
                 flat.index_select(0, where),
                 head.weight,
                 head.bias,

@@ -69,14 +69,38 @@ def advantages(
     return torch.nan_to_num(adv, nan=0.0), rewards
 
 
-def token_logps(model: Any, batch: dict[str, Any], autocast: Any, temperature: float) -> Any:
+def token_logps(
+    model: Any, batch: dict[str, Any], autocast: Any, temperature: float, fused: bool = False
+) -> Any:
     """log p(completion token | what comes before) under `model` ([rows, C], fp32), the logits divided
-    by `temperature` as TRL does; `batch` holds left-padded prompts and right-padded completions."""
+    by `temperature` as TRL does; `batch` holds left-padded prompts and right-padded completions.
+
+    `fused` (a model `nbtrain.losses.sft.fused_loss_supported` passes): from the last hidden states
+    and the lm_head a chunk of tokens at a time, so the [rows, C, vocab] logits never exist at once
+    (at Qwen3's 151,936 vocab, 8 rows of 256 tokens would be 1.2 GiB of fp32)."""
     import torch
+
+    from nbtrain.losses.sft import chunked_token_logps, last_hidden_states
 
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    width = batch["completion_ids"].shape[1]
+    rows, width = batch["completion_ids"].shape
+    if fused:
+        hidden, head, softcap = last_hidden_states(
+            model, {"input_ids": ids, "attention_mask": mask}, autocast
+        )
+        # position t predicts token t + 1: the states before each completion token
+        states = hidden[:, -width - 1 : -1].reshape(-1, hidden.shape[-1])
+        with autocast():
+            flat = chunked_token_logps(
+                states,
+                head.weight,
+                head.bias,
+                batch["completion_ids"].reshape(-1),
+                softcap,
+                temperature,
+            )
+        return flat.view(rows, width)
     with autocast():
         # only the logits that predict a completion token (and one more), never the prompt's
         logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=width + 1).logits

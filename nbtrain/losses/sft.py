@@ -442,6 +442,39 @@ def last_hidden_states(model: Any, batch: dict[str, Any], autocast: Any) -> tupl
     return hidden, head, softcap
 
 
+def chunked_token_logps(
+    hidden: Any, weight: Any, bias: Any, labels: Any, softcap: Any, temperature: float = 1.0
+) -> Any:
+    """log p(labels[i]) under softmax((hidden[i] @ weight.T + bias) / temperature), fp32, [N].
+
+    A chunk of rows at a time, each chunk's logits recomputed in backward (`torch.utils.checkpoint`),
+    so only one chunk's [rows, vocab] logits exist at once (DPO's sequence and GRPO's token
+    log-probabilities). `softcap` is applied before the temperature, as the model's own logits are."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    def chunk(h: Any, y: Any) -> Any:
+        logits = h @ weight.t().to(h.dtype)
+        if bias is not None:
+            logits = logits + bias.to(h.dtype)
+        logits = logits.float()
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        if temperature != 1.0:
+            logits = logits / temperature
+        return torch.log_softmax(logits, dim=-1).gather(1, y.unsqueeze(1)).squeeze(1)
+
+    size = default_chunk_size(weight.shape[0])
+    parts = []
+    for start in range(0, hidden.shape[0], size):
+        h, y = hidden[start : start + size], labels[start : start + size]
+        if torch.is_grad_enabled() and h.requires_grad:
+            parts.append(checkpoint(chunk, h, y, use_reentrant=False))
+        else:
+            parts.append(chunk(h, y))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
 def causal_lm_loss_sum(
     model: Any, batch: dict[str, Any], autocast: Any, impl: LossFn, aux: Any = None
 ) -> Any:

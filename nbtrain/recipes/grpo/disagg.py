@@ -233,7 +233,11 @@ class Disaggregated:
                 batch = {k: v.to(r.d.device) for k, v in batch.items()}
                 with torch.no_grad():
                     lp = grpo_loss.token_logps(
-                        r.peft_model, batch, r.autocast, r.loss_settings.temperature
+                        r.peft_model,
+                        batch,
+                        r.autocast,
+                        r.loss_settings.temperature,
+                        r.loss_fn is not None,
                     )
                 out += [lp[i, : len(c)].tolist() for i, c in enumerate(part.completion_ids[sl])]
         finally:

@@ -383,6 +383,8 @@ class GRPORecipe(Recipe):
         B, GA = plan.micro_batch, plan.grad_accum
         pad = self.tokenizer.pad_token_id
         model = self.model
+        # from the hidden states a chunk at a time where the model allows (never [rows, C, vocab])
+        fused = self.loss_fn is not None
         for a in range(GA):
             lo, hi = start + a * B, min(start + (a + 1) * B, end)
             rows = flat[lo:hi]
@@ -403,11 +405,11 @@ class GRPORecipe(Recipe):
             if self.loss_settings.beta != 0.0:
                 with torch.no_grad(), self.peft_model.disable_adapter():
                     ref = grpo_loss.token_logps(
-                        self.peft_model, batch, self.autocast, self.loss_settings.temperature
+                        self.peft_model, batch, self.autocast, self.loss_settings.temperature, fused
                     )
             with loop.synced(self, a):
                 logps = grpo_loss.token_logps(
-                    model, batch, self.autocast, self.loss_settings.temperature
+                    model, batch, self.autocast, self.loss_settings.temperature, fused
                 )
                 loss, sums = grpo_loss.policy_loss(
                     logps,
